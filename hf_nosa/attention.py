@@ -1,0 +1,98 @@
+"""The NOSA attention shared by every model family: eviction head, then attention over what the cache hands back."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .cache import AttentionInputs, NosaCache
+from .config import NosaConfig
+from .masks import additive_mask
+from .selection import MASK_VALUE, eviction_bias, nosa_token_mask
+
+# Query rows per chunk in the torch attention, so that long prefills never hold all logits at once.
+_QUERY_CHUNK = 1024
+
+
+class EvictionHead(nn.Module):
+    """``b = A * softplus(delta(v))``: one query-agnostic score per token and KV head (design Sec. 3.1).
+
+    ``delta`` reads the values of all KV heads concatenated (``Hk * D -> Hk``); ``A`` starts at zero so a freshly
+    converted model is exactly the original one.
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, device=None, dtype=None):
+        super().__init__()
+        self.delta = nn.Linear(kv_heads * head_dim, kv_heads, device=device, dtype=dtype)
+        self.A = nn.Parameter(torch.zeros(kv_heads, device=device, dtype=dtype))
+
+    def forward(self, value_flat: torch.Tensor) -> torch.Tensor:
+        """``[B, T, Hk * D]`` -> ``[B, Hk, T]`` float32."""
+        return eviction_bias(value_flat, self.delta.weight, self.delta.bias, self.A)
+
+
+def attend(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.Tensor:
+    """``softmax(q . k * scale + bias) . v`` with GQA; each KV head is read once for its whole group.
+
+    Args:
+        query: ``[B, H, Tq, D]``.
+        inputs: keys/values ``[B, Hk, S, D]``, key_bias ``[B, Hk, S]``, optional additive mask
+            ``[B or 1, 1 or Hk, Tq, S]``.
+
+    Returns:
+        ``[B, H, Tq, D]`` in the query's dtype; fp32 accumulation.
+    """
+    B, H, Tq, D = query.shape
+    keys, values = inputs.keys.float(), inputs.values.float()
+    Hk, S = keys.shape[1], keys.shape[2]
+    G = H // Hk
+    q = query.float().view(B, Hk, G, Tq, D)
+    out = torch.empty(B, Hk, G, Tq, D, dtype=torch.float32, device=query.device)
+    for lo in range(0, Tq, _QUERY_CHUNK):
+        hi = min(Tq, lo + _QUERY_CHUNK)
+        logits = torch.einsum("bkgtd,bksd->bkgts", q[:, :, :, lo:hi], keys) * scale
+        logits = logits + inputs.key_bias.float()[:, :, None, None, :]
+        if inputs.attn_mask is not None:
+            logits = logits + inputs.attn_mask[:, :, None, lo:hi, :]
+        elif inputs.causal:
+            logits = logits + additive_mask(None, hi - lo, S, inputs.q_offset + lo, query.device)[:, :, None]
+        out[:, :, :, lo:hi] = torch.einsum("bkgts,bksd->bkgtd", torch.softmax(logits, dim=-1), values)
+    return out.view(B, H, Tq, D).to(query.dtype)
+
+
+def nosa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    value_flat: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    cache,
+) -> torch.Tensor:
+    """NOSA attention of one layer, after RoPE. Returns ``[B, H, Tq, D]``.
+
+    With a NosaCache the cache decides what is attended (decode: the selected blocks; prefill: per its mode).
+    With any other cache (or none), the keys are complete: full attention plus the eviction bias, or the
+    decode rule applied per token when the model's NosaConfig says ``prefill="nosa"`` and there is no cache
+    (the training attention).
+    """
+    bias = module.eviction_head(value_flat)  # [B, Hk, Tq]
+    if isinstance(cache, NosaCache):
+        inputs = cache.update(
+            key, value, module.layer_idx, query=query, bias=bias, attention_mask=attention_mask, scaling=module.scaling
+        )
+        return attend(query, inputs, module.scaling)
+
+    q_offset = 0
+    if cache is not None:
+        q_offset = cache.get_seq_length(module.layer_idx)
+        key, value = cache.update(key, value, module.layer_idx)
+        # A plain cache keeps no eviction scores; they are a function of the values, so recompute them.
+        bias = module.eviction_head(value.transpose(1, 2).flatten(2))
+    Tq, T = query.shape[2], key.shape[2]
+    mask = additive_mask(attention_mask, Tq, T, q_offset, query.device)
+    cfg: NosaConfig = module.nosa_config
+    if cache is None and cfg.prefill == "nosa":
+        allowed = nosa_token_mask(query, key, bias, q_offset, cfg, module.scaling)
+        mask = mask + torch.where(allowed, 0.0, MASK_VALUE)
+    return attend(query, AttentionInputs(key, value, bias, mask, q_offset, causal=False), module.scaling)

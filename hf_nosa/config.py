@@ -1,0 +1,156 @@
+"""NosaConfig: every knob of NOSA decoding and QUOKA prefill, validated and serialised into config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+PREFILL_MODES = ("dense", "nosa", "quoka")
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+@dataclass
+class NosaConfig:
+    """How NOSA selects and offloads KV blocks.
+
+    Token counts are converted to blocks of ``block_size`` tokens. At each decode step a sequence attends to
+    ``budget_tokens`` worth of blocks plus the block being written: the sink blocks, the local window, the
+    ``query_tokens`` chosen by the current query (query-aware) and the rest chosen by the eviction head.
+
+    Example:
+        >>> cfg = NosaConfig(budget_tokens=2048, local_tokens=512)
+        >>> cfg.budget_blocks
+        32
+    """
+
+    block_size: int = 64
+    budget_tokens: int = 4096
+    query_tokens: int = 1024
+    sink_tokens: int = 64
+    local_tokens: int = 1024
+    compress_kernel: int = 32
+    compress_stride: int = 16
+    prefill: str = "dense"
+    offload: bool = True
+    prefill_chunk_size: int = 512
+    quoka_queries: int = 16
+    prefill_budget_tokens: int | None = None
+
+    def __post_init__(self):
+        def fail(name: str, rule: str, fix: str = ""):
+            value = getattr(self, name)
+            message = f"NosaConfig.{name}={value!r} is invalid: {rule}."
+            raise ValueError(message + (f" {fix}" if fix else ""))
+
+        int_fields = (
+            "block_size",
+            "budget_tokens",
+            "query_tokens",
+            "sink_tokens",
+            "local_tokens",
+            "compress_kernel",
+            "compress_stride",
+            "prefill_chunk_size",
+            "quoka_queries",
+        )
+        for name in int_fields:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                fail(name, "it must be an integer")
+        if not isinstance(self.offload, bool):
+            fail("offload", "it must be True or False")
+        if not _is_power_of_two(self.block_size):
+            fail("block_size", "it must be a power of two (the paper uses 64)")
+        for name in ("budget_tokens", "query_tokens", "sink_tokens", "local_tokens", "prefill_chunk_size"):
+            value = getattr(self, name)
+            if value < 0 or value % self.block_size:
+                fail(name, f"it must be a non-negative multiple of block_size={self.block_size}")
+        if self.budget_tokens == 0:
+            fail("budget_tokens", "it must be at least one block")
+        if self.prefill_chunk_size == 0:
+            fail("prefill_chunk_size", "it must be at least one block")
+        needed = self.sink_tokens + self.local_tokens + self.query_tokens
+        if self.budget_tokens < needed:
+            fail(
+                "budget_tokens",
+                f"it must cover sink_tokens + local_tokens + query_tokens = {self.sink_tokens} + "
+                f"{self.local_tokens} + {self.query_tokens} = {needed}",
+                "Raise budget_tokens or lower one of the three.",
+            )
+        if not _is_power_of_two(self.compress_stride):
+            fail("compress_stride", "it must be a power of two")
+        if self.compress_kernel < self.compress_stride or self.compress_kernel % self.compress_stride:
+            fail("compress_kernel", f"it must be a multiple of compress_stride={self.compress_stride}")
+        if self.compress_kernel > self.block_size:
+            fail("compress_kernel", f"it must not exceed block_size={self.block_size}")
+        if self.prefill not in PREFILL_MODES:
+            fail("prefill", f"allowed values are {PREFILL_MODES}")
+        if self.quoka_queries < 1:
+            fail("quoka_queries", "it must be at least 1")
+        if self.prefill_budget_tokens is not None:
+            if isinstance(self.prefill_budget_tokens, bool) or not isinstance(self.prefill_budget_tokens, int):
+                fail("prefill_budget_tokens", "it must be an integer or None")
+            if self.prefill_budget_tokens <= 0 or self.prefill_budget_tokens % self.block_size:
+                fail("prefill_budget_tokens", f"it must be a positive multiple of block_size={self.block_size}")
+            if self.prefill_budget_tokens < self.sink_tokens + self.local_tokens:
+                fail("prefill_budget_tokens", "it must cover sink_tokens + local_tokens")
+
+    # Blocks, the unit every rule works in.
+    @property
+    def budget_blocks(self) -> int:
+        return self.budget_tokens // self.block_size
+
+    @property
+    def query_blocks(self) -> int:
+        return self.query_tokens // self.block_size
+
+    @property
+    def sink_blocks(self) -> int:
+        return self.sink_tokens // self.block_size
+
+    @property
+    def local_blocks(self) -> int:
+        return self.local_tokens // self.block_size
+
+    @property
+    def prefill_budget_blocks(self) -> int:
+        tokens = self.prefill_budget_tokens if self.prefill_budget_tokens is not None else self.budget_tokens
+        return tokens // self.block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, **overrides: Any) -> "NosaConfig":
+        """Build from a config.json "nosa" section; unknown keys are an error, never ignored."""
+        merged = dict(data or {})
+        merged.update(overrides)
+        unknown = sorted(set(merged) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"Unknown NosaConfig field(s) {unknown}; allowed fields are {list(cls.field_names())}.")
+        return cls(**merged)
+
+    def replace(self, **overrides: Any) -> "NosaConfig":
+        """A copy with some fields changed (validated like the original)."""
+        return NosaConfig.from_dict(self.to_dict(), **overrides)
+
+    @classmethod
+    def from_model_config(cls, config: Any, nosa_config: "NosaConfig | None" = None) -> "NosaConfig":
+        """The NosaConfig of a model: the explicit one, else its config.json "nosa" section, else the defaults."""
+        if nosa_config is not None:
+            if not isinstance(nosa_config, NosaConfig):
+                raise TypeError(f"nosa_config must be a NosaConfig, got {type(nosa_config).__name__}")
+            return nosa_config
+        section = getattr(config, "nosa", None)
+        if isinstance(section, NosaConfig):
+            return section
+        return cls.from_dict(section)
+

@@ -1,0 +1,99 @@
+"""Per-family NOSA attention classes and ``to_nosa``, which converts a loaded model in place."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+from ..attention import EvictionHead
+from ..config import NosaConfig
+from . import llama, qwen2, qwen3
+from .base import NosaAttentionMixin
+
+FAMILIES = {
+    "llama": llama,
+    "qwen2": qwen2,
+    "qwen3": qwen3,
+}
+SUPPORTED_ATTENTION = ("eager", "sdpa")
+
+
+def family_of(model: nn.Module) -> str:
+    """The NOSA family of a model instance ("llama", "qwen2", "qwen3"), or a TypeError listing the supported ones."""
+    for name, binding in FAMILIES.items():
+        if isinstance(model, binding.MODEL_CLASS):
+            return name
+    supported = ", ".join(binding.MODEL_CLASS.__name__ for binding in FAMILIES.values())
+    raise TypeError(f"hf_nosa supports {supported}; got {type(model).__name__}.")
+
+
+def _convert_attention(attn: nn.Module, attention_class: type, cfg: NosaConfig) -> None:
+    if not isinstance(attn, NosaAttentionMixin):
+        weight = attn.v_proj.weight
+        if weight.device.type == "meta":
+            raise ValueError(
+                f"layer {attn.layer_idx}: its weights are offloaded (on the meta device); NOSA needs every attention "
+                "layer's weights on a real device. Load with a device_map that keeps attention on GPU or CPU."
+            )
+        kv_heads = attn.config.num_key_value_heads
+        attn.__class__ = attention_class
+        attn.eviction_head = EvictionHead(kv_heads, attn.head_dim, device=weight.device, dtype=weight.dtype)
+        # accelerate's hooks call the forward they wrapped: point them at the NOSA forward.
+        if hasattr(attn, "_old_forward"):
+            attn._old_forward = types.MethodType(attention_class.forward, attn)
+    attn.nosa_config = cfg
+
+
+def to_nosa(model: nn.Module, nosa_config: NosaConfig | None = None) -> nn.Module:
+    """Convert a loaded Llama / Qwen2 / Qwen3 causal LM to NOSA attention, in place, and return it.
+
+    Each attention module keeps its parameters (and their names) and gains ``eviction_head`` (``delta``:
+    Linear Hk * D -> Hk, ``A``: zeros), so the converted model computes exactly what it did before until ``A``
+    is trained. The NosaConfig is stored in ``model.config.nosa``.
+
+    Args:
+        model: a ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (CPU, GPU, or dispatched by
+            accelerate), possibly already converted (then only the config is updated).
+        nosa_config: defaults to the model's "nosa" config section, else ``NosaConfig()``.
+    """
+    family = family_of(model)
+    cfg = NosaConfig.from_model_config(model.config, nosa_config)
+    attn_impl = getattr(model.config, "_attn_implementation", None) or "eager"
+    if attn_impl not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"attn_implementation={attn_impl!r} is not supported by NOSA attention; allowed values are "
+            f"{SUPPORTED_ATTENTION}. Load the model with attn_implementation='sdpa'."
+        )
+    layer_types = getattr(model.config, "layer_types", None) or []
+    sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+    if sliding:
+        raise ValueError(
+            f"layers {sliding} use {layer_types[sliding[0]]!r}; NOSA converts full-attention layers only "
+            "(set use_sliding_window=False)."
+        )
+    attention_class = FAMILIES[family].ATTENTION_CLASS
+    for layer in model.model.layers:
+        _convert_attention(layer.self_attn, attention_class, cfg)
+    model.config.nosa = cfg.to_dict()
+    return model
+
+
+def eviction_heads(model: nn.Module) -> dict[int, EvictionHead]:
+    """The eviction head of every converted layer, by layer index."""
+    return {
+        i: layer.self_attn.eviction_head
+        for i, layer in enumerate(model.model.layers)
+        if hasattr(layer.self_attn, "eviction_head")
+    }
+
+
+@torch.no_grad()
+def randomize_eviction_heads(model: nn.Module, scale: float = 1.0, generator: torch.Generator | None = None):
+    """Give every eviction head a random nonzero ``A`` (and ``delta``): for tests and benchmarks of the selection."""
+    for head in eviction_heads(model).values():
+        for param in (head.delta.weight, head.delta.bias, head.A):
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            param.copy_((noise * scale).to(param.dtype))
+    return model

@@ -1,0 +1,246 @@
+"""The NOSA selection rules in plain torch: the specification in code.
+
+Every rule is a small function over whole batches; the cache, the training attention and the Triton kernels
+are all held against these. Shapes use one alphabet: B batch, H query heads, Hk KV heads, G = H / Hk,
+D head dim, T tokens, Tq query tokens, P block size, N blocks, W compressed windows, K budget blocks.
+
+Section numbers refer to hf-nosa's design notes (NOSA paper, Sec. 3: eviction head, compressed keys,
+query-aware score, selection, locality).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .config import NosaConfig
+
+# Large but finite, so that fully masked rows stay finite (as transformers' eager masks do) and sums of a few
+# masks cannot overflow fp32.
+MASK_VALUE = -1e30
+
+
+def eviction_bias(value_flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor):
+    """Eviction-head score b[j, h] = A[h] * softplus(delta(v_j))[h] (design Sec. 3.1).
+
+    Args:
+        value_flat: ``[B, T, Hk * D]`` value vectors of all KV heads, concatenated (the v_proj output).
+        weight, bias: the ``delta`` Linear (Hk * D -> Hk).
+        A: ``[Hk]`` per-head scale; zeros make the bias vanish, which is the identity with full attention.
+
+    Returns:
+        ``[B, Hk, T]`` float32. A higher score keeps the token's block on the device longer and adds to its
+        attention logit.
+    """
+    logits = F.linear(value_flat.to(weight.dtype), weight, bias)  # [B, T, Hk]
+    return (A.float() * F.softplus(logits.float())).transpose(1, 2)
+
+
+def num_windows(n_tokens: int, cfg: NosaConfig) -> int:
+    """Number of full compression windows over the first ``n_tokens`` tokens."""
+    if n_tokens < cfg.compress_kernel:
+        return 0
+    return (n_tokens - cfg.compress_kernel) // cfg.compress_stride + 1
+
+
+def compress_keys(x: torch.Tensor, cfg: NosaConfig) -> torch.Tensor:
+    """Mean over windows of ``compress_kernel`` tokens with stride ``compress_stride``; full windows only (Sec. 3.2).
+
+    Args:
+        x: ``[B, Hk, T, D]`` post-RoPE keys, or ``[B, Hk, T]`` eviction scores.
+
+    Returns:
+        ``[B, Hk, W, D]`` (or ``[B, Hk, W]``) with ``W = num_windows(T)``.
+    """
+    squeeze = x.dim() == 3
+    if squeeze:
+        x = x.unsqueeze(-1)
+    w = num_windows(x.shape[2], cfg)
+    if w == 0:
+        out = x.new_zeros(*x.shape[:2], 0, x.shape[-1])
+    else:
+        windows = x.unfold(2, cfg.compress_kernel, cfg.compress_stride)  # [B, Hk, W, D, kernel]
+        out = windows.float().mean(-1).to(x.dtype)
+    return out.squeeze(-1) if squeeze else out
+
+
+def window_offsets(cfg: NosaConfig, device=None) -> tuple[int, torch.Tensor]:
+    """Windows overlapping block b are ``b * P / stride + offsets`` (for P=64, kernel 32, stride 16: 4b-1 .. 4b+3)."""
+    s = cfg.compress_stride
+    first = -(cfg.compress_kernel // s) + 1
+    last = cfg.block_size // s - 1
+    return cfg.block_size // s, torch.arange(first, last + 1, device=device)
+
+
+def pool_windows_to_blocks(window_scores: torch.Tensor, n_blocks: int, cfg: NosaConfig, fill: float) -> torch.Tensor:
+    """Per block, the max over the windows that overlap it (Sec. 3.3, second pooling stage).
+
+    Args:
+        window_scores: ``[..., W]``; windows that do not exist yet must already hold ``fill``.
+        fill: value for blocks' missing windows (0 for probabilities, -inf for eviction scores).
+
+    Returns:
+        ``[..., N]``.
+    """
+    per_block, offsets = window_offsets(cfg, window_scores.device)
+    W = window_scores.shape[-1]
+    index = torch.arange(n_blocks, device=window_scores.device)[:, None] * per_block + offsets  # [N, m]
+    outside = (index < 0) | (index >= W)
+    padded = F.pad(window_scores, (0, 1), value=fill)  # column W holds `fill`
+    index = torch.where(outside, torch.full_like(index, W), index)
+    gathered = padded[..., index.flatten()].unflatten(-1, index.shape)  # [..., N, m]
+    return gathered.amax(-1)
+
+
+def windows_available(positions: torch.Tensor, cfg: NosaConfig) -> torch.Tensor:
+    """For query tokens at ``positions`` ([Tq]), how many windows are complete: ``[Tq]`` long."""
+    n = (positions + 1 - cfg.compress_kernel).div(cfg.compress_stride, rounding_mode="floor") + 1
+    return n.clamp(min=0)
+
+
+def query_block_scores(
+    query: torch.Tensor,
+    compressed_keys: torch.Tensor,
+    positions: torch.Tensor,
+    n_blocks: int,
+    cfg: NosaConfig,
+    scale: float,
+) -> torch.Tensor:
+    """Query-aware block score (Sec. 3.3).
+
+    Per query head, softmax over the complete windows of ``q . k~ * scale``; summed over the heads of each GQA
+    group; per block, max over the windows that overlap it. Higher means the query attends more to the block.
+
+    Args:
+        query: ``[B, H, Tq, D]``.
+        compressed_keys: ``[B, Hk, W, D]``.
+        positions: ``[Tq]`` cache index of each query token (windows complete at that token are used).
+
+    Returns:
+        ``[B, Hk, Tq, N]`` float32, in ``[0, G]``.
+    """
+    B, H, Tq, D = query.shape
+    Hk, W = compressed_keys.shape[1], compressed_keys.shape[2]
+    G = H // Hk
+    q = query.float().view(B, Hk, G, Tq, D)
+    logits = torch.einsum("bkgtd,bkwd->bkgtw", q, compressed_keys.float()) * scale  # [B, Hk, G, Tq, W]
+    available = torch.arange(W, device=query.device) < windows_available(positions, cfg)[:, None]  # [Tq, W]
+    logits = logits.masked_fill(~available, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)  # [B, Hk, Tq, W]
+    return pool_windows_to_blocks(probs, n_blocks, cfg, fill=0.0)
+
+
+def eviction_block_scores(
+    compressed_bias: torch.Tensor, positions: torch.Tensor, n_blocks: int, cfg: NosaConfig
+) -> torch.Tensor:
+    """Query-agnostic block score from the eviction head (Sec. 3.4): max over overlapping windows of the mean b.
+
+    Args:
+        compressed_bias: ``[B, Hk, W]`` window means of b.
+        positions: ``[Tq]``.
+
+    Returns:
+        ``[B, Hk, Tq, N]`` float32; higher means the block is kept.
+    """
+    W = compressed_bias.shape[-1]
+    available = torch.arange(W, device=compressed_bias.device) < windows_available(positions, cfg)[:, None]
+    scores = compressed_bias.float()[:, :, None, :].masked_fill(~available, float("-inf"))  # [B, Hk, Tq, W]
+    return pool_windows_to_blocks(scores, n_blocks, cfg, fill=float("-inf"))
+
+
+def topk_recent_first(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` highest scores on the last dim, ties broken towards the most recent (highest) index.
+
+    Entries scored ``-inf`` are never chosen: their slots hold -1. Returns ``[..., k]`` long.
+    """
+    N = scores.shape[-1]
+    if N < k:
+        scores = F.pad(scores, (0, k - N), value=float("-inf"))
+        N = k
+    order = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices[..., :k]
+    top = (N - 1) - order
+    chosen = scores.gather(-1, top)
+    return torch.where(chosen == float("-inf"), torch.full_like(top, -1), top)
+
+
+def select_blocks(
+    query_scores: torch.Tensor,
+    eviction_scores: torch.Tensor,
+    current_block: torch.Tensor,
+    cfg: NosaConfig,
+    budget_blocks: int | None = None,
+) -> torch.Tensor:
+    """NOSA block selection (Sec. 3.4).
+
+    Candidates are the complete blocks before ``current_block``. Sink blocks and the local window score +inf;
+    ``Q = topk(query score, sink + local + query blocks)``; then the eviction score with +inf on Q picks the
+    budget: ``selected = topk(eviction score, K)``. So K - |Q| blocks come from the query-agnostic eviction
+    head. Ties go to the most recent block.
+
+    Args:
+        query_scores, eviction_scores: ``[B, Hk, Tq, N]``.
+        current_block: ``[Tq]`` long, the block each query token writes into.
+        budget_blocks: K, default ``cfg.budget_blocks``.
+
+    Returns:
+        ``[B, Hk, Tq, K]`` long block indices, -1 where fewer than K candidates exist.
+    """
+    K = cfg.budget_blocks if budget_blocks is None else budget_blocks
+    N = query_scores.shape[-1]
+    block = torch.arange(N, device=query_scores.device)
+    current = current_block.to(query_scores.device)[:, None]  # [Tq, 1]
+    valid = block < current
+    forced = valid & ((block < cfg.sink_blocks) | (block >= current - cfg.local_blocks))
+    inf = float("inf")
+    qs = query_scores.float().masked_fill(forced, inf).masked_fill(~valid, -inf)
+    n_q = min(cfg.sink_blocks + cfg.local_blocks + cfg.query_blocks, K)
+    query_chosen = topk_recent_first(qs, n_q)  # [B, Hk, Tq, n_q]
+    in_q = torch.zeros(*qs.shape[:-1], N + 1, dtype=torch.bool, device=qs.device)
+    in_q.scatter_(-1, torch.where(query_chosen < 0, N, query_chosen), True)
+    es = eviction_scores.float().masked_fill(in_q[..., :N], inf).masked_fill(~valid, -inf)
+    return topk_recent_first(es, K)
+
+
+def blocks_to_token_mask(selected: torch.Tensor, positions: torch.Tensor, n_tokens: int, cfg: NosaConfig):
+    """Token-level attention mask of a selection: the selected blocks plus the current block up to the token.
+
+    Args:
+        selected: ``[B, Hk, Tq, K]`` from ``select_blocks``.
+        positions: ``[Tq]`` cache index of each query token.
+
+    Returns:
+        ``[B, Hk, Tq, n_tokens]`` bool, True where the query attends.
+    """
+    P = cfg.block_size
+    n_blocks = (n_tokens + P - 1) // P
+    block_mask = torch.zeros(*selected.shape[:-1], n_blocks + 1, dtype=torch.bool, device=selected.device)
+    block_mask.scatter_(-1, torch.where(selected < 0, n_blocks, selected), True)
+    mask = block_mask[..., :n_blocks].repeat_interleave(P, dim=-1)[..., :n_tokens]
+    token = torch.arange(n_tokens, device=selected.device)
+    pos = positions.to(selected.device)[:, None]
+    current = (token // P == pos // P) & (token <= pos)  # [Tq, T]
+    return mask | current
+
+
+def nosa_token_mask(
+    query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, q_offset: int, cfg: NosaConfig, scale: float
+) -> torch.Tensor:
+    """The decode rule applied to every query token at once (prefill="nosa" and training).
+
+    Token ``t = q_offset + i`` sees exactly the blocks that decoding token t would select.
+
+    Args:
+        query: ``[B, H, Tq, D]``; keys: ``[B, Hk, T, D]`` with ``T = q_offset + Tq``; bias: ``[B, Hk, T]``.
+
+    Returns:
+        ``[B, Hk, Tq, T]`` bool.
+    """
+    T = keys.shape[2]
+    Tq = query.shape[2]
+    P = cfg.block_size
+    positions = torch.arange(q_offset, q_offset + Tq, device=query.device)
+    n_blocks = (T + P - 1) // P
+    qs = query_block_scores(query, compress_keys(keys, cfg), positions, n_blocks, cfg, scale)
+    es = eviction_block_scores(compress_keys(bias, cfg), positions, n_blocks, cfg)
+    selected = select_blocks(qs, es, positions // P, cfg)
+    return blocks_to_token_mask(selected, positions, T, cfg)
