@@ -5,14 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cache import AttentionInputs, NosaCache
+from .attend import AttentionInputs, attend
+from .cache import NosaCache
 from .config import NosaConfig
 from .masks import additive_mask
 from .selection import MASK_VALUE, eviction_bias, nosa_token_mask
-
-# Query rows per chunk in the torch attention, so that long prefills never hold all logits at once.
-_QUERY_CHUNK = 1024
-
 
 class EvictionHead(nn.Module):
     """``b = A * softplus(delta(v))``: one query-agnostic score per token and KV head (design Sec. 3.1).
@@ -31,35 +28,6 @@ class EvictionHead(nn.Module):
         return eviction_bias(value_flat, self.delta.weight, self.delta.bias, self.A)
 
 
-def attend(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.Tensor:
-    """``softmax(q . k * scale + bias) . v`` with GQA; each KV head is read once for its whole group.
-
-    Args:
-        query: ``[B, H, Tq, D]``.
-        inputs: keys/values ``[B, Hk, S, D]``, key_bias ``[B, Hk, S]``, optional additive mask
-            ``[B or 1, 1 or Hk, Tq, S]``.
-
-    Returns:
-        ``[B, H, Tq, D]`` in the query's dtype; fp32 accumulation.
-    """
-    B, H, Tq, D = query.shape
-    keys, values = inputs.keys.float(), inputs.values.float()
-    Hk, S = keys.shape[1], keys.shape[2]
-    G = H // Hk
-    q = query.float().view(B, Hk, G, Tq, D)
-    out = torch.empty(B, Hk, G, Tq, D, dtype=torch.float32, device=query.device)
-    for lo in range(0, Tq, _QUERY_CHUNK):
-        hi = min(Tq, lo + _QUERY_CHUNK)
-        logits = torch.einsum("bkgtd,bksd->bkgts", q[:, :, :, lo:hi], keys) * scale
-        logits = logits + inputs.key_bias.float()[:, :, None, None, :]
-        if inputs.attn_mask is not None:
-            logits = logits + inputs.attn_mask[:, :, None, lo:hi, :]
-        elif inputs.causal:
-            logits = logits + additive_mask(None, hi - lo, S, inputs.q_offset + lo, query.device)[:, :, None]
-        out[:, :, :, lo:hi] = torch.einsum("bkgts,bksd->bkgtd", torch.softmax(logits, dim=-1), values)
-    return out.view(B, H, Tq, D).to(query.dtype)
-
-
 def nosa_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -72,9 +40,9 @@ def nosa_attention(
     """NOSA attention of one layer, after RoPE. Returns ``[B, H, Tq, D]``.
 
     With a NosaCache the cache decides what is attended (decode: the selected blocks; prefill: per its mode).
-    With any other cache (or none), the keys are complete: full attention plus the eviction bias, or the
-    decode rule applied per token when the model's NosaConfig says ``prefill="nosa"`` and there is no cache
-    (the training attention).
+    With any other cache (or none), the keys are complete: full attention plus the eviction bias, or, when the
+    model's NosaConfig says ``prefill="nosa"``, the decode rule applied to every query token (the training
+    attention; it equals NosaCache decoding).
     """
     bias = module.eviction_head(value_flat)  # [B, Hk, Tq]
     if isinstance(cache, NosaCache):
@@ -92,7 +60,7 @@ def nosa_attention(
     Tq, T = query.shape[2], key.shape[2]
     mask = additive_mask(attention_mask, Tq, T, q_offset, query.device)
     cfg: NosaConfig = module.nosa_config
-    if cache is None and cfg.prefill == "nosa":
+    if cfg.prefill == "nosa":
         allowed = nosa_token_mask(query, key, bias, q_offset, cfg, module.scaling)
         mask = mask + torch.where(allowed, 0.0, MASK_VALUE)
     return attend(query, AttentionInputs(key, value, bias, mask, q_offset, causal=False), module.scaling)

@@ -9,15 +9,17 @@ blocks and the block being written). A decode step selects blocks (``selection.p
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .attend import AttentionInputs
 from .config import NosaConfig
 from .host_store import HostStore
 from .kernels.fetch import fetch_blocks, plan_fetch
 from .masks import additive_mask, padding_bias
+from .selectors import BlockSelector
 from .selection import (
     MASK_VALUE,
     compress_keys,
@@ -29,22 +31,6 @@ from .selection import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class AttentionInputs(NamedTuple):
-    """What a NOSA cache hands the attention of one layer.
-
-    keys, values: ``[B, Hk, S, D]``; key_bias: ``[B, Hk, S]`` fp32 added to every query's logits (eviction score,
-    padding, empty slots); attn_mask: additive ``[B or 1, 1 or Hk, Tq, S]`` fp32 or None; q_offset: position of
-    the first query among the keys (for causal masking when attn_mask is None); causal: whether to apply it.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    key_bias: torch.Tensor
-    attn_mask: torch.Tensor | None
-    q_offset: int
-    causal: bool
 
 
 class CompressedKeys:
@@ -108,9 +94,11 @@ class NosaLayer(CacheLayerMixin):
     is_croppable = True
     is_sliding = False
 
-    def __init__(self, nosa_config: NosaConfig):
+    def __init__(self, nosa_config: NosaConfig, selector: BlockSelector | None = None):
         super().__init__()
         self.cfg = nosa_config
+        self.selector = selector
+        self.selector_state: dict[str, torch.Tensor] = {}
         self.seen = 0
         self._reset_counters()
 
@@ -192,6 +180,8 @@ class NosaLayer(CacheLayerMixin):
         self.peak_device_tokens = max(self.peak_device_tokens, T)
         self.compressed.rebuild(keys, key_bias)
         self._reset_slots(keys, values, key_bias)
+        if self.selector is not None:
+            self.selector.observe(self, keys, key_bias, 0)
 
         mask = additive_mask(attention_mask, Tq, T, start, self.device) if attention_mask is not None else None
         if self.cfg.prefill == "nosa":
@@ -225,6 +215,8 @@ class NosaLayer(CacheLayerMixin):
         self.host.write(t, k, v, b)
         self.seen = t + 1
         self.compressed.append(k, b, t)
+        if self.selector is not None:
+            self.selector.observe(self, k, b, t)
 
         selected = self.select(q, t, scale)  # [B, Hk, K]
         plan = plan_fetch(selected, self.slot_block, self.tail_slot, new_block=t % P == 0, current_block=c)
@@ -252,6 +244,8 @@ class NosaLayer(CacheLayerMixin):
         """NOSA selection for the decode token at cache index ``t``: ``[B, Hk, K]`` block indices (-1 = none)."""
         c = t // self.cfg.block_size
         B, Hk, K = self.batch, self.kv_heads, self.cfg.budget_blocks
+        if self.selector is not None:
+            return self.selector.select(self, query, t, scale)
         if c == 0:
             return torch.full((B, Hk, K), -1, dtype=torch.long, device=self.device)
         n = self.compressed.n
@@ -298,6 +292,7 @@ class NosaLayer(CacheLayerMixin):
         self.is_initialized = False
         self.seen = 0
         self._reset_counters()
+        self.selector_state = {}
         for name in ("host", "compressed", "slot_k", "slot_v", "slot_b", "slot_block", "tail_slot"):
             self.__dict__.pop(name, None)
 
@@ -314,6 +309,8 @@ class NosaLayer(CacheLayerMixin):
         self.bytes_to_device += sum(x.numel() * x.element_size() for x in (keys, values, bias))
         self.compressed.rebuild(keys, bias)
         self._reset_slots(keys, values, bias)
+        if self.selector is not None:
+            self.selector.observe(self, keys, bias, 0)
 
     def _index_batch(self, index: torch.Tensor) -> None:
         if not self.is_initialized:
@@ -323,6 +320,8 @@ class NosaLayer(CacheLayerMixin):
         self.compressed.index_batch(index)
         for name in ("slot_k", "slot_v", "slot_b", "slot_block", "tail_slot"):
             setattr(self, name, getattr(self, name).index_select(0, index))
+        for name, value in self.selector_state.items():
+            self.selector_state[name] = value.index_select(0, index.to(value.device))
         self.batch = index.numel()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -344,6 +343,7 @@ class NosaCache(Cache):
     Args:
         config: the model's config (``PretrainedConfig``); its "nosa" section is the default NosaConfig.
         nosa_config: overrides the model's NosaConfig for this cache (budget, prefill mode, ...).
+        selector: another block-selection rule on the same engine (see ``selectors.py``); default NOSA.
 
     Example:
         >>> cache = NosaCache(model.config, NosaConfig(budget_tokens=2048))  # doctest: +SKIP
@@ -351,18 +351,22 @@ class NosaCache(Cache):
         >>> cache.stats()["locality"]  # doctest: +SKIP
     """
 
-    def __init__(self, config: Any = None, nosa_config: NosaConfig | None = None, **kwargs):
+    def __init__(
+        self, config: Any = None, nosa_config: NosaConfig | None = None, *, selector: BlockSelector | None = None, **kwargs
+    ):
         if kwargs:
-            raise TypeError(f"NosaCache got unexpected arguments {sorted(kwargs)}; expected config and nosa_config")
+            raise TypeError(
+                f"NosaCache got unexpected arguments {sorted(kwargs)}; expected config, nosa_config and selector"
+            )
         if config is None and nosa_config is None:
             raise TypeError("NosaCache needs the model config (or at least a NosaConfig)")
         self.nosa_config = NosaConfig.from_model_config(config, nosa_config)
         text_config = config.get_text_config(decoder=True) if config is not None else None
         n_layers = getattr(text_config, "num_hidden_layers", None)
         if n_layers is not None:
-            super().__init__(layers=[NosaLayer(self.nosa_config) for _ in range(n_layers)])
+            super().__init__(layers=[NosaLayer(self.nosa_config, selector) for _ in range(n_layers)])
         else:
-            super().__init__(layer_class_to_replicate=lambda: NosaLayer(self.nosa_config))
+            super().__init__(layer_class_to_replicate=lambda: NosaLayer(self.nosa_config, selector))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs) -> AttentionInputs:
         if self.layer_class_to_replicate is not None:

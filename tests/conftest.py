@@ -1,0 +1,73 @@
+"""Tiny Llama / Qwen2 / Qwen3 models built from configs: the suite downloads nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from hf_nosa import NosaConfig
+
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16, "use_sliding_window": False}),
+}
+
+
+def tiny_model(family: str = "llama", seed: int = 0, attn: str = "sdpa", **overrides):
+    """A random tiny causal LM of one family, fp32, eval mode."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = config_cls(**{**COMMON, **extra, **overrides})
+    config._attn_implementation = attn
+    torch.manual_seed(seed)
+    return model_cls(config).eval()
+
+
+def small_nosa_config(**overrides) -> NosaConfig:
+    """Block 16, windows 8/4: every rule of the paper, at sizes a CPU test can afford."""
+    base = dict(
+        block_size=16,
+        budget_tokens=128,
+        query_tokens=32,
+        sink_tokens=16,
+        local_tokens=32,
+        compress_kernel=8,
+        compress_stride=4,
+    )
+    base.update(overrides)
+    return NosaConfig(**base)
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request):
+    return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
