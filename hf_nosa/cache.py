@@ -19,6 +19,7 @@ from .config import NosaConfig
 from .host_store import HostStore
 from .kernels.fetch import fetch_blocks, plan_fetch
 from .masks import additive_mask, padding_bias
+from .prefill import quoka_prefill
 from .selectors import BlockSelector
 from .selection import (
     MASK_VALUE,
@@ -141,13 +142,17 @@ class NosaLayer(CacheLayerMixin):
         attention_mask: torch.Tensor | None = None,
         scaling: float | None = None,
         **kwargs,
-    ) -> AttentionInputs:
-        """Store new tokens and return what the attention reads.
+    ) -> AttentionInputs | torch.Tensor:
+        """Store new tokens and return what the attention reads, or, for a QUOKA prefill, the attention output.
 
         Args:
             key_states, value_states: ``[B, Hk, Tq, D]`` post-RoPE keys and values.
             query: ``[B, H, Tq, D]`` post-RoPE queries (for query-aware selection).
             bias: ``[B, Hk, Tq]`` eviction-head scores of the new tokens.
+
+        Returns:
+            AttentionInputs, or ``[B, H, Tq, D]`` when the update runs the chunked QUOKA prefill (the cache attends
+            chunk by chunk itself, so the prompt's KV never has to be on the device at once).
         """
         if query is None or bias is None:
             raise TypeError(
@@ -160,6 +165,8 @@ class NosaLayer(CacheLayerMixin):
         bias = bias.float()
         if key_states.shape[2] == 1 and self.seen > 0:
             return self._decode(key_states, value_states, query, bias, scale)
+        if self.cfg.prefill_mode(self.seen + key_states.shape[2]) == "quoka":
+            return quoka_prefill(self, key_states, value_states, query, bias, attention_mask, scale)
         return self._prefill(key_states, value_states, query, bias, attention_mask, scale)
 
     # ----- prefill: any update of several tokens (prompt, chunk, assisted-decoding candidates) -----
@@ -300,6 +307,7 @@ class NosaLayer(CacheLayerMixin):
         """Drop the last ``-tokens_to_remove`` tokens (a positive value is the length to keep, the legacy form)."""
         if not self.is_initialized:
             return
+        tokens_to_remove = int(tokens_to_remove)  # some transformers versions pass a 0-d tensor
         new_length = tokens_to_remove if tokens_to_remove > 0 else self.seen + tokens_to_remove
         new_length = max(0, min(new_length, self.seen))
         if new_length == self.seen:
