@@ -9,6 +9,8 @@ import sys
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS = {
     "demo": ("hf_nosa.demo", "decode a long passkey prompt with NOSA offload on the embedded demo model"),
+    "export": ("hf_nosa.hub.exporter", "write a NOSA model or retrofit adapter as a trust_remote_code checkpoint"),
+    "push": ("hf_nosa.hub.publish", "verify an exported checkpoint and publish it to the Hub in one commit"),
 }
 
 

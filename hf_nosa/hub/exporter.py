@@ -1,0 +1,331 @@
+"""``export``: a NOSA model or retrofit adapter -> a self-describing checkpoint folder, and ``hf-nosa export``.
+
+The folder holds safetensors weights (eviction heads included), config.json with model_type ``nosa_<family>``, the
+"nosa" section and ``auto_map``, remote-code files importing the installed hf_nosa, ``custom_generate/``, a
+generation_config.json stock transformers loads, tokenizer files when there is a tokenizer, and README.md.
+Everything is written to a temporary folder next to ``out_dir`` and moved into place only once it verifies, so a
+failed export leaves ``out_dir`` untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from packaging.version import Version
+
+from ..config import NosaConfig
+from ..modeling import eviction_heads, family_of
+from ..modeling.remote import MODEL_TYPE_PREFIX, REMOTE_CLASSES, family_of_model_type
+from . import card as card_module
+from .adapter import is_adapter_folder, merge_retrofit_adapter, read_retrofit_record
+from .templates import read_template, render
+from .verify import (
+    CUSTOM_GENERATE,
+    CUSTOM_GENERATE_REQUIREMENTS,
+    check_weights,
+    nosa_section,
+    read_config,
+    remote_code_files,
+    verify_folder,
+    weight_files,
+    weight_shapes,
+)
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def default_requirement(version: str) -> str:
+    """The hf-nosa versions an export accepts: this one or newer, before the next major version."""
+    parsed = Version(version)
+    return f">={parsed.base_version},<{parsed.major + 1}"
+
+
+def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"out_dir {str(out_dir)!r} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise ValueError(f"out_dir {str(out_dir)!r} is not empty; pass overwrite=True (--overwrite) to replace it")
+
+
+def _stage_dir(out_dir: Path) -> Path:
+    """A fresh temporary folder on the same filesystem as ``out_dir`` (its nearest existing ancestor)."""
+    anchor = out_dir.absolute().parent
+    while not anchor.exists():
+        anchor = anchor.parent
+    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=anchor))
+
+
+def _move_into_place(stage: Path, out_dir: Path) -> None:
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        out_dir.rename(old / out_dir.name)
+        shutil.move(str(stage), str(out_dir))
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        shutil.move(str(stage), str(out_dir))
+
+
+def _load_model_folder(folder: Path):
+    """A converted model saved with ``save_pretrained`` (or an exported one) -> NOSA model, eviction heads loaded."""
+    config = read_config(folder)
+    family = family_of_model_type(str(config.get("model_type", "")))
+    nosa_section(config, str(folder))
+    config_class, model_class = REMOTE_CLASSES[family]
+    shapes = weight_shapes(weight_files(folder))
+    check_weights(model_class, config_class.from_dict(config), shapes, str(folder))
+    return model_class.from_pretrained(str(folder))
+
+
+def _resolve_source(source: Any, base_model: Any):
+    """(model, retrofit record or None, folder to look for a tokenizer in, base for the card) of an export source."""
+    from torch import nn
+
+    if isinstance(source, nn.Module):
+        if type(source).__name__.startswith("Peft"):
+            raise TypeError("export takes a merged model or an adapter folder; call merge_and_unload() first")
+        family_of(source)
+        if not eviction_heads(source):
+            raise ValueError("the model has no eviction heads: convert it with hf_nosa.to_nosa(model) first")
+        name = getattr(source, "name_or_path", None) or None
+        folder = Path(name) if name and Path(name).is_dir() else None
+        return source, None, folder, base_model or name
+    if not isinstance(source, (str, Path)):
+        raise TypeError(f"model_or_adapter_dir must be a model or a folder path, got {type(source).__name__}")
+    folder = Path(source)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{str(folder)!r} is not a folder (a NOSA model folder or a retrofit adapter folder)")
+    if is_adapter_folder(folder):
+        model, record = merge_retrofit_adapter(folder, base_model)
+        base = base_model if isinstance(base_model, (str, Path)) else record.get("base_model")
+        return model, record, folder, base
+    model = _load_model_folder(folder)
+    base = base_model or read_config(folder).get("_name_or_path")
+    return model, None, folder, base
+
+
+def _copy_tokenizer(tokenizer: Any, search: list[Path | None], stage: Path) -> bool:
+    if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
+        tokenizer.save_pretrained(str(stage))
+        return True
+    folders = [Path(tokenizer)] if tokenizer is not None else [f for f in search if f is not None]
+    for folder in folders:
+        found = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+        if found:
+            for name in found:
+                shutil.copy2(folder / name, stage / name)
+            return True
+    if tokenizer is not None:
+        raise FileNotFoundError(f"tokenizer folder {str(tokenizer)!r} holds none of {list(TOKENIZER_FILES)}")
+    return False
+
+
+def _write_config(model, stage: Path, family: str, cfg: NosaConfig, version: str) -> None:
+    config = read_config(stage)  # what save_pretrained wrote: the family's config, dtype included
+    configuration_file, modeling_file = remote_code_files(family)
+    config_class, model_class = REMOTE_CLASSES[family]
+    config.update(
+        model_type=MODEL_TYPE_PREFIX + family,
+        architectures=[model_class.__name__],
+        auto_map={
+            "AutoConfig": f"{configuration_file[:-3]}.{config_class.__name__}",
+            "AutoModelForCausalLM": f"{modeling_file[:-3]}.{model_class.__name__}",
+        },
+        nosa=cfg.to_dict(),
+        hf_nosa_version=version,
+    )
+    (stage / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _write_generation_config(model, stage: Path) -> None:
+    from transformers import GenerationConfig
+
+    generation = model.generation_config.to_dict() if getattr(model, "generation_config", None) else {}
+    if generation.get("cache_implementation") == "nosa":
+        # stock transformers refuses to load this string; generate(cache_implementation="nosa") is the way in
+        logger.warning('dropping cache_implementation="nosa" from generation_config.json (pass it to generate)')
+        generation.pop("cache_implementation")
+        generation.pop("cache_config", None)
+    GenerationConfig.from_dict(generation).save_pretrained(str(stage))
+
+
+def _write_code(stage: Path, family: str, version: str, requirement: str) -> None:
+    configuration_file, modeling_file = remote_code_files(family)
+    config_class, model_class = REMOTE_CLASSES[family]
+    values = {
+        "FAMILY_TITLE": {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family],
+        "MODEL_TYPE": MODEL_TYPE_PREFIX + family,
+        "CONFIG_CLASS": config_class.__name__,
+        "MODEL_CLASS": model_class.__name__,
+        "CONFIGURATION_MODULE": configuration_file[:-3],
+        "HF_NOSA_VERSION": version,
+        "HF_NOSA_REQUIREMENT": requirement,
+        "HF_NOSA_MIN_VERSION": Version(version).base_version,
+    }
+    (stage / "custom_generate").mkdir()
+    for template, target in (
+        ("configuration_nosa.py.tmpl", configuration_file),
+        ("modeling_nosa.py.tmpl", modeling_file),
+        ("custom_generate/generate.py.tmpl", CUSTOM_GENERATE),
+        ("custom_generate/requirements.txt.tmpl", CUSTOM_GENERATE_REQUIREMENTS),
+    ):
+        (stage / target).write_text(render(read_template(template), values), encoding="utf-8")
+
+
+def export(
+    model_or_adapter_dir: Any,
+    out_dir: str | Path,
+    *,
+    base_model: Any = None,
+    tokenizer: Any = None,
+    nosa_config: NosaConfig | None = None,
+    metrics: Any = None,
+    repo_id: str | None = None,
+    base_model_id: str | None = None,
+    license: str | None = None,
+    hf_nosa_requirement: str | None = None,
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+) -> Path:
+    """Write a NOSA model (or a retrofit adapter, merged) as a Hub-ready checkpoint folder; return its path.
+
+    Args:
+        model_or_adapter_dir: a converted model (``to_nosa``), a folder it was saved to, or a retrofit adapter
+            folder (PEFT files + ``nosa_retrofit.json``), which is merged into its base.
+        out_dir: the folder to create; an existing non-empty one needs ``overwrite=True``.
+        base_model: for an adapter, the base to merge into (path, Hub id or model) instead of the recorded one; a
+            model passed here is converted and merged in place.
+        tokenizer: a tokenizer, or a folder holding tokenizer files; by default the source's or base's folder is
+            searched and its tokenizer files copied (none found: no tokenizer files).
+        nosa_config: the NosaConfig to store as the checkpoint's default (default: the model's).
+        metrics: a metrics JSON path or object for the card's evaluation table (formats in ``hub/card.py``).
+        repo_id: the Hub id the card's usage snippet names (default: the folder's name).
+        base_model_id: the Hub id of the base model for the card's metadata (default: the recorded base when it is
+            a Hub id).
+        license: the card's license (default: read from the base model's card when it is local or cached).
+        hf_nosa_requirement: the version specifier the remote code checks (default ``>=<this>,<<next major>``).
+        max_shard_size: passed to ``save_pretrained``.
+        overwrite: replace a non-empty ``out_dir``.
+    """
+    import hf_nosa
+
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, overwrite)
+    if nosa_config is not None and not isinstance(nosa_config, NosaConfig):
+        raise TypeError(f"nosa_config must be a NosaConfig, got {type(nosa_config).__name__}")
+    version = hf_nosa.__version__
+    requirement = hf_nosa_requirement or default_requirement(version)
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    try:
+        SpecifierSet(requirement)
+    except InvalidSpecifier:
+        raise ValueError(f"hf_nosa_requirement={requirement!r} is not a version specifier such as '>=0.1,<1'") from None
+    metric_rows = card_module.load_metrics(metrics)
+
+    model, record, source_folder, base = _resolve_source(model_or_adapter_dir, base_model)
+    family = family_of(model)
+    cfg = NosaConfig.from_model_config(model.config, nosa_config)
+    if base_model_id is None and card_module.is_repo_id(str(base) if base is not None else None):
+        base_model_id = str(base)
+    license_info = {"license": license} if license else card_module.base_model_license(base)
+    base_folder = Path(base) if isinstance(base, (str, Path)) and Path(base).is_dir() else None
+
+    stage = _stage_dir(out_dir)
+    try:
+        model.save_pretrained(str(stage), max_shard_size=max_shard_size)
+        _write_config(model, stage, family, cfg, version)
+        _write_generation_config(model, stage)
+        _write_code(stage, family, version, requirement)
+        _copy_tokenizer(tokenizer, [source_folder, base_folder], stage)
+        readme = card_module.render_model_card(
+            family=family,
+            model_type=MODEL_TYPE_PREFIX + family,
+            nosa_config=cfg,
+            hf_nosa_version=version,
+            hf_nosa_requirement=requirement,
+            repo_id=repo_id or out_dir.name,
+            base_model_id=base_model_id,
+            license_info=license_info,
+            retrofit_record=record,
+            metrics=metric_rows,
+        )
+        (stage / "README.md").write_text(readme, encoding="utf-8")
+        verify_folder(stage, remote_code=False)
+        _move_into_place(stage, out_dir)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    logger.info("exported a NOSA %s checkpoint to %s", family, out_dir)
+    return out_dir
+
+
+def _parse_override(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise ValueError(f"--nosa expects KEY=VALUE (a NosaConfig field), got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("source", help="a NOSA model folder, or a retrofit adapter folder (merged into its base)")
+    parser.add_argument("out_dir", help="the checkpoint folder to write")
+    parser.add_argument("--base-model", help="base model (path or Hub id) for an adapter, instead of the recorded one")
+    parser.add_argument("--tokenizer", help="folder with tokenizer files (default: found next to the source or base)")
+    parser.add_argument("--metrics", help="metrics JSON for the model card's evaluation table")
+    parser.add_argument("--repo-id", help="Hub id named in the model card's usage snippet (ORG/NAME)")
+    parser.add_argument("--base-model-id", help="Hub id of the base model for the card metadata")
+    parser.add_argument("--license", help="license for the card metadata (default: the base model's)")
+    parser.add_argument(
+        "--nosa", action="append", default=[], metavar="KEY=VALUE", help="override a NosaConfig field (repeatable)"
+    )
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+
+
+def run(args) -> int:
+    nosa_config = None
+    if args.nosa:
+        overrides = dict(_parse_override(text) for text in args.nosa)
+        source = Path(args.source)
+        if is_adapter_folder(source):
+            base = read_retrofit_record(source)["nosa_config"]
+        else:
+            base = read_config(source).get("nosa") or {}
+        nosa_config = NosaConfig.from_dict(base, **overrides)
+    out = export(
+        args.source,
+        args.out_dir,
+        base_model=args.base_model,
+        tokenizer=args.tokenizer,
+        nosa_config=nosa_config,
+        metrics=args.metrics,
+        repo_id=args.repo_id,
+        base_model_id=args.base_model_id,
+        license=args.license,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+    )
+    print(f"exported NOSA checkpoint to {out}")
+    return 0

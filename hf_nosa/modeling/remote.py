@@ -1,0 +1,192 @@
+"""Config and model classes of exported NOSA checkpoints (model_type "nosa_llama", "nosa_qwen2", "nosa_qwen3").
+
+An exported checkpoint's ``config.json`` names its own model_type and, through ``auto_map``, small remote-code
+files that subclass the classes below. Each model class is the stock ``*ForCausalLM`` whose attention layers are
+converted to NOSA in ``__init__``, so ``from_pretrained`` loads the eviction heads by name like any other weight.
+``remote_generate`` is what the checkpoint's ``custom_generate/generate.py`` calls.
+
+Example:
+    >>> from hf_nosa.modeling.remote import register_auto_classes
+    >>> register_auto_classes()  # then AutoModelForCausalLM.from_pretrained(folder) works without remote code
+"""
+
+from __future__ import annotations
+
+import logging
+
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers import initialization as hf_init
+
+from ..attention import EvictionHead
+from ..config import NosaConfig
+from . import FAMILIES, SUPPORTED_ATTENTION, eviction_heads, to_nosa
+
+logger = logging.getLogger(__name__)
+
+MODEL_TYPE_PREFIX = "nosa_"
+
+
+def _validated_nosa_section(config) -> NosaConfig:
+    section = getattr(config, "nosa", None)
+    if isinstance(section, NosaConfig):
+        return section
+    if section is not None and not isinstance(section, dict):
+        raise ValueError(
+            f'{type(config).__name__}: the "nosa" section of config.json must be a JSON object of NosaConfig '
+            f"fields, got {type(section).__name__}."
+        )
+    try:
+        return NosaConfig.from_dict(section)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f'{type(config).__name__}: the "nosa" section of config.json is invalid: {error}') from None
+
+
+class _NosaConfigMixin:
+    """Validates the "nosa" section when the config is built, so a bad checkpoint fails at load, not at decode."""
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.nosa = _validated_nosa_section(self).to_dict()
+
+
+class NosaLlamaConfig(_NosaConfigMixin, LlamaConfig):
+    """``LlamaConfig`` of a NOSA checkpoint; its "nosa" attribute holds the NosaConfig fields."""
+
+    model_type = "nosa_llama"
+
+
+class NosaQwen2Config(_NosaConfigMixin, Qwen2Config):
+    """``Qwen2Config`` of a NOSA checkpoint; its "nosa" attribute holds the NosaConfig fields."""
+
+    model_type = "nosa_qwen2"
+
+
+class NosaQwen3Config(_NosaConfigMixin, Qwen3Config):
+    """``Qwen3Config`` of a NOSA checkpoint; its "nosa" attribute holds the NosaConfig fields."""
+
+    model_type = "nosa_qwen3"
+
+
+class _NosaCausalLMMixin:
+    """The stock causal LM with NOSA attention in every layer, built in ``__init__`` (also on the meta device).
+
+    ``from_pretrained`` builds the model on the meta device before loading weights, which ``to_nosa`` refuses (it
+    converts loaded models, whose weights must be real); here the eviction heads are created wherever the layer's
+    weights are and filled by the checkpoint. A checkpoint without eviction heads gets ``A = 0`` (see
+    ``_init_weights``): the stock model's outputs, with recency deciding what the eviction head would have.
+    """
+
+    family: str = ""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        cfg = _validated_nosa_section(self.config)
+        attn_impl = getattr(self.config, "_attn_implementation", None) or "eager"
+        if attn_impl not in SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"attn_implementation={attn_impl!r} is not supported by NOSA attention; allowed values are "
+                f"{SUPPORTED_ATTENTION}. Load the model with attn_implementation='sdpa'."
+            )
+        attention_class = FAMILIES[self.family].ATTENTION_CLASS
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            weight = attn.v_proj.weight
+            attn.__class__ = attention_class
+            attn.eviction_head = EvictionHead(
+                self.config.num_key_value_heads, attn.head_dim, device=weight.device, dtype=weight.dtype
+            )
+            attn.nosa_config = cfg
+        self.config.nosa = cfg.to_dict()
+
+    def _init_weights(self, module):
+        if isinstance(module, EvictionHead):
+            hf_init.zeros_(module.A)  # delta is an nn.Linear child, initialised by the stock rule
+            return
+        super()._init_weights(module)
+
+
+class NosaLlamaForCausalLM(_NosaCausalLMMixin, LlamaForCausalLM):
+    """``LlamaForCausalLM`` with NOSA attention; loads exported NOSA Llama checkpoints."""
+
+    config_class = NosaLlamaConfig
+    family = "llama"
+
+
+class NosaQwen2ForCausalLM(_NosaCausalLMMixin, Qwen2ForCausalLM):
+    """``Qwen2ForCausalLM`` with NOSA attention; loads exported NOSA Qwen2 / Qwen2.5 checkpoints."""
+
+    config_class = NosaQwen2Config
+    family = "qwen2"
+
+
+class NosaQwen3ForCausalLM(_NosaCausalLMMixin, Qwen3ForCausalLM):
+    """``Qwen3ForCausalLM`` with NOSA attention; loads exported NOSA Qwen3 checkpoints."""
+
+    config_class = NosaQwen3Config
+    family = "qwen3"
+
+
+# family -> (config class, model class); model_type is MODEL_TYPE_PREFIX + family.
+REMOTE_CLASSES = {
+    "llama": (NosaLlamaConfig, NosaLlamaForCausalLM),
+    "qwen2": (NosaQwen2Config, NosaQwen2ForCausalLM),
+    "qwen3": (NosaQwen3Config, NosaQwen3ForCausalLM),
+}
+
+
+def family_of_model_type(model_type: str) -> str:
+    """The family of a config.json model_type: "llama" for "llama" and "nosa_llama", etc.; ValueError otherwise."""
+    family = model_type[len(MODEL_TYPE_PREFIX) :] if model_type.startswith(MODEL_TYPE_PREFIX) else model_type
+    if family not in REMOTE_CLASSES:
+        allowed = sorted([*REMOTE_CLASSES, *(MODEL_TYPE_PREFIX + f for f in REMOTE_CLASSES)])
+        raise ValueError(f"config.json model_type={model_type!r} is not a NOSA family; allowed values are {allowed}.")
+    return family
+
+
+def register_auto_classes() -> None:
+    """Register the NOSA model types with ``AutoConfig`` / ``AutoModelForCausalLM`` (idempotent).
+
+    Afterwards an exported folder loads with ``AutoModelForCausalLM.from_pretrained(folder)`` without
+    ``trust_remote_code``, through these classes rather than the folder's remote-code files.
+    """
+    for config_class, model_class in REMOTE_CLASSES.values():
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
+
+
+def _wants_nosa_cache(kwargs: dict) -> bool:
+    if kwargs.get("cache_implementation") == "nosa":
+        return True
+    generation_config = kwargs.get("generation_config")
+    return getattr(generation_config, "cache_implementation", None) == "nosa"
+
+
+def remote_generate(model, *args, **kwargs):
+    """The ``custom_generate`` of exported checkpoints: the stock generate with ``cache_implementation="nosa"``.
+
+    ``cache_implementation="nosa"`` (with an optional ``cache_config`` of NosaConfig overrides) builds a NosaCache;
+    everything else is the stock generate, unchanged. A model without eviction heads (a stock checkpoint handed
+    this function through ``custom_generate=``) asked for "nosa" is converted in place with ``to_nosa`` first,
+    with a warning: its eviction heads start untrained (``A = 0``), which leaves its outputs under any other cache
+    exactly as they were.
+    """
+    from ..generation import generate
+
+    if _wants_nosa_cache(kwargs) and not eviction_heads(model):
+        logger.warning(
+            "%s has no eviction heads: converting it in place with hf_nosa.to_nosa for cache_implementation='nosa'. "
+            "Its eviction heads are untrained (A = 0), so the blocks beyond the query-aware part are picked by "
+            "recency; load a NOSA checkpoint to use trained ones.",
+            type(model).__name__,
+        )
+        to_nosa(model)
+    return generate(model, *args, **kwargs)
