@@ -49,6 +49,8 @@ def nosa_attention(
         inputs = cache.update(
             key, value, module.layer_idx, query=query, bias=bias, attention_mask=attention_mask, scaling=module.scaling
         )
+        if isinstance(inputs, torch.Tensor):  # a QUOKA prefill: the cache attended chunk by chunk itself
+            return inputs
         return attend(query, inputs, module.scaling)
 
     q_offset = 0

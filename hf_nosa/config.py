@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
-PREFILL_MODES = ("dense", "nosa", "quoka")
+PREFILL_MODES = ("auto", "dense", "nosa", "quoka")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -21,6 +21,12 @@ class NosaConfig:
     ``budget_tokens`` worth of blocks plus the block being written: the sink blocks, the local window, the
     ``query_tokens`` chosen by the current query (query-aware) and the rest chosen by the eviction head.
 
+    ``prefill`` says how a NosaCache handles an update of several tokens (a prompt): "dense" attends to
+    everything (the whole KV on the device), "nosa" applies the decode rule to every token, "quoka" runs the
+    chunked QUOKA prefill (chunks of ``prefill_chunk_size`` tokens, each attending to ``prefill_budget_tokens``
+    of blocks chosen by ``quoka_queries`` queries per head, plus itself), and "auto" (the default) is "dense"
+    while the sequence fits in ``prefill_budget_tokens`` and "quoka" beyond.
+
     Example:
         >>> cfg = NosaConfig(budget_tokens=2048, local_tokens=512)
         >>> cfg.budget_blocks
@@ -34,7 +40,7 @@ class NosaConfig:
     local_tokens: int = 1024
     compress_kernel: int = 32
     compress_stride: int = 16
-    prefill: str = "dense"
+    prefill: str = "auto"
     offload: bool = True
     prefill_chunk_size: int = 512
     quoka_queries: int = 16
@@ -87,7 +93,7 @@ class NosaConfig:
             fail("compress_kernel", f"it must be a multiple of compress_stride={self.compress_stride}")
         if self.compress_kernel > self.block_size:
             fail("compress_kernel", f"it must not exceed block_size={self.block_size}")
-        if self.prefill not in PREFILL_MODES:
+        if not isinstance(self.prefill, str) or self.prefill not in PREFILL_MODES:
             fail("prefill", f"allowed values are {PREFILL_MODES}")
         if self.quoka_queries < 1:
             fail("quoka_queries", "it must be at least 1")
@@ -97,7 +103,11 @@ class NosaConfig:
             if self.prefill_budget_tokens <= 0 or self.prefill_budget_tokens % self.block_size:
                 fail("prefill_budget_tokens", f"it must be a positive multiple of block_size={self.block_size}")
             if self.prefill_budget_tokens < self.sink_tokens + self.local_tokens:
-                fail("prefill_budget_tokens", "it must cover sink_tokens + local_tokens")
+                fail(
+                    "prefill_budget_tokens",
+                    f"it must cover sink_tokens + local_tokens = {self.sink_tokens} + {self.local_tokens}",
+                    "Raise it, or leave it None to use budget_tokens.",
+                )
 
     # Blocks, the unit every rule works in.
     @property
@@ -120,6 +130,12 @@ class NosaConfig:
     def prefill_budget_blocks(self) -> int:
         tokens = self.prefill_budget_tokens if self.prefill_budget_tokens is not None else self.budget_tokens
         return tokens // self.block_size
+
+    def prefill_mode(self, n_tokens: int) -> str:
+        """The prefill a NosaCache runs when an update brings the sequence to ``n_tokens``: "auto" resolved."""
+        if self.prefill != "auto":
+            return self.prefill
+        return "dense" if n_tokens <= self.prefill_budget_blocks * self.block_size else "quoka"
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

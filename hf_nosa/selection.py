@@ -244,3 +244,100 @@ def nosa_token_mask(
     es = eviction_block_scores(compress_keys(bias, cfg), positions, n_blocks, cfg)
     selected = select_blocks(qs, es, positions // P, cfg)
     return blocks_to_token_mask(selected, positions, T, cfg)
+
+
+# ----- QUOKA: query-oriented block selection for chunked prefill (design Sec. 4) -----
+
+
+def quoka_query_choice(query: torch.Tensor, n_keep: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The queries of a chunk that stand in for it: per query head, the ``n_keep`` least similar to the mean query.
+
+    QUOKA observes that queries far (in angle) from the chunk's mean query attend to more, and more varied, keys;
+    scoring blocks against them approximates what the whole chunk attends to.
+
+    Args:
+        query: ``[..., T, D]`` the chunk's queries per head (``[B, H, T, D]``, or ``[B, H, R, T, D]`` for R chunks).
+        n_keep: N_Q, queries kept per head.
+        valid: bool ``[..., T]`` broadcastable to the queries' leading dims, False for padding: padding does not
+            enter the mean and is kept only after every real query.
+
+    Returns:
+        ``[..., n]`` long token indices, ``n = min(n_keep, T)``, lowest cosine similarity to the mean first.
+    """
+    q = query.float()
+    n = min(n_keep, q.shape[-2])
+    if valid is None:
+        mean = q.mean(-2, keepdim=True)
+    else:
+        weight = valid.to(q.dtype)[..., None]
+        mean = (q * weight).sum(-2, keepdim=True) / weight.sum(-2, keepdim=True).clamp(min=1)
+    cosine = (F.normalize(q, dim=-1) * F.normalize(mean, dim=-1)).sum(-1)  # [..., T]
+    if valid is not None:
+        cosine = cosine.masked_fill(~valid, float("inf"))
+    return torch.topk(cosine, n, dim=-1, largest=False, sorted=True).indices
+
+
+def quoka_scores(
+    kept_queries: torch.Tensor,
+    compressed_keys: torch.Tensor,
+    n_windows: torch.Tensor,
+    n_blocks: int,
+    cfg: NosaConfig,
+    n_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """QUOKA block score: cosine similarity between the kept queries and the compressed keys.
+
+    The kept queries and the compressed keys are L2-normalised; the normalised queries are averaged over the
+    GQA group (kept query i of every head of a group together), so a score is the group's mean cosine; per
+    window, the max over kept queries; per block, the max over the windows that overlap it (as
+    ``pool_windows_to_blocks``). Higher means some kept query of the group points at the block.
+
+    Args:
+        kept_queries: ``[B, H, R, n, D]`` the kept queries of R chunks (see ``quoka_query_choice``).
+        compressed_keys: ``[B, Hk, W, D]``.
+        n_windows: ``[R]`` long, windows complete before each chunk; later windows are not scored.
+        n_valid: ``[B, R]`` long, how many of the kept queries (the first ones) are real tokens; default all.
+
+    Returns:
+        ``[B, Hk, R, N]`` float32 in [-1, 1]; -inf for a block without a complete window (or without a real
+        kept query).
+    """
+    B, H, R, n, D = kept_queries.shape
+    Hk, W = compressed_keys.shape[1], compressed_keys.shape[2]
+    device = kept_queries.device
+    q = F.normalize(kept_queries.float(), dim=-1).view(B, Hk, H // Hk, R, n, D).mean(2)  # [B, Hk, R, n, D]
+    k = F.normalize(compressed_keys.float(), dim=-1)
+    cosine = torch.einsum("bkrnd,bkwd->bkrnw", q, k)
+    if n_valid is not None:
+        real = torch.arange(n, device=device) < n_valid.to(device)[..., None]  # [B, R, n]
+        cosine = cosine.masked_fill(~real[:, None, :, :, None], float("-inf"))
+    window_scores = cosine.amax(3)  # [B, Hk, R, W]
+    available = torch.arange(W, device=device) < n_windows.to(device)[:, None]  # [R, W]
+    window_scores = window_scores.masked_fill(~available, float("-inf"))
+    return pool_windows_to_blocks(window_scores, n_blocks, cfg, fill=float("-inf"))
+
+
+def quoka_select_blocks(
+    scores: torch.Tensor, current_block: torch.Tensor, cfg: NosaConfig, budget_blocks: int | None = None
+) -> torch.Tensor:
+    """QUOKA block selection: the sink blocks, the local window and the top-scored blocks, K in all.
+
+    Candidates are the complete blocks before each chunk's first block. Sink and local blocks score +inf; ties go
+    to the most recent block.
+
+    Args:
+        scores: ``[B, Hk, R, N]`` from ``quoka_scores``.
+        current_block: ``[R]`` long, the block where each chunk's own keys begin.
+        budget_blocks: K, default ``cfg.prefill_budget_blocks``.
+
+    Returns:
+        ``[B, Hk, R, K]`` long block indices, -1 where fewer than K candidates exist.
+    """
+    K = cfg.prefill_budget_blocks if budget_blocks is None else budget_blocks
+    N = scores.shape[-1]
+    block = torch.arange(N, device=scores.device)
+    current = current_block.to(scores.device)[:, None]  # [R, 1]
+    valid = block < current
+    forced = valid & ((block < cfg.sink_blocks) | (block >= current - cfg.local_blocks))
+    masked = scores.float().masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+    return topk_recent_first(masked, K)

@@ -1,0 +1,221 @@
+"""QUOKA block scoring (design Sec. 4): normalise, group-mean, max over kept queries, pool to blocks.
+
+One program per (sequence, KV head, chunk, tile of blocks): it averages the L2-normalised kept queries of the
+KV head's group, then for each window offset that overlaps a block (``selection.window_offsets``) loads the
+windows' compressed keys, normalises them, takes the max cosine over kept queries and keeps the running max
+over the offsets. Nothing of size queries x windows is ever written out; the torch reference
+(``selection.quoka_scores``) materialises it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import NosaConfig
+from ..selection import quoka_scores, window_offsets
+
+BACKEND_ENV = "HF_NOSA_KERNELS"
+BACKENDS = ("torch", "triton")
+
+
+@triton.jit
+def _quoka_score_kernel(
+    q_ptr,
+    k_ptr,
+    n_win_ptr,
+    n_valid_ptr,
+    out_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qr,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kw,
+    stride_kd,
+    stride_vb,
+    stride_vr,
+    stride_ob,
+    stride_oh,
+    stride_or,
+    stride_on,
+    Hk,
+    G,
+    NQ,
+    D,
+    N,
+    PER_BLOCK: tl.constexpr,
+    FIRST_OFFSET: tl.constexpr,
+    N_OFFSETS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    i_bh, i_r, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // Hk, i_bh % Hk
+    o_q = tl.arange(0, BLOCK_Q)
+    o_d = tl.arange(0, BLOCK_D)
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_d = o_d < D
+    m_n = o_n < N
+    n_win = tl.load(n_win_ptr + i_r)
+    n_real = tl.load(n_valid_ptr + i_b * stride_vb + i_r * stride_vr)
+    m_q = o_q < n_real
+
+    # Group mean of the normalised kept queries: rank i of every head of the group together.
+    b_q = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+    for g in range(G):
+        p_q = (
+            q_ptr
+            + i_b * stride_qb
+            + (i_h * G + g) * stride_qh
+            + i_r * stride_qr
+            + o_q[:, None] * stride_qn
+            + o_d[None, :] * stride_qd
+        )
+        b_x = tl.load(p_q, mask=(o_q[:, None] < NQ) & m_d[None, :], other=0.0).to(tl.float32)
+        norm = tl.sqrt(tl.sum(b_x * b_x, axis=1))
+        b_q += b_x / tl.maximum(norm, 1e-12)[:, None]
+    b_q = b_q / G
+
+    best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    for j in tl.static_range(N_OFFSETS):
+        o_w = o_n * PER_BLOCK + (FIRST_OFFSET + j)
+        m_w = m_n & (o_w >= 0) & (o_w < n_win)
+        p_k = k_ptr + i_b * stride_kb + i_h * stride_kh + o_w[:, None] * stride_kw + o_d[None, :] * stride_kd
+        b_k = tl.load(p_k, mask=m_w[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+        norm = tl.sqrt(tl.sum(b_k * b_k, axis=1))
+        b_k = b_k / tl.maximum(norm, 1e-12)[:, None]
+        # ieee: tf32 would cost ~1e-3 on cosines, enough to reorder close blocks against the reference.
+        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_Q, BLOCK_N]
+        b_s = tl.where(m_q[:, None], b_s, float("-inf"))
+        best = tl.maximum(best, tl.where(m_w, tl.max(b_s, axis=0), float("-inf")))
+
+    p_o = out_ptr + i_b * stride_ob + i_h * stride_oh + i_r * stride_or + o_n * stride_on
+    tl.store(p_o, best, mask=m_n)
+
+
+def _launch(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid):
+    B, H, R, NQ, D = kept_queries.shape
+    Hk = compressed_keys.shape[1]
+    out = torch.empty(B, Hk, R, n_blocks, dtype=torch.float32, device=kept_queries.device)
+    if out.numel() == 0:
+        return out
+    per_block, offsets = window_offsets(cfg)
+    n_windows = n_windows.to(device=kept_queries.device, dtype=torch.int32)
+    n_valid = n_valid.to(device=kept_queries.device, dtype=torch.int32)
+    block_n = 32
+    grid = (B * Hk, R, triton.cdiv(n_blocks, block_n))
+    _quoka_score_kernel[grid](
+        kept_queries,
+        compressed_keys,
+        n_windows,
+        n_valid,
+        out,
+        *kept_queries.stride(),
+        *compressed_keys.stride(),
+        *n_valid.stride(),
+        *out.stride(),
+        Hk=Hk,
+        G=H // Hk,
+        NQ=NQ,
+        D=D,
+        N=n_blocks,
+        PER_BLOCK=per_block,
+        FIRST_OFFSET=int(offsets[0]),
+        N_OFFSETS=len(offsets),
+        BLOCK_Q=max(16, triton.next_power_of_2(NQ)),
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        BLOCK_N=block_n,
+    )
+    return out
+
+
+def quoka_score_ref(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid=None) -> torch.Tensor:
+    """The torch reference: ``selection.quoka_scores``."""
+    return quoka_scores(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid)
+
+
+def kernel_backend(device: torch.device) -> str:
+    """"triton" on CUDA, "torch" elsewhere, unless ``HF_NOSA_KERNELS`` names one."""
+    forced = os.environ.get(BACKEND_ENV, "")
+    if not forced:
+        return "triton" if device.type == "cuda" else "torch"
+    if forced not in BACKENDS:
+        raise ValueError(
+            f"{BACKEND_ENV}={forced!r} is invalid; allowed values are {BACKENDS} (unset: Triton on CUDA, torch "
+            "elsewhere)."
+        )
+    if forced == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"{BACKEND_ENV}=triton needs CUDA tensors (got {device.type}); on CPU set TRITON_INTERPRET=1 before "
+            "importing hf_nosa to run the kernels in Triton's interpreter."
+        )
+    return forced
+
+
+def quoka_score(
+    kept_queries: torch.Tensor,
+    compressed_keys: torch.Tensor,
+    n_windows: torch.Tensor,
+    n_blocks: int,
+    cfg: NosaConfig,
+    *,
+    n_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """QUOKA block scores of R chunks: Triton on CUDA, torch elsewhere (``HF_NOSA_KERNELS=torch|triton`` forces one).
+
+    Args:
+        kept_queries: ``[B, H, R, n, D]`` the kept queries of each chunk and query head (any float dtype).
+        compressed_keys: ``[B, Hk, W, D]``.
+        n_windows: ``[R]`` integer, windows complete before each chunk.
+        n_blocks: N, blocks to score.
+        n_valid: ``[B, R]`` integer, how many of the kept queries are real tokens (default: all ``n``).
+
+    Returns:
+        ``[B, Hk, R, N]`` float32: per block the max over overlapping windows and kept queries of the group's
+        mean cosine similarity; -inf where no complete window or no real kept query exists.
+
+    Example:
+        >>> from hf_nosa import NosaConfig
+        >>> cfg = NosaConfig(block_size=16, budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16,
+        ...                  compress_kernel=8, compress_stride=4)
+        >>> s = quoka_score(torch.randn(1, 4, 2, 3, 8), torch.randn(1, 2, 15, 8), torch.tensor([7, 15]), 4, cfg)
+        >>> s.shape
+        torch.Size([1, 2, 2, 4])
+    """
+    for name, value in (("kept_queries", kept_queries), ("compressed_keys", compressed_keys), ("n_windows", n_windows)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"quoka_score: {name} must be a tensor, got {type(value).__name__}")
+    if not isinstance(cfg, NosaConfig):
+        raise TypeError(f"quoka_score: cfg must be a NosaConfig, got {type(cfg).__name__}")
+    if kept_queries.dim() != 5 or compressed_keys.dim() != 4:
+        raise ValueError(
+            "quoka_score: kept_queries must be [B, H, R, n, D] and compressed_keys [B, Hk, W, D]; got shapes "
+            f"{tuple(kept_queries.shape)} and {tuple(compressed_keys.shape)}"
+        )
+    B, H, R, n, D = kept_queries.shape
+    Bk, Hk, _, Dk = compressed_keys.shape
+    if Bk != B or Dk != D or Hk == 0 or H % Hk:
+        raise ValueError(
+            f"quoka_score: kept_queries {tuple(kept_queries.shape)} and compressed_keys "
+            f"{tuple(compressed_keys.shape)} must share B and D, with H a multiple of Hk"
+        )
+    if tuple(n_windows.shape) != (R,):
+        raise ValueError(f"quoka_score: n_windows must have shape ({R},), got {tuple(n_windows.shape)}")
+    if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
+        raise ValueError(f"quoka_score: n_blocks must be a non-negative integer, got {n_blocks!r}")
+    if n_valid is not None and tuple(n_valid.shape) != (B, R):
+        raise ValueError(f"quoka_score: n_valid must have shape ({B}, {R}), got {tuple(n_valid.shape)}")
+    if n < 1:
+        raise ValueError("quoka_score: at least one kept query per chunk is needed (n >= 1)")
+    if kernel_backend(kept_queries.device) == "torch":
+        return quoka_score_ref(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid)
+    if n_valid is None:
+        n_valid = torch.full((B, R), n, dtype=torch.int32, device=kept_queries.device)
+    return _launch(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid)

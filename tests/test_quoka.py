@@ -1,0 +1,275 @@
+"""QUOKA chunked prefill: identity with dense prefill, the query choice, the device-memory bound, generate."""
+
+import pytest
+import torch
+
+from hf_nosa import NosaCache, NosaConfig, to_nosa
+from hf_nosa import prefill as prefill_module
+from hf_nosa.kernels.quoka_score import quoka_score
+from hf_nosa.modeling import randomize_eviction_heads
+from hf_nosa.selection import (
+    compress_keys,
+    num_windows,
+    quoka_query_choice,
+    quoka_scores,
+    quoka_select_blocks,
+)
+
+from .conftest import small_nosa_config, tiny_model
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+def _model(family, seed=0):
+    model = to_nosa(tiny_model(family, seed=seed), small_nosa_config())
+    return randomize_eviction_heads(model, generator=torch.Generator().manual_seed(seed + 7))
+
+
+def _prompt(batch, length, seed, left_pad=()):
+    ids = torch.randint(3, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for row, n in enumerate(left_pad):
+        ids[row, :n] = 0
+        mask[row, :n] = 0
+    return ids, mask
+
+
+def _run(model, cache, ids, mask, steps):
+    """Prefill, then greedy decoding one token per forward: every step's logits of the real positions."""
+    outs = []
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+        outs.append(logits)
+        for _ in range(steps):
+            nxt = logits[:, -1:].argmax(-1)
+            mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+            logits = model(nxt, attention_mask=mask, past_key_values=cache).logits
+            outs.append(logits)
+    return outs
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("left_pad", [(), (0, 37, 70)], ids=["batch1", "leftpad3"])
+def test_quoka_equals_dense_when_the_budget_covers_the_prompt(family, left_pad):
+    model = _model(family)
+    ids, mask = _prompt(max(1, len(left_pad)), 150, seed=1, left_pad=left_pad)
+    # The decode budget covers the sequence too: decoding then sees every real token whatever the padding holds.
+    base = dict(budget_tokens=256, prefill_budget_tokens=256, prefill_chunk_size=32, quoka_queries=3)
+    dense = NosaCache(model.config, small_nosa_config(prefill="dense", **base))
+    quoka = NosaCache(model.config, small_nosa_config(prefill="quoka", **base))
+    expected, actual = _run(model, dense, ids, mask, 4), _run(model, quoka, ids, mask, 4)
+    real = mask.bool()
+    torch.testing.assert_close(actual[0][real], expected[0][real], atol=1e-4, rtol=1e-4)
+    for step_actual, step_expected in zip(actual[1:], expected[1:]):  # decoding continues exactly as after dense
+        torch.testing.assert_close(step_actual, step_expected, atol=1e-4, rtol=1e-4)
+    assert quoka.stats()["seen_tokens"] == dense.stats()["seen_tokens"] == 154
+
+
+def test_layer_state_after_quoka_prefill_is_the_dense_state():
+    # No padding: what padded positions hold (keys of padding tokens) is garbage in either mode.
+    model = _model("llama", seed=3)
+    ids, mask = _prompt(2, 141, seed=2)
+    caches = {}
+    for mode in ("dense", "quoka"):
+        caches[mode] = NosaCache(model.config, small_nosa_config(prefill=mode, prefill_chunk_size=48))
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=caches[mode])
+    for dense, quoka in zip(caches["dense"].layers, caches["quoka"].layers):
+        n = dense.compressed.n
+        assert quoka.compressed.n == n == num_windows(141, dense.cfg)
+        for name in ("keys", "bias"):
+            torch.testing.assert_close(getattr(quoka.compressed, name)[:, :, :n], getattr(dense.compressed, name)[:, :, :n])
+        for name in ("ring_k", "ring_b", "slot_block", "tail_slot"):
+            torch.testing.assert_close(getattr(quoka.compressed if "ring" in name else quoka, name),
+                                       getattr(dense.compressed if "ring" in name else dense, name))
+        torch.testing.assert_close(quoka.slot_k[:, :, 0, : 141 % 16], dense.slot_k[:, :, 0, : 141 % 16])
+        for a, b in zip(quoka.host.read(0, 141, "cpu"), dense.host.read(0, 141, "cpu")):
+            torch.testing.assert_close(a, b)
+
+
+def test_prefill_over_several_calls_reads_earlier_blocks_from_the_host_store():
+    """A prompt fed in two unaligned pieces (a caller's own chunking) equals one dense prefill."""
+    model = _model("qwen3", seed=4)
+    ids, mask = _prompt(2, 150, seed=3, left_pad=(0, 30))
+    dense = NosaCache(model.config, small_nosa_config(prefill="dense"))
+    quoka = NosaCache(model.config, small_nosa_config(prefill="quoka", prefill_budget_tokens=256, prefill_chunk_size=32))
+    with torch.no_grad():
+        expected = model(ids, attention_mask=mask, past_key_values=dense).logits
+        first = model(ids[:, :69], attention_mask=mask[:, :69], past_key_values=quoka).logits
+        second = model(ids[:, 69:], attention_mask=mask, past_key_values=quoka).logits
+    real = mask.bool()
+    torch.testing.assert_close(torch.cat([first, second], 1)[real], expected[real], atol=1e-4, rtol=1e-4)
+    assert quoka.stats()["bytes_to_device"] > 0  # earlier blocks came back from the host store
+
+
+def test_query_choice_keeps_the_lowest_cosine_queries_hand_checked():
+    # Head 0: mean (1.5, 1/3); cosines 0.976 (x3), 0.217, -0.976, 0.844 -> keep tokens 4, 3.
+    # Head 1: the same queries negated but for token 0 -> a different mean and choice.
+    head0 = torch.tensor([[3.0, 0], [3, 0], [3, 0], [0, 1], [-1, 0], [1, 1]])
+    head1 = torch.tensor([[0.0, 5], [-3, 0], [-3, 0], [0, -1], [1, 0], [-1, -1]])
+    query = torch.stack([head0, head1])[None]  # [1, 2, 6, 2]
+    kept = quoka_query_choice(query, 2)
+    mean1 = head1.mean(0)
+    cos1 = torch.nn.functional.cosine_similarity(head1, mean1[None], dim=-1)
+    assert kept[0, 0].tolist() == [4, 3]
+    assert kept[0, 1].tolist() == torch.argsort(cos1)[:2].tolist()
+    # Padding (token 4) leaves the mean and is kept last: mean (2, 0.4) -> cosines 0.98, 0.196, 0.832.
+    valid = torch.tensor([[True, True, True, True, False, True]])[:, None]
+    assert quoka_query_choice(query, 2, valid)[0, 0].tolist() == [3, 5]
+    assert quoka_query_choice(query, 6, valid)[0, 0, -1].item() == 4
+    assert quoka_query_choice(query, 10).shape == (1, 2, 6)  # never more than the chunk has
+
+
+def test_query_choice_matches_a_brute_force_sort():
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 3, 20, 8, generator=g)
+    kept = quoka_query_choice(query, 5)
+    for index in torch.cartesian_prod(torch.arange(2), torch.arange(4), torch.arange(3)).tolist():
+        q = query[tuple(index)]
+        cos = torch.nn.functional.cosine_similarity(q, q.mean(0, keepdim=True), dim=-1)
+        assert kept[tuple(index)].tolist() == torch.argsort(cos)[:5].tolist()
+
+
+def test_scores_average_normalised_queries_over_the_group_and_take_the_max():
+    cfg = small_nosa_config()  # block 16, windows of 8 every 4: block b pools windows 4b-1 .. 4b+2
+    # One KV head, group of two query heads, two kept queries; keys along the axes.
+    kept = torch.tensor([[[[2.0, 0], [0, 3]]], [[[0.0, 1], [0, 1]]]])[None]  # [1, 2, 1, 2, 2]
+    keys = torch.tensor([[1.0, 0], [0, 1], [-1, 0], [0, 10]] + [[-1.0, -1]] * 4)[None, None]  # [1, 1, 8, 2]
+    scores = quoka_scores(kept, keys, torch.tensor([8]), 2, cfg)
+    # group means: rank 0 -> ((1,0) + (0,1)) / 2 = (.5, .5); rank 1 -> (0, 1).
+    window = torch.tensor([0.5, 1.0, 0.0, 1.0, -0.5**0.5, -0.5**0.5, -0.5**0.5, -0.5**0.5])
+    assert torch.allclose(scores[0, 0, 0], torch.stack([window[0:3].max(), window[3:7].max()]))
+    only_first = quoka_scores(kept, keys, torch.tensor([8]), 2, cfg, n_valid=torch.tensor([[1]]))
+    assert torch.allclose(only_first[0, 0, 0, 0], torch.tensor(0.5))  # (0.5, 0.5) . (0, 1) and (1, 0)
+    cut = quoka_scores(kept, keys, torch.tensor([2]), 2, cfg)  # windows 2.. not complete yet
+    assert cut[0, 0, 0, 1] == float("-inf") and torch.allclose(cut[0, 0, 0, 0], torch.tensor(1.0))
+
+
+def test_selection_forces_sink_and_local_then_takes_the_top_scores():
+    cfg = small_nosa_config(sink_tokens=16, local_tokens=32, prefill_budget_tokens=80)  # K = 5
+    scores = torch.tensor([0.0, 0.9, 0.1, 0.8, 0.7, 0.2, -0.5, 0.95, 0.99, 0.3])[None, None, None].repeat(1, 1, 2, 1)
+    chosen = quoka_select_blocks(scores, torch.tensor([8, 3]), cfg)
+    assert sorted(chosen[0, 0, 0].tolist()) == [0, 1, 3, 6, 7]  # sink 0, local 6 7, then 0.9 and 0.8
+    assert sorted(chosen[0, 0, 1].tolist()) == [-1, -1, 0, 1, 2]  # only 3 candidates before block 3
+
+
+@pytest.mark.parametrize("chunk, budget", [(32, 64), (48, 96)])
+def test_device_kv_never_exceeds_budget_plus_chunk(monkeypatch, chunk, budget):
+    model = _model("llama", seed=5)
+    cfg = small_nosa_config(budget_tokens=96, query_tokens=16, prefill_budget_tokens=budget, prefill_chunk_size=chunk)
+    seen = []
+    original = prefill_module.attend
+
+    def spy(query, inputs, scale):
+        seen.append(inputs.keys.shape[2])
+        return original(query, inputs, scale)
+
+    monkeypatch.setattr(prefill_module, "attend", spy)
+    ids, mask = _prompt(2, 700, seed=6, left_pad=(0, 50))
+    cache = NosaCache(model.config, cfg)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+    stats = cache.stats()
+    assert torch.isfinite(logits).all()
+    assert stats["seen_tokens"] == stats["host_tokens"] == 700
+    assert max(seen) <= budget + chunk and stats["device_tokens"] == max(seen)
+    assert len(seen) == 2 * -(-700 // chunk)  # every chunk of both layers went through the budget
+    # Decoding continues from the host store within the decode budget.
+    with torch.no_grad():
+        model(logits[:, -1:].argmax(-1), attention_mask=torch.cat([mask, mask[:, :1]], 1), past_key_values=cache)
+    assert cache.stats()["seen_tokens"] == 701
+
+
+def test_auto_is_dense_while_the_prompt_fits_and_quoka_beyond(monkeypatch):
+    cfg = small_nosa_config(prefill_budget_tokens=64, prefill_chunk_size=32)
+    assert cfg.prefill == "auto" and NosaConfig().prefill == "auto"
+    assert (cfg.prefill_mode(64), cfg.prefill_mode(65)) == ("dense", "quoka")
+    assert small_nosa_config(prefill="nosa").prefill_mode(10**6) == "nosa"
+    model = _model("llama")
+    calls = []
+    original = prefill_module.quoka_prefill
+    monkeypatch.setattr("hf_nosa.cache.quoka_prefill", lambda *a: calls.append(1) or original(*a))
+    for length, used in ((60, False), (100, True)):
+        calls.clear()
+        cache = NosaCache(model.config, cfg)
+        with torch.no_grad():
+            model(_prompt(1, length, seed=0)[0], past_key_values=cache)
+        assert bool(calls) == used
+        assert cache.stats()["device_tokens"] == (64 + 32 if used else 60) or used
+
+
+def test_generate_on_a_long_prompt_with_the_default_config():
+    model = to_nosa(tiny_model("llama", seed=2, max_position_embeddings=8192))
+    cfg = NosaConfig()
+    ids, _ = _prompt(1, cfg.budget_tokens + 700, seed=9)
+    cache = NosaCache(model.config)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 3)
+    stats = cache.stats()
+    assert stats["device_tokens"] <= cfg.budget_tokens + cfg.prefill_chunk_size
+    via_string = model.generate(ids, cache_implementation="nosa", max_new_tokens=3, do_sample=False)
+    assert torch.equal(via_string, out)
+
+
+def test_compressed_keys_extend_like_a_rebuild():
+    cfg = small_nosa_config()
+    g = torch.Generator().manual_seed(1)
+    keys, bias = torch.randn(2, 2, 90, 8, generator=g), torch.randn(2, 2, 90, generator=g)
+    from hf_nosa.cache import CompressedKeys
+
+    whole, pieces = CompressedKeys(cfg, keys), CompressedKeys(cfg, keys)
+    whole.rebuild(keys, bias)
+    for a, b in ((0, 3), (3, 21), (21, 22), (22, 64), (64, 90)):
+        prefill_module.extend_compressed(pieces, keys[:, :, a:b], bias[:, :, a:b], a)
+    assert pieces.n == whole.n == num_windows(90, cfg)
+    torch.testing.assert_close(pieces.keys[:, :, : whole.n], compress_keys(keys, cfg))
+    torch.testing.assert_close(pieces.bias[:, :, : whole.n], whole.bias[:, :, : whole.n])
+    torch.testing.assert_close(pieces.ring_k, whole.ring_k)
+
+
+def test_chunk_layout_keeps_each_chunk_within_the_chunk_size():
+    cfg = small_nosa_config(prefill_chunk_size=32)
+    assert prefill_module.chunk_layout(0, 70, cfg) == [(0, 0, 32), (32, 32, 64), (64, 64, 70)]
+    assert prefill_module.chunk_layout(37, 100, cfg) == [(32, 37, 64), (64, 64, 96), (96, 96, 100)]
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("quoka_queries", 0, "at least 1"),
+        ("quoka_queries", 2.5, "integer"),
+        ("prefill", "QUOKA", "allowed values"),
+        ("prefill", None, "allowed values"),
+        ("prefill_chunk_size", 0, "at least one block"),
+        ("prefill_chunk_size", 100, "multiple of block_size"),
+        ("prefill_budget_tokens", 0, "positive multiple"),
+        ("prefill_budget_tokens", 64, "sink_tokens + local_tokens"),
+        ("prefill_budget_tokens", True, "integer or None"),
+    ],
+)
+def test_bad_prefill_settings_are_errors(field, value, words):
+    with pytest.raises(ValueError) as info:
+        NosaConfig(**{field: value})
+    assert f"NosaConfig.{field}={value!r}" in str(info.value) and words in str(info.value)
+
+
+def test_bad_score_inputs_are_errors(monkeypatch):
+    cfg = small_nosa_config()
+    kept, keys, n_windows = torch.randn(1, 4, 2, 3, 8), torch.randn(1, 2, 10, 8), torch.tensor([3, 10])
+    with pytest.raises(ValueError, match=r"\[B, H, R, n, D\]"):
+        quoka_score(kept[0], keys, n_windows, 3, cfg)
+    with pytest.raises(ValueError, match="multiple of Hk"):
+        quoka_score(torch.randn(1, 3, 2, 3, 8), keys, n_windows, 3, cfg)
+    with pytest.raises(ValueError, match="n_windows"):
+        quoka_score(kept, keys, n_windows[:1], 3, cfg)
+    with pytest.raises(ValueError, match="n_valid"):
+        quoka_score(kept, keys, n_windows, 3, cfg, n_valid=torch.ones(2, 2))
+    with pytest.raises(TypeError, match="NosaConfig"):
+        quoka_score(kept, keys, n_windows, 3, {"block_size": 16})
+    monkeypatch.setenv("HF_NOSA_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="HF_NOSA_KERNELS='cuda'"):
+        quoka_score(kept, keys, n_windows, 3, cfg)
+    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        quoka_score(kept, keys, n_windows, 3, cfg)
