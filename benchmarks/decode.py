@@ -33,6 +33,15 @@ SHAPE_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
                    num_key_value_heads=2, head_dim=16, vocab_size=97)
 
 
+def command_line() -> str:
+    """The command that ran, with the output folder written as DIR (it is a path of the machine that ran it)."""
+    args = list(sys.argv)
+    for i, arg in enumerate(args[:-1]):
+        if arg == "--out":
+            args[i + 1] = "DIR"
+    return "PYTHONPATH=. python " + " ".join(args)
+
+
 def environment(command: str) -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     return dict(
@@ -131,7 +140,7 @@ def main(argv=None):
     randomize_eviction_heads(model, scale=0.1, generator=torch.Generator().manual_seed(0))
 
     rows = []
-    result = dict(environment(" ".join(sys.argv)), shape=shape, budget_tokens=args.budget, rows=rows)
+    result = dict(environment(command_line()), shape=shape, budget_tokens=args.budget, rows=rows)
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
             for method in ("default", "nosa"):
