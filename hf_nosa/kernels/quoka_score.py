@@ -12,8 +12,14 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # triton ships for Linux only; the torch reference covers the rest
+    HAS_TRITON = False
 
 from ..config import NosaConfig
 from ..selection import quoka_scores, window_offsets
@@ -22,82 +28,84 @@ BACKEND_ENV = "HF_NOSA_KERNELS"
 BACKENDS = ("torch", "triton")
 
 
-@triton.jit
-def _quoka_score_kernel(
-    q_ptr,
-    k_ptr,
-    n_win_ptr,
-    n_valid_ptr,
-    out_ptr,
-    stride_qb,
-    stride_qh,
-    stride_qr,
-    stride_qn,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kw,
-    stride_kd,
-    stride_vb,
-    stride_vr,
-    stride_ob,
-    stride_oh,
-    stride_or,
-    stride_on,
-    Hk,
-    G,
-    NQ,
-    D,
-    N,
-    PER_BLOCK: tl.constexpr,
-    FIRST_OFFSET: tl.constexpr,
-    N_OFFSETS: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    i_bh, i_r, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // Hk, i_bh % Hk
-    o_q = tl.arange(0, BLOCK_Q)
-    o_d = tl.arange(0, BLOCK_D)
-    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_d = o_d < D
-    m_n = o_n < N
-    n_win = tl.load(n_win_ptr + i_r)
-    n_real = tl.load(n_valid_ptr + i_b * stride_vb + i_r * stride_vr)
-    m_q = o_q < n_real
+if HAS_TRITON:
 
-    # Group mean of the normalised kept queries: rank i of every head of the group together.
-    b_q = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-    for g in range(G):
-        p_q = (
-            q_ptr
-            + i_b * stride_qb
-            + (i_h * G + g) * stride_qh
-            + i_r * stride_qr
-            + o_q[:, None] * stride_qn
-            + o_d[None, :] * stride_qd
-        )
-        b_x = tl.load(p_q, mask=(o_q[:, None] < NQ) & m_d[None, :], other=0.0).to(tl.float32)
-        norm = tl.sqrt(tl.sum(b_x * b_x, axis=1))
-        b_q += b_x / tl.maximum(norm, 1e-12)[:, None]
-    b_q = b_q / G
+    @triton.jit
+    def _quoka_score_kernel(
+        q_ptr,
+        k_ptr,
+        n_win_ptr,
+        n_valid_ptr,
+        out_ptr,
+        stride_qb,
+        stride_qh,
+        stride_qr,
+        stride_qn,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kw,
+        stride_kd,
+        stride_vb,
+        stride_vr,
+        stride_ob,
+        stride_oh,
+        stride_or,
+        stride_on,
+        Hk,
+        G,
+        NQ,
+        D,
+        N,
+        PER_BLOCK: tl.constexpr,
+        FIRST_OFFSET: tl.constexpr,
+        N_OFFSETS: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+    ):
+        i_bh, i_r, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i_b, i_h = i_bh // Hk, i_bh % Hk
+        o_q = tl.arange(0, BLOCK_Q)
+        o_d = tl.arange(0, BLOCK_D)
+        o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_d = o_d < D
+        m_n = o_n < N
+        n_win = tl.load(n_win_ptr + i_r)
+        n_real = tl.load(n_valid_ptr + i_b * stride_vb + i_r * stride_vr)
+        m_q = o_q < n_real
 
-    best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    for j in tl.static_range(N_OFFSETS):
-        o_w = o_n * PER_BLOCK + (FIRST_OFFSET + j)
-        m_w = m_n & (o_w >= 0) & (o_w < n_win)
-        p_k = k_ptr + i_b * stride_kb + i_h * stride_kh + o_w[:, None] * stride_kw + o_d[None, :] * stride_kd
-        b_k = tl.load(p_k, mask=m_w[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-        norm = tl.sqrt(tl.sum(b_k * b_k, axis=1))
-        b_k = b_k / tl.maximum(norm, 1e-12)[:, None]
-        # ieee: tf32 would cost ~1e-3 on cosines, enough to reorder close blocks against the reference.
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_Q, BLOCK_N]
-        b_s = tl.where(m_q[:, None], b_s, float("-inf"))
-        best = tl.maximum(best, tl.where(m_w, tl.max(b_s, axis=0), float("-inf")))
+        # Group mean of the normalised kept queries: rank i of every head of the group together.
+        b_q = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
+        for g in range(G):
+            p_q = (
+                q_ptr
+                + i_b * stride_qb
+                + (i_h * G + g) * stride_qh
+                + i_r * stride_qr
+                + o_q[:, None] * stride_qn
+                + o_d[None, :] * stride_qd
+            )
+            b_x = tl.load(p_q, mask=(o_q[:, None] < NQ) & m_d[None, :], other=0.0).to(tl.float32)
+            norm = tl.sqrt(tl.sum(b_x * b_x, axis=1))
+            b_q += b_x / tl.maximum(norm, 1e-12)[:, None]
+        b_q = b_q / G
 
-    p_o = out_ptr + i_b * stride_ob + i_h * stride_oh + i_r * stride_or + o_n * stride_on
-    tl.store(p_o, best, mask=m_n)
+        best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+        for j in tl.static_range(N_OFFSETS):
+            o_w = o_n * PER_BLOCK + (FIRST_OFFSET + j)
+            m_w = m_n & (o_w >= 0) & (o_w < n_win)
+            p_k = k_ptr + i_b * stride_kb + i_h * stride_kh + o_w[:, None] * stride_kw + o_d[None, :] * stride_kd
+            b_k = tl.load(p_k, mask=m_w[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            norm = tl.sqrt(tl.sum(b_k * b_k, axis=1))
+            b_k = b_k / tl.maximum(norm, 1e-12)[:, None]
+            # ieee: tf32 would cost ~1e-3 on cosines, enough to reorder close blocks against the reference.
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_Q, BLOCK_N]
+            b_s = tl.where(m_q[:, None], b_s, float("-inf"))
+            best = tl.maximum(best, tl.where(m_w, tl.max(b_s, axis=0), float("-inf")))
+
+        p_o = out_ptr + i_b * stride_ob + i_h * stride_oh + i_r * stride_or + o_n * stride_on
+        tl.store(p_o, best, mask=m_n)
 
 
 def _launch(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid):
@@ -110,7 +118,7 @@ def _launch(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid):
     n_windows = n_windows.to(device=kept_queries.device, dtype=torch.int32)
     n_valid = n_valid.to(device=kept_queries.device, dtype=torch.int32)
     block_n = 32
-    grid = (B * Hk, R, triton.cdiv(n_blocks, block_n))
+    grid = (B * Hk, R, -(-n_blocks // block_n))
     _quoka_score_kernel[grid](
         kept_queries,
         compressed_keys,
@@ -145,12 +153,16 @@ def kernel_backend(device: torch.device) -> str:
     """"triton" on CUDA, "torch" elsewhere, unless ``HF_NOSA_KERNELS`` names one."""
     forced = os.environ.get(BACKEND_ENV, "")
     if not forced:
+        if device.type == "cuda" and not HAS_TRITON:
+            raise ValueError("quoka_score on CUDA needs the triton package; install it or set HF_NOSA_KERNELS=torch.")
         return "triton" if device.type == "cuda" else "torch"
     if forced not in BACKENDS:
         raise ValueError(
             f"{BACKEND_ENV}={forced!r} is invalid; allowed values are {BACKENDS} (unset: Triton on CUDA, torch "
             "elsewhere)."
         )
+    if forced == "triton" and not HAS_TRITON:
+        raise ValueError(f"{BACKEND_ENV}=triton needs the triton package, which is not installed.")
     if forced == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"{BACKEND_ENV}=triton needs CUDA tensors (got {device.type}); on CPU set TRITON_INTERPRET=1 before "

@@ -1,0 +1,95 @@
+"""The QUOKA scoring kernel against its torch reference (``selection.quoka_scores``).
+
+On CPU the kernel runs in Triton's interpreter, in a child process: ``TRITON_INTERPRET`` must be set before
+triton is first imported (its ``tl.sum``/``tl.max`` are ``@triton.jit`` functions fixed at import).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_nosa.kernels.quoka_score as quoka_score_module
+from hf_nosa.selection import quoka_scores
+
+from ..conftest import small_nosa_config
+from ..utils import assert_close
+
+
+def _inputs(B, H, Hk, R, n, D, W, dtype, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    kept = torch.randn(B, H, R, n, D, generator=g, device=device).to(dtype)
+    keys = torch.randn(B, Hk, W + 3, D, generator=g, device=device).to(dtype)  # spare windows past W
+    n_windows = torch.randint(0, W + 1, (R,), generator=g, device=device)
+    n_windows[0] = W
+    n_valid = torch.randint(0, n + 1, (B, R), generator=g, device=device)
+    n_valid[0] = n
+    return kept, keys, n_windows, n_valid
+
+
+def _check(module, shape, cfg, dtype=torch.float32, device="cpu", seed=0, with_valid=True):
+    B, H, Hk, R, n, D, W, N = shape
+    kept, keys, n_windows, n_valid = _inputs(B, H, Hk, R, n, D, W, dtype, device, seed)
+    n_valid = n_valid if with_valid else None
+    actual = module.quoka_score(kept, keys, n_windows, N, cfg, n_valid=n_valid)
+    expected = quoka_scores(kept.float(), keys.float(), n_windows, N, cfg, n_valid)
+    assert actual.dtype == torch.float32 and actual.shape == (B, Hk, R, N)
+    assert torch.equal(actual.isneginf(), expected.isneginf()), "blocks without a window or real query differ"
+    finite = expected.isfinite()
+    assert_close(actual[finite], expected[finite], atol=2e-5, rtol=1e-5)
+
+
+INTERPRETED_CASES = [
+    # B, H, Hk, R, n, D, W, N
+    dict(shape=(1, 1, 1, 1, 1, 64, 5, 1)),
+    dict(shape=(2, 4, 1, 2, 5, 64, 63, 17)),
+    dict(shape=(3, 8, 2, 2, 16, 128, 65, 33)),
+    dict(shape=(1, 8, 8, 1, 3, 64, 40, 9)),
+    dict(shape=(2, 4, 2, 3, 4, 64, 30, 9), dtype=torch.bfloat16, with_valid=False,
+         cfg=dict(block_size=32, compress_kernel=16, compress_stride=8, sink_tokens=32, local_tokens=32,
+                  query_tokens=32)),  # 4 windows per block, offsets -1 .. 3
+]
+
+
+def run_interpreted_cases() -> None:
+    """Entry point of the child process (TRITON_INTERPRET=1, HF_NOSA_KERNELS=triton)."""
+    assert quoka_score_module.kernel_backend(torch.device("cpu")) == "triton"
+    for case in INTERPRETED_CASES:
+        cfg = small_nosa_config(**case.get("cfg", {}))
+        _check(quoka_score_module, case["shape"], cfg, dtype=case.get("dtype", torch.float32),
+               with_valid=case.get("with_valid", True))
+        print("ok", case["shape"], flush=True)
+
+
+def test_kernel_matches_reference_interpreted():
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1", HF_NOSA_KERNELS="triton", CUDA_VISIBLE_DEVICES="")
+    code = "from tests.kernels.test_quoka_score import run_interpreted_cases; run_interpreted_cases()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert done.stdout.count("ok") == len(INTERPRETED_CASES)
+
+
+def test_dispatch_follows_the_device_and_the_environment(monkeypatch):
+    cfg = small_nosa_config()
+    kept, keys, n_windows, n_valid = _inputs(1, 2, 1, 1, 2, 16, 9, torch.float32, "cpu", 0)
+    monkeypatch.delenv("HF_NOSA_KERNELS", raising=False)
+    assert quoka_score_module.kernel_backend(torch.device("cpu")) == "torch"
+    assert quoka_score_module.kernel_backend(torch.device("cuda")) == "triton"
+    monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
+    assert quoka_score_module.kernel_backend(torch.device("cuda")) == "torch"
+    out = quoka_score_module.quoka_score(kept, keys, n_windows, 3, cfg, n_valid=n_valid)
+    assert torch.equal(out, quoka_scores(kept, keys, n_windows, 3, cfg, n_valid))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_kernel_matches_reference_on_gpu(dtype, D):
+    cfg = small_nosa_config(block_size=64, compress_kernel=32, compress_stride=16, sink_tokens=64, local_tokens=64,
+                            query_tokens=64, budget_tokens=256)
+    _check(quoka_score_module, (3, 32, 8, 16, 16, D, 4095, 1024), cfg, dtype=dtype, device="cuda")
+    _check(quoka_score_module, (2, 4, 4, 5, 1, D, 100, 26), cfg, dtype=dtype, device="cuda", seed=1)
