@@ -91,8 +91,9 @@ def _load_model_folder(folder: Path):
     nosa_section(config, str(folder))
     config_class, model_class = REMOTE_CLASSES[family]
     shapes = weight_shapes(weight_files(folder))
-    check_weights(model_class, config_class.from_dict(config), shapes, str(folder))
-    return model_class.from_pretrained(str(folder))
+    nosa_model_config = config_class.from_dict(config)  # a stock model_type here is expected: no mismatch warning
+    check_weights(model_class, nosa_model_config, shapes, str(folder))
+    return model_class.from_pretrained(str(folder), config=nosa_model_config)
 
 
 def _resolve_source(source: Any, base_model: Any):
@@ -246,7 +247,9 @@ def export(
     cfg = NosaConfig.from_model_config(model.config, nosa_config)
     if base_model_id is None and card_module.is_repo_id(str(base) if base is not None else None):
         base_model_id = str(base)
-    license_info = {"license": license} if license else card_module.base_model_license(base)
+    license_info = {"license": license} if license else None
+    for place in (base, source_folder):  # the source folder of a converted model often carries the base's card
+        license_info = license_info or card_module.base_model_license(place)
     base_folder = Path(base) if isinstance(base, (str, Path)) and Path(base).is_dir() else None
 
     stage = _stage_dir(out_dir)

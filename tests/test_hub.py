@@ -1,0 +1,440 @@
+"""Export and Hub publishing: exported checkpoints load in a fresh process through remote code and decode exactly
+like the in-process model; adapters export bit-exactly; push goes through the real Hub client to a loopback
+server; bad inputs fail clearly and write nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from safetensors.torch import load_file
+
+import hf_nosa
+from hf_nosa.hub import export, load_metrics, register_auto_classes, verify_folder
+from hf_nosa.modeling import eviction_heads, randomize_eviction_heads
+
+from .conftest import tiny_model
+from .loopback_hub import LoopbackHub
+
+NOSA = dict(block_size=16, budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16,
+            compress_kernel=8, compress_stride=4)
+PROMPT, NEW = 150, 8  # prompt > budget: selection and the eviction heads decide what is attended
+EXPECTED_FILES = {
+    "README.md", "config.json", "generation_config.json", "model.safetensors",
+    "custom_generate/generate.py", "custom_generate/requirements.txt",
+}
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def nosa_model(family, seed=0):
+    model = hf_nosa.to_nosa(tiny_model(family, seed=seed), hf_nosa.NosaConfig(**NOSA))
+    return randomize_eviction_heads(model, scale=2.0)
+
+
+def greedy(model, ids, **kwargs):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False, **kwargs)
+
+
+def tensors(folder):
+    out = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(path)))
+    return out
+
+
+def fresh_env(tmp):
+    """Environment of a fresh Python: its own HF home (remote-code module cache), no token, no endpoint."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
+    env.update(HF_HOME=str(tmp / "hf_home"), PYTHONPATH=str(REPO_ROOT), TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def run_python(code, args, env, timeout=240):
+    result = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def assert_nothing_written(out_dir):
+    assert not out_dir.exists()
+    assert not [p.name for p in out_dir.parent.iterdir() if p.name.startswith(f".{out_dir.name}.")]
+
+
+# --------------------------------------------------------------------------- in-process export
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """One exported checkpoint per family, with the in-process greedy NOSA decode of a random prompt."""
+    root = tmp_path_factory.mktemp("exports")
+    ids = torch.randint(3, 97, (1, PROMPT))
+    out = {"root": root, "ids": ids}
+    for family in ("llama", "qwen2", "qwen3"):
+        model = nosa_model(family)
+        export(model, root / family)
+        out[family] = {"nosa": greedy(model, ids, cache_implementation="nosa"), "logits": model(ids).logits}
+    stock = tiny_model("llama", seed=3)
+    stock.save_pretrained(root / "stock")
+    out["stock_plain"] = greedy(stock, ids)
+    hf_nosa.to_nosa(stock)
+    out["stock_nosa"] = greedy(stock, ids, cache_implementation="nosa", cache_config=NOSA)
+    export(nosa_model("llama"), root / "too_new", hf_nosa_requirement=">=99.0")
+    torch.save({k: v for k, v in out.items() if k != "root"}, root / "reference.pt")
+    return out
+
+
+def test_export_layout_config_and_card(exports):
+    folder = exports["root"] / "qwen3"
+    files = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()}
+    assert files == EXPECTED_FILES | {"configuration_nosa_qwen3.py", "modeling_nosa_qwen3.py"}
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "nosa_qwen3"
+    assert config["architectures"] == ["NosaQwen3ForCausalLM"]
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_nosa_qwen3.NosaQwen3Config",
+        "AutoModelForCausalLM": "modeling_nosa_qwen3.NosaQwen3ForCausalLM",
+    }
+    assert hf_nosa.NosaConfig.from_dict(config["nosa"]) == hf_nosa.NosaConfig(**NOSA)
+    assert "cache_implementation" not in json.loads((folder / "generation_config.json").read_text())
+    weights = load_file(str(folder / "model.safetensors"))
+    assert {f"model.layers.{i}.self_attn.eviction_head.{p}" for i in range(2) for p in ("A", "delta.weight")} <= set(
+        weights
+    )
+    code = (folder / "modeling_nosa_qwen3.py").read_text()
+    assert "import hf_nosa" in code and "HF_NOSA_REQUIREMENT" in code
+    assert (folder / "custom_generate/requirements.txt").read_text().strip() == f"hf-nosa>={hf_nosa.__version__}"
+    card = ModelCard.load(folder / "README.md")
+    assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
+    assert {"nosa", "sparse-attention", "kv-cache-offload"} <= set(card.data.tags)
+    assert "| `budget_tokens` | `64` |" in card.text and 'cache_implementation="nosa"' in card.text
+    assert verify_folder(folder, remote_code=False)["family"] == "qwen3"
+
+
+def test_register_auto_classes_loads_without_remote_code(exports):
+    from transformers import AutoModelForCausalLM
+
+    register_auto_classes()
+    register_auto_classes()  # idempotent
+    model = AutoModelForCausalLM.from_pretrained(str(exports["root"] / "llama"))
+    assert type(model).__name__ == "NosaLlamaForCausalLM" and len(eviction_heads(model)) == 2
+    assert torch.equal(greedy(model, exports["ids"], cache_implementation="nosa"), exports["llama"]["nosa"])
+
+
+def _tiny_tokenizer(folder):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(97)}, unk_token="w3"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w3", pad_token="w0").save_pretrained(str(folder))
+
+
+def test_export_from_saved_folder_finds_tokenizer_license_and_metrics(tmp_path):
+    from transformers import AutoTokenizer
+
+    source = tmp_path / "converted"
+    nosa_model("qwen2").save_pretrained(source)
+    _tiny_tokenizer(source)
+    (source / "README.md").write_text("---\nlicense: mit\n---\n# base\n")
+    metrics = [{"task": "passkey-8k", "full_attention": 1.0, "nosa": 0.96875}, {"task": "ppl", "nosa": 3.21}]
+    (tmp_path / "metrics.json").write_text(json.dumps({"results": metrics}))
+    out = export(source, tmp_path / "out", metrics=tmp_path / "metrics.json", repo_id="me/nosa-tiny",
+                 base_model_id="org/tiny-qwen2")
+    assert AutoTokenizer.from_pretrained(str(out))("w5 w7")["input_ids"] == [5, 7]
+    card = ModelCard.load(out / "README.md")
+    assert card.data.license == "mit"
+    assert card.data.base_model == "org/tiny-qwen2" and card.data.base_model_relation == "finetune"
+    assert "| passkey-8k | 1 | 0.9688 |" in card.text and "| ppl |  | 3.21 |" in card.text
+    assert 'repo = "me/nosa-tiny"' in card.text
+    assert tensors(out).keys() == tensors(source).keys()
+    assert all(torch.equal(tensors(out)[k], v) for k, v in tensors(source).items())
+
+
+def test_load_metrics_shapes():
+    assert load_metrics({"a": 1, "b": {"x": 2}}) == [{"task": "a", "value": 1}, {"task": "b", "x": 2}]
+    with pytest.raises(ValueError, match="metrics"):
+        load_metrics({"a": [1, 2]})
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+def _adapter(tmp_path, family="llama"):
+    """A retrofit adapter folder (PEFT LoRA + eviction heads + nosa_retrofit.json) and its in-process merge."""
+    from peft import LoraConfig, get_peft_model
+
+    base_dir = tmp_path / f"base_{family}"
+    tiny_model(family, seed=1).save_pretrained(base_dir)
+    model = hf_nosa.to_nosa(tiny_model(family, seed=1), hf_nosa.NosaConfig(**NOSA))
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                      modules_to_save=["eviction_head"], init_lora_weights=False)
+    peft_model = get_peft_model(model, lora)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "modules_to_save" in name:
+                param.copy_(torch.randn_like(param))
+    adapter_dir = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter_dir)
+    record = {"base_model": str(base_dir), "family": family, "nosa_config": NOSA, "recipe": "tiny.yaml", "steps": 30,
+              "final_loss": 2.5, "tokens_per_second": 1234.5, "hf_nosa_version": hf_nosa.__version__}
+    (adapter_dir / "nosa_retrofit.json").write_text(json.dumps(record))
+    return adapter_dir, peft_model.merge_and_unload()
+
+
+def test_export_from_adapter_equals_export_from_merged_model(tmp_path):
+    adapter_dir, merged = _adapter(tmp_path)
+    assert any(bool((h.A != 0).any()) for h in eviction_heads(merged).values())
+    from_adapter = export(adapter_dir, tmp_path / "from_adapter")
+    from_model = export(merged, tmp_path / "from_model")
+    a, b = tensors(from_adapter), tensors(from_model)
+    assert a.keys() == b.keys() and any(".eviction_head." in k for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    card = ModelCard.load(from_adapter / "README.md").text
+    assert "| `steps` | 30 |" in card and "| `recipe` | tiny.yaml |" in card
+    config = json.loads((from_adapter / "config.json").read_text())
+    assert hf_nosa.NosaConfig.from_dict(config["nosa"]) == hf_nosa.NosaConfig(**NOSA)
+
+
+@pytest.mark.parametrize(
+    "base, match",
+    [
+        (dict(family="qwen2"), "trained on a llama model"),
+        (dict(family="llama", hidden_size=32), "does not fit"),
+        (dict(family="llama", num_hidden_layers=3), "does not fit"),
+        (dict(family="llama", num_hidden_layers=1), "does not fit"),
+    ],
+)
+def test_adapter_for_another_base_is_refused(tmp_path, base, match):
+    adapter_dir, _ = _adapter(tmp_path)
+    other = tmp_path / "other_base"
+    tiny_model(**base).save_pretrained(other)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=match):
+        export(adapter_dir, out, base_model=str(other))
+    assert_nothing_written(out)
+
+
+# --------------------------------------------------------------------------- bad inputs write nothing
+
+
+def _corrupt_missing_weights(folder):
+    (folder / "model.safetensors").unlink()
+
+
+def _corrupt_missing_shard(folder):
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+
+
+def _corrupt_nosa_section(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["nosa"]["block_size"] = 24
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _corrupt_drop_heads(folder):
+    from safetensors.torch import save_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if ".eviction_head." not in k}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "corrupt, shard, error, match",
+    [
+        (_corrupt_missing_weights, None, FileNotFoundError, "no weights"),
+        (_corrupt_missing_shard, "100KB", FileNotFoundError, "missing weight file"),
+        (_corrupt_nosa_section, None, ValueError, "block_size=24"),
+        (_corrupt_drop_heads, None, ValueError, "eviction heads"),
+    ],
+)
+def test_corrupted_inputs_fail_clearly_and_write_nothing(tmp_path, corrupt, shard, error, match):
+    source = tmp_path / "source"
+    nosa_model("llama").save_pretrained(source, **({"max_shard_size": shard} if shard else {}))
+    corrupt(source)
+    out = tmp_path / "out"
+    with pytest.raises(error, match=match):
+        export(source, out)
+    assert_nothing_written(out)
+
+
+def test_failure_midway_leaves_out_dir_untouched(tmp_path, monkeypatch):
+    from hf_nosa.hub import card
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    with pytest.raises(ValueError, match="not empty"):
+        export(nosa_model("llama"), out)
+
+    def broken(**kwargs):
+        raise RuntimeError("card failed")
+
+    monkeypatch.setattr(card, "render_model_card", broken)
+    with pytest.raises(RuntimeError, match="card failed"):
+        export(nosa_model("llama"), out, overwrite=True)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    monkeypatch.undo()
+    export(nosa_model("llama"), out, overwrite=True)
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(ValueError, match="no eviction heads"):
+        export(tiny_model("llama"), tmp_path / "a")
+    with pytest.raises(FileNotFoundError, match="not a folder"):
+        export(tmp_path / "missing", tmp_path / "b")
+    with pytest.raises(ValueError, match="hf_nosa_requirement"):
+        export(nosa_model("llama"), tmp_path / "c", hf_nosa_requirement="latest")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_verify_rejects_nosa_in_generation_config(exports, tmp_path):
+    folder = tmp_path / "copy"
+    shutil.copytree(exports["root"] / "llama", folder)
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "cache_implementation": "nosa"}))
+    with pytest.raises(ValueError, match="cache_implementation"):
+        verify_folder(folder, remote_code=False)
+
+
+# --------------------------------------------------------------------------- a fresh Python loads the export
+
+LOAD = r"""
+import importlib.abc, json, sys, torch
+from pathlib import Path
+root = Path(sys.argv[1]); ref = torch.load(root / "reference.pt"); ids = ref["ids"]
+result = {"hf_nosa_preloaded": "hf_nosa" in sys.modules}
+
+class Block(importlib.abc.MetaPathFinder):  # a user without hf_nosa installed
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "hf_nosa":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+
+from transformers import AutoModelForCausalLM
+sys.meta_path.insert(0, Block())
+try:
+    AutoModelForCausalLM.from_pretrained(str(root / "llama"), trust_remote_code=True)
+except ImportError as error:
+    result["without_hf_nosa"] = str(error)
+sys.meta_path.pop(0)
+try:
+    AutoModelForCausalLM.from_pretrained(str(root / "too_new"), trust_remote_code=True)
+except ImportError as error:
+    result["too_old_hf_nosa"] = str(error)
+
+def greedy(model, **kw):
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=%d, do_sample=False, **kw)
+
+for family in ("llama", "qwen2", "qwen3"):
+    model = AutoModelForCausalLM.from_pretrained(str(root / family), trust_remote_code=True)
+    result[family] = {
+        "class": type(model).__name__, "module": type(model).__module__,
+        "same_tokens": torch.equal(greedy(model, cache_implementation="nosa"), ref[family]["nosa"]),
+        "logits_diff": (model(ids).logits - ref[family]["logits"]).abs().max().item(),
+    }
+stock = AutoModelForCausalLM.from_pretrained(str(root / "stock"))
+custom = str(root / "llama")
+result["stock_plain"] = torch.equal(greedy(stock, custom_generate=custom, trust_remote_code=True), ref["stock_plain"])
+nosa = greedy(stock, custom_generate=custom, trust_remote_code=True, cache_implementation="nosa", cache_config=%s)
+result["stock_nosa"] = torch.equal(nosa, ref["stock_nosa"])
+print(json.dumps(result))
+""" % (NEW, repr(NOSA))
+
+
+def test_fresh_process_loads_with_trust_remote_code(exports, tmp_path):
+    result = run_python(LOAD, [str(exports["root"])], fresh_env(tmp_path))
+    assert not result["hf_nosa_preloaded"]
+    assert "hf_nosa" in result["without_hf_nosa"] and "pip install" in result["without_hf_nosa"]
+    assert "hf-nosa>=99.0" in result["too_old_hf_nosa"] and "pip install" in result["too_old_hf_nosa"]
+    for family in ("llama", "qwen2", "qwen3"):
+        loaded = result[family]
+        assert loaded["module"].startswith("transformers_modules.") and loaded["class"].startswith("Nosa")
+        assert loaded["same_tokens"], family
+        assert loaded["logits_diff"] < 1e-5, family
+    assert result["stock_plain"] and result["stock_nosa"]
+
+
+# --------------------------------------------------------------------------- push over loopback
+
+PUSH = r"""
+import contextlib, io, json, os, sys
+from huggingface_hub import constants
+import hf_nosa.cli as cli
+
+cli.COMMANDS = {k: v for k, v in cli.COMMANDS.items() if k in ("export", "push")}
+results = []
+for scenario in json.loads(sys.argv[1]):
+    for key, value in scenario["env"].items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    constants.HF_HUB_OFFLINE = constants._is_true(os.environ.get("HF_HUB_OFFLINE"))  # as at import
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = cli.main(scenario["argv"])
+    results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
+print(json.dumps(results))
+"""
+
+
+def test_push_end_to_end_over_loopback(exports, tmp_path):
+    folder = exports["root"] / "llama"
+    exported = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    with_extra = tmp_path / "with_extra"
+    shutil.copytree(folder, with_extra)
+    (with_extra / "notes.txt").write_text("stale")
+    broken = tmp_path / "broken"
+    shutil.copytree(folder, broken)
+    (broken / "model.safetensors").unlink()
+    online, token = {"HF_HUB_OFFLINE": None}, {"HF_TOKEN": "hf_loopback"}
+
+    def push(folder, repo, *extra, env=None):
+        return {"argv": ["push", str(folder), "--repo-id", repo, *extra], "env": {**online, **token, **(env or {})}}
+
+    scenarios = [
+        push(broken, "me/tiny"),
+        push(folder, "me/tiny", env={"HF_HUB_OFFLINE": "1"}),
+        push(folder, "me/tiny", env={"HF_TOKEN": None}),
+        push(folder, "me/tiny", "--dry-run"),
+        push(folder, "me/tiny", env={"HF_TOKEN": "hf_refused"}),
+        push(folder, "me/tiny"),
+        push(folder, "me/tiny"),
+        push(with_extra, "me/other"),
+        push(folder, "me/other", "--overwrite"),
+    ]
+    with LoopbackHub(lifetime=200) as hub:
+        env = {**fresh_env(tmp_path), "HF_ENDPOINT": hub.url}
+        broken_r, offline, anonymous, dry, refused, first, again, extra, overwrite = run_python(
+            PUSH, [json.dumps(scenarios)], env
+        )
+        requests_before_push = hub.requests[: hub.requests.index(("POST", "/api/repos/create"))]
+    assert broken_r["code"] == 2 and "no weights" in broken_r["stderr"]
+    assert offline["code"] == 1 and "HF_HUB_OFFLINE" in offline["stderr"]
+    assert anonymous["code"] == 1 and "hf auth login" in anonymous["stderr"]
+    assert dry["code"] == 0 and all(name in dry["stdout"] for name in exported)
+    assert refused["code"] == 1 and "401" in refused["stderr"]
+    assert not [r for r in requests_before_push if r[1].startswith("/api/") and "agent" not in r[1]]
+    assert first["code"] == 0, first["stderr"]
+    assert again["code"] == 1 and "--overwrite" in again["stderr"]
+    assert extra["code"] == 0 and overwrite["code"] == 0, overwrite["stderr"]
+
+    tiny = [c for c in hub.commits if c["repo"] == "me/tiny"]
+    assert len(tiny) == 1 and tiny[0]["revision"] == "main"
+    assert sorted(tiny[0]["added"]) == exported and tiny[0]["deleted"] == []
+    assert all(tiny[0]["added"][name] == (folder / name).read_bytes() for name in exported)
+    other = [c for c in hub.commits if c["repo"] == "me/other"]
+    assert len(other) == 2 and other[1]["deleted"] == ["notes.txt"] and sorted(other[1]["added"]) == exported
+    assert sorted(hub.repos["me/other"]["main"]) == sorted([".gitattributes", *exported])
