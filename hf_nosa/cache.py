@@ -17,7 +17,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .attend import AttentionInputs
 from .config import NosaConfig
 from .host_store import HostStore
-from .kernels.fetch import fetch_blocks, plan_fetch
+from .kernels.backend import kernel_path
+from .kernels.block_scores import NewToken, append_token, block_select, window_capacity_for
+from .kernels.decode_attention import decode_attention
+from .kernels.fetch import SlotPool, StepCounters, fetch_blocks, fetch_step, plan_fetch
 from .masks import additive_mask, padding_bias
 from .prefill import quoka_prefill
 from .selectors import BlockSelector
@@ -126,6 +129,11 @@ class NosaLayer(CacheLayerMixin):
         self.slot_b = torch.zeros(B, Hk, S + 1, P, dtype=torch.float32, device=self.device)
         self.slot_block = torch.full((B, Hk, S), -1, dtype=torch.long, device=self.device)
         self.tail_slot = torch.zeros(B, Hk, dtype=torch.long, device=self.device)
+        # Device-kernel decode path: the index of the token being decoded lives on the device (advanced by the
+        # fetch kernel), so a step needs no host value and can be replayed from a CUDA graph.
+        self.step = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._step_value = 0  # what `step` holds once the queued work has run
+        self.counters = StepCounters.zeros(self.device)
         self.is_initialized = True
 
     @property
@@ -215,7 +223,9 @@ class NosaLayer(CacheLayerMixin):
 
     # ----- decode: one new token -----
 
-    def _decode(self, k, v, q, b, scale) -> AttentionInputs:
+    def _decode(self, k, v, q, b, scale) -> AttentionInputs | torch.Tensor:
+        if kernel_path("decode_step", k) == "triton":
+            return self._decode_fused(k, v, q, b, scale)
         cfg, P = self.cfg, self.cfg.block_size
         t = self.seen
         c = t // P
@@ -246,6 +256,75 @@ class NosaLayer(CacheLayerMixin):
         keys = self.slot_k[:, :, :S].flatten(2, 3)
         values = self.slot_v[:, :, :S].flatten(2, 3)
         return AttentionInputs(keys, values, key_bias, None, 0, causal=False)
+
+    def _decode_fused(self, k, v, q, b, scale) -> torch.Tensor:
+        """The decode step on device kernels; returns the attention output ``[B, H, 1, D]``.
+
+        Three launches per layer (selection: two; fetch + tail write + host write + counters: one) and the
+        attention (one, plus a merge when it splits the slots). No host sync: the token index is ``self.step`` on
+        the device. Python-side bookkeeping sits in ``prepare_fused_step`` / ``finish_fused_step``, which are
+        skipped while a CUDA graph is being captured (``kernels.cuda_graph`` runs them around each replay).
+        """
+        t = self.seen
+        capturing = k.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self.prepare_fused_step(t)
+        ck, cb = self.compressed.keys, self.compressed.bias
+        token = NewToken(k, b, self.compressed.ring_k, self.compressed.ring_b)
+        if self.selector is None:
+            selected = block_select(q, ck, cb, self.step, self.cfg, scale, token=token)
+        else:
+            append_token(ck, cb, token, self.step, self.cfg)
+            self.selector.observe(self, k, b, t)
+            selected = self.selector.select(self, q, t, scale)
+        pool = SlotPool(self.slot_k, self.slot_v, self.slot_b, self.slot_block, self.tail_slot)
+        fetch_step(selected, pool, self.host, k, v, b, self.step, self.counters, count_locality=self.warm)
+        if not capturing:
+            self.finish_fused_step(t)
+        S = self.n_slots
+        keys, values = self.slot_k[:, :, :S].flatten(2, 3), self.slot_v[:, :, :S].flatten(2, 3)
+        return decode_attention(q, keys, values, self.slot_b[:, :, :S].flatten(2), scale)
+
+    def prepare_fused_step(self, t: int) -> None:
+        """Host-side work before decoding token ``t`` on the device path: room in the host store and the
+        compressed keys (grown to a power of two of windows), and ``step`` set if the cache changed under it."""
+        self.host.ensure_capacity(t + 1)
+        n = num_windows(t + 1, self.cfg)
+        if self.compressed.keys.shape[2] < n:
+            self.compressed._reserve(window_capacity_for(n))
+        self.compressed.n = n
+        if self._step_value != t:
+            self.step.fill_(t)
+            self._step_value = t
+        # The counters live on the device; point the attributes stats() reads at them, carrying over what the
+        # prefill (or a torch-path step) counted so far.
+        counts, locality = self.counters
+        for name, view in (("blocks_loaded", counts[0]), ("bytes_to_device", counts[1]), ("locality_sum", locality[0])):
+            current = getattr(self, name)
+            if isinstance(current, torch.Tensor) and current.data_ptr() == view.data_ptr():
+                continue
+            if isinstance(current, torch.Tensor):
+                view.copy_(current)
+            else:
+                view.fill_(current)
+            setattr(self, name, view)
+
+    def finish_fused_step(self, t: int) -> None:
+        """Host-side bookkeeping after token ``t`` was decoded on the device path (no host sync)."""
+        self.seen = t + 1
+        self._step_value = t + 1
+        self.host.mark_device_written(t + 1, self.device)
+        self.decode_steps += 1
+        if self.warm:
+            self.locality_steps += 1
+        self.warm = True
+
+    def fused_graph_key(self) -> tuple:
+        """Addresses and sizes a captured decode step depends on; a CUDA graph must be recaptured when they change."""
+        tensors = (self.slot_k, self.slot_v, self.slot_b, self.slot_block, self.tail_slot, self.step,
+                   self.compressed.keys, self.compressed.bias, self.compressed.ring_k, self.compressed.ring_b,
+                   self.host.pointer_table(self.device), *self.counters)
+        return tuple((x.data_ptr(), tuple(x.shape)) for x in tensors) + (self.warm,)
 
     def select(self, query: torch.Tensor, t: int, scale: float) -> torch.Tensor:
         """NOSA selection for the decode token at cache index ``t``: ``[B, Hk, K]`` block indices (-1 = none)."""

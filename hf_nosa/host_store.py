@@ -24,6 +24,10 @@ class HostStore:
         self.b_chunks: list[torch.Tensor] = []
         self.length = 0
         self._pending: torch.cuda.Event | None = None
+        self._device_writer: torch.device | None = None  # a device whose kernels write the store directly
+        self._version = 0  # bumped whenever a chunk is added or replaced
+        self._table: torch.Tensor | None = None
+        self._table_version = -1
 
     @property
     def capacity(self) -> int:
@@ -45,6 +49,33 @@ class HostStore:
             self.k_chunks.append(self._empty(B, Hk, self.chunk, D, dtype=self.dtype))
             self.v_chunks.append(self._empty(B, Hk, self.chunk, D, dtype=self.dtype))
             self.b_chunks.append(self._empty(B, Hk, self.chunk, dtype=torch.float32))
+            self._version += 1
+
+    def ensure_capacity(self, n_tokens: int) -> None:
+        """Allocate chunks so that tokens ``0 .. n_tokens - 1`` have a place (before a kernel writes them)."""
+        self._grow(n_tokens)
+
+    def pointer_table(self, device: torch.device) -> torch.Tensor:
+        """``[3, n]`` int64 on ``device``: the addresses of the K, V and b chunks, for kernels that read and write
+        the pinned store directly (UVA). Updated in place when chunks are added, so its own address stays fixed."""
+        n = max(64, len(self.k_chunks))
+        if self._table is None or self._table.device != device or self._table.shape[1] < n:
+            self._table = torch.zeros(3, 1 << (n - 1).bit_length(), dtype=torch.int64, device=device)
+            self._table_version = -1
+        if self._table_version != self._version:
+            rows = [[t.data_ptr() for t in chunks] for chunks in (self.k_chunks, self.v_chunks, self.b_chunks)]
+            host = torch.zeros(self._table.shape, dtype=torch.int64)
+            if rows[0]:
+                host[:, : len(rows[0])] = torch.tensor(rows, dtype=torch.int64)
+            self._table.copy_(host, non_blocking=True)
+            self._table_version = self._version
+        return self._table
+
+    def mark_device_written(self, end: int, device: torch.device) -> None:
+        """A kernel on ``device`` wrote tokens up to ``end - 1`` straight into the store (no host sync)."""
+        self.length = max(self.length, end)
+        if device.type == "cuda":
+            self._device_writer = device
 
     def _spans(self, start: int, end: int):
         """(chunk index, offset in chunk, offset in the source, length) for tokens start .. end - 1."""
@@ -73,6 +104,9 @@ class HostStore:
         if self._pending is not None:
             self._pending.synchronize()
             self._pending = None
+        if self._device_writer is not None:
+            torch.cuda.synchronize(self._device_writer)
+            self._device_writer = None
 
     def read(self, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tokens ``start .. end - 1`` as ``k, v [B, Hk, T, D]`` and ``b [B, Hk, T]`` on ``device``."""
@@ -118,3 +152,4 @@ class HostStore:
                 out = self._empty(index.numel(), *chunk.shape[1:], dtype=chunk.dtype)
                 torch.index_select(chunk, 0, index, out=out)
                 chunks[j] = out
+        self._version += 1

@@ -1,5 +1,23 @@
-"""Device kernels of the decode path, each with a torch reference beside it."""
+"""Device kernels of the decode path, each with a torch reference beside it.
 
-from .fetch import FetchPlan, fetch_blocks, fetch_blocks_ref, plan_fetch
+Dispatch: Triton on CUDA tensors, the torch reference on CPU tensors; ``HF_NOSA_KERNELS=torch|triton`` forces one
+(``backend.py``). Each module: the ``@triton.jit`` kernel(s), a launcher, the torch reference, the public function.
+"""
 
-__all__ = ["FetchPlan", "fetch_blocks", "fetch_blocks_ref", "plan_fetch"]
+from .block_scores import NewToken, append_token, block_select
+from .decode_attention import decode_attention
+from .fetch import FetchPlan, SlotPool, StepCounters, fetch_blocks, fetch_blocks_ref, fetch_step, plan_fetch
+
+__all__ = [
+    "FetchPlan",
+    "NewToken",
+    "SlotPool",
+    "StepCounters",
+    "append_token",
+    "block_select",
+    "decode_attention",
+    "fetch_blocks",
+    "fetch_blocks_ref",
+    "fetch_step",
+    "plan_fetch",
+]

@@ -7,6 +7,16 @@ becomes the tail slot that receives the new tokens.
 Slot pool layout (per layer): ``slot_k, slot_v [B, Hk, S + 1, P, D]``, ``slot_b [B, Hk, S + 1, P]`` where
 ``S = K + 1`` attended slots and slot ``S`` is a scratch slot that absorbs writes for entries with nothing to copy;
 ``slot_block [B, Hk, S]`` (block held, -1 when empty), ``tail_slot [B, Hk]``.
+
+Two levels:
+
+- ``plan_fetch`` + ``fetch_blocks``: the set difference and the copy as separate torch steps (the reference).
+- ``fetch_step``: one whole decode step of the slot pool in one launch per layer (Triton on CUDA). Per (sequence,
+  KV head) one program computes the ``plan_fetch`` set difference, copies the missing K, V and b blocks by
+  reading the pinned host store directly through its device address (UVA: a pinned tensor's address is valid on
+  the GPU; the kernel gets an int64 table of chunk addresses), writes the new token into the tail slot and into
+  the host store, keeps ``slot_b == MASK_VALUE`` at every position that holds no token (so the attention can read
+  the pool with no extra mask), counts what moved, and advances the step counter. No host sync.
 """
 
 from __future__ import annotations
@@ -16,6 +26,8 @@ from typing import NamedTuple
 import torch
 
 from ..host_store import HostStore
+from ..selection import MASK_VALUE
+from .backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
 
 
 class FetchPlan(NamedTuple):
@@ -97,3 +109,277 @@ def fetch_blocks_ref(
 def fetch_blocks(plan, selected, host, slot_k, slot_v, slot_b) -> None:
     """Dispatcher: the torch copy wherever the slot pool lives (a UVA kernel replaces it on CUDA)."""
     fetch_blocks_ref(plan, selected, host, slot_k, slot_v, slot_b)
+
+
+# ----- the fused decode step of the slot pool -----
+
+
+class SlotPool(NamedTuple):
+    """A layer's device slots (layout at the top of this file); every tensor is updated in place."""
+
+    slot_k: torch.Tensor  # [B, Hk, S + 1, P, D]
+    slot_v: torch.Tensor  # [B, Hk, S + 1, P, D]
+    slot_b: torch.Tensor  # [B, Hk, S + 1, P] float32
+    slot_block: torch.Tensor  # [B, Hk, S] long
+    tail_slot: torch.Tensor  # [B, Hk] long
+
+
+class StepCounters(NamedTuple):
+    """Device counters a decode step advances without a host sync.
+
+    ``counts`` int64 ``[5]``: blocks loaded, bytes moved to the device, then three scratch entries the kernel
+    returns to zero (resident and selected blocks of the step, programs finished); ``locality`` float32 ``[1]``:
+    sum over counted steps of the share of selected blocks that were already resident.
+    """
+
+    counts: torch.Tensor
+    locality: torch.Tensor
+
+    @classmethod
+    def zeros(cls, device) -> "StepCounters":
+        return cls(torch.zeros(5, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.float32, device=device))
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fetch_step_kernel(
+        sel_ptr, slot_block_ptr, tail_ptr, slot_k_ptr, slot_v_ptr, slot_b_ptr, table_ptr,
+        k_new_ptr, v_new_ptr, b_new_ptr, step_ptr, counts_ptr, locality_ptr,
+        stride_sel_b, stride_sel_h, stride_sb_b, stride_sb_h, stride_tail_b, stride_tail_h,
+        stride_k_b, stride_k_h, stride_k_s, stride_v_b, stride_v_h, stride_v_s, stride_b_b, stride_b_h, stride_b_s,
+        stride_kn_b, stride_kn_h, stride_vn_b, stride_vn_h, stride_bn_b, stride_bn_h,
+        table_stride, block_bytes, count_locality, n_programs,
+        HK: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
+        P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr,
+        MASK: tl.constexpr, WRITE_HOST: tl.constexpr,
+    ):
+        i_bh = tl.program_id(0)
+        i_b = i_bh // HK
+        i_h = i_bh % HK
+        t = tl.load(step_ptr)
+        pos = (t % P).to(tl.int32)
+        c = (t // P).to(tl.int32)
+        new_block = pos == 0
+
+        # ---- plan: plan_fetch's set difference and slot assignment ----
+        o_k = tl.arange(0, K_PAD)
+        o_s = tl.arange(0, S_PAD)
+        m_s = o_s < S
+        b_sel = tl.load(sel_ptr + i_b * stride_sel_b + i_h * stride_sel_h + o_k, mask=o_k < K, other=-1).to(tl.int32)
+        p_sb = slot_block_ptr + i_b * stride_sb_b + i_h * stride_sb_h + o_s
+        b_sb = tl.load(p_sb, mask=m_s, other=-1).to(tl.int32)
+        tail = tl.load(tail_ptr + i_b * stride_tail_b + i_h * stride_tail_h).to(tl.int32)
+        is_sel = b_sel >= 0
+        match = (b_sel[:, None] == b_sb[None, :]) & is_sel[:, None] & m_s[None, :]  # [K_PAD, S_PAD]
+        keep = (tl.max(match.to(tl.int32), 0) > 0) | ((o_s == tail) & (pos != 0))
+        keep = keep & m_s
+        missing = is_sel & (tl.max(match.to(tl.int32), 1) == 0)
+        free = (keep == 0) & m_s
+        free_rank = tl.cumsum(free.to(tl.int32), 0) - 1
+        miss_rank = tl.cumsum(missing.to(tl.int32), 0) - 1
+        n_missing = tl.sum(missing.to(tl.int32), 0)
+        n_selected = tl.sum(is_sel.to(tl.int32), 0)
+        # missing block of rank r -> the free slot of rank r
+        lands = (free_rank[None, :] == miss_rank[:, None]) & free[None, :] & missing[:, None]  # [K_PAD, S_PAD]
+        assigned = tl.max(lands.to(tl.int32), 0) > 0
+        dst_of = tl.sum(tl.where(lands, o_s[None, :], 0), 1)  # [K_PAD] slot of each missing block
+        assigned_block = tl.sum(tl.where(lands, b_sel[:, None], 0), 0)
+        new_tail = tl.sum(tl.where(free & (free_rank == n_missing), o_s, 0), 0)
+        new_tail = tl.where(new_block, new_tail, tail)
+        new_sb = tl.where(keep, b_sb, tl.where(assigned, assigned_block, -1))
+        new_sb = tl.where(new_block & (o_s == new_tail), c, new_sb)
+        tl.store(p_sb, new_sb.to(tl.int64), mask=m_s)
+        tl.store(tail_ptr + i_b * stride_tail_b + i_h * stride_tail_h, new_tail.to(tl.int64))
+
+        # ---- copy the missing blocks, NB at a time, straight from pinned host memory ----
+        o_n = tl.arange(0, NB)
+        o_p = tl.arange(0, P)
+        o_d = tl.arange(0, D_PAD)
+        m_d = o_d < D
+        bh_row = (i_b * HK + i_h).to(tl.int64) * CHUNK  # first token row of this (sequence, head) in a chunk
+        p_k_slots = slot_k_ptr + i_b.to(tl.int64) * stride_k_b + i_h * stride_k_h
+        p_v_slots = slot_v_ptr + i_b.to(tl.int64) * stride_v_b + i_h * stride_v_h
+        p_b_slots = slot_b_ptr + i_b.to(tl.int64) * stride_b_b + i_h * stride_b_h
+        for r0 in range(0, n_missing, NB):
+            rank = r0 + o_n  # [NB]
+            pick = (miss_rank[None, :] == rank[:, None]) & missing[None, :]  # [NB, K_PAD]
+            m_n = rank < n_missing
+            blk = tl.sum(tl.where(pick, b_sel[None, :], 0), 1)
+            dst = tl.sum(tl.where(pick, dst_of[None, :], 0), 1)
+            chunk = blk // (CHUNK // P)
+            row = bh_row + (blk % (CHUNK // P)).to(tl.int64) * P  # [NB] token row inside the chunk
+            tok = row[:, None] + o_p[None, :]  # [NB, P]
+            m_nd = m_n[:, None, None] & m_d[None, None, :]
+            host_k = tl.load(table_ptr + chunk, mask=m_n, other=0).to(slot_k_ptr.dtype)
+            host_v = tl.load(table_ptr + table_stride + chunk, mask=m_n, other=0).to(slot_v_ptr.dtype)
+            host_b = tl.load(table_ptr + 2 * table_stride + chunk, mask=m_n, other=0).to(slot_b_ptr.dtype)
+            kv_off = tok[:, :, None] * D + o_d[None, None, :]  # [NB, P, D_PAD]
+            b_k = tl.load(host_k[:, None, None] + kv_off, mask=m_nd)
+            b_v = tl.load(host_v[:, None, None] + kv_off, mask=m_nd)
+            b_b = tl.load(host_b[:, None] + tok, mask=m_n[:, None])
+            slot_off = dst[:, None, None] * stride_k_s + o_p[None, :, None] * D + o_d[None, None, :]
+            tl.store(p_k_slots + slot_off, b_k, mask=m_nd)
+            slot_off = dst[:, None, None] * stride_v_s + o_p[None, :, None] * D + o_d[None, None, :]
+            tl.store(p_v_slots + slot_off, b_v, mask=m_nd)
+            tl.store(p_b_slots + dst[:, None] * stride_b_s + o_p[None, :], b_b, mask=m_n[:, None])
+
+        # ---- empty slots and the tail: b = MASK wherever no token is held ----
+        empty = m_s & (new_sb < 0)
+        if tl.sum(empty.to(tl.int32), 0) > 0:
+            p_empty = p_b_slots + o_s[:, None] * stride_b_s + o_p[None, :]
+            tl.store(p_empty, tl.full([S_PAD, P], MASK, tl.float32), mask=empty[:, None])
+        b_new = tl.load(b_new_ptr + i_b * stride_bn_b + i_h * stride_bn_h)
+        p_tail_b = p_b_slots + new_tail * stride_b_s + o_p
+        old = tl.load(p_tail_b)
+        tl.store(p_tail_b, tl.where(o_p < pos, old, tl.where(o_p == pos, b_new, MASK)))
+        k_new = tl.load(k_new_ptr + i_b * stride_kn_b + i_h * stride_kn_h + o_d, mask=m_d)
+        v_new = tl.load(v_new_ptr + i_b * stride_vn_b + i_h * stride_vn_h + o_d, mask=m_d)
+        tl.store(p_k_slots + new_tail * stride_k_s + pos * D + o_d, k_new, mask=m_d)
+        tl.store(p_v_slots + new_tail * stride_v_s + pos * D + o_d, v_new, mask=m_d)
+        if WRITE_HOST:
+            chunk_t = t // CHUNK
+            row_t = bh_row + t % CHUNK
+            host_k = tl.load(table_ptr + chunk_t).to(slot_k_ptr.dtype)
+            host_v = tl.load(table_ptr + table_stride + chunk_t).to(slot_v_ptr.dtype)
+            host_b = tl.load(table_ptr + 2 * table_stride + chunk_t).to(slot_b_ptr.dtype)
+            tl.store(host_k + row_t * D + o_d, k_new, mask=m_d)
+            tl.store(host_v + row_t * D + o_d, v_new, mask=m_d)
+            tl.store(host_b + row_t, b_new)
+
+        # ---- counters; the last program to finish advances the step ----
+        tl.atomic_add(counts_ptr, n_missing.to(tl.int64))
+        tl.atomic_add(counts_ptr + 1, n_missing.to(tl.int64) * block_bytes)
+        if count_locality != 0:
+            tl.atomic_add(counts_ptr + 2, (n_selected - n_missing).to(tl.int64))
+            tl.atomic_add(counts_ptr + 3, n_selected.to(tl.int64))
+        ticket = tl.atomic_add(counts_ptr + 4, 1, sem="acq_rel")
+        if ticket == n_programs - 1:
+            # Every other program has read the step and added its counts before taking its ticket.
+            tl.store(step_ptr, t + 1)
+            if count_locality != 0:
+                resident = tl.atomic_xchg(counts_ptr + 2, 0)
+                selected = tl.atomic_xchg(counts_ptr + 3, 0)
+                tl.atomic_add(locality_ptr, resident.to(tl.float32) / tl.maximum(selected, 1).to(tl.float32))
+            tl.atomic_xchg(counts_ptr + 4, 0)
+
+
+def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, b_new, step, counters, count_locality):
+    B, Hk, K = selected.shape
+    S = pool.slot_block.shape[-1]
+    P, D = pool.slot_k.shape[3], pool.slot_k.shape[4]
+    table = host.pointer_table(pool.slot_k.device)
+    block_bytes = P * (2 * D * pool.slot_k.element_size() + 4)
+    with on_device(pool.slot_k):
+        launcher(_fetch_step_kernel)[(B * Hk,)](
+            selected, pool.slot_block, pool.tail_slot, pool.slot_k, pool.slot_v, pool.slot_b, table,
+            k_new, v_new, b_new, step, counters.counts, counters.locality,
+            selected.stride(0), selected.stride(1), pool.slot_block.stride(0), pool.slot_block.stride(1),
+            pool.tail_slot.stride(0), pool.tail_slot.stride(1),
+            pool.slot_k.stride(0), pool.slot_k.stride(1), pool.slot_k.stride(2),
+            pool.slot_v.stride(0), pool.slot_v.stride(1), pool.slot_v.stride(2),
+            pool.slot_b.stride(0), pool.slot_b.stride(1), pool.slot_b.stride(2),
+            k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), b_new.stride(0), b_new.stride(1),
+            table.stride(0), block_bytes, int(bool(count_locality)), B * Hk,
+            HK=Hk, K=K, K_PAD=next_power_of_2(K), S=S, S_PAD=next_power_of_2(S), P=P, D=D,
+            D_PAD=next_power_of_2(D), CHUNK=host.chunk, NB=2, MASK=MASK_VALUE, WRITE_HOST=True,
+            num_warps=8,
+        )
+
+
+def fetch_step_ref(selected, pool: SlotPool, host: HostStore, k_new, v_new, b_new, step, counters, count_locality):
+    """Torch reference of ``fetch_step`` (reads the step with a host sync; CPU tensors in the tests)."""
+    t = int(step.reshape(-1)[0])
+    P, S = pool.slot_k.shape[3], pool.slot_block.shape[-1]
+    pos = t % P
+    plan = plan_fetch(selected, pool.slot_block, pool.tail_slot, new_block=pos == 0, current_block=t // P)
+    fetch_blocks_ref(plan, selected, host, pool.slot_k, pool.slot_v, pool.slot_b)
+    pool.slot_block.copy_(plan.slot_block)
+    pool.tail_slot.copy_(plan.tail_slot)
+    pool.slot_b[:, :, :S].masked_fill_((pool.slot_block < 0)[..., None], MASK_VALUE)
+    B, Hk = pool.tail_slot.shape
+    bi = torch.arange(B, device=pool.slot_k.device)[:, None]
+    hi = torch.arange(Hk, device=pool.slot_k.device)[None, :]
+    tail = pool.tail_slot
+    row = pool.slot_b[bi, hi, tail]  # [B, Hk, P]
+    o_p = torch.arange(P, device=row.device)
+    row = torch.where(o_p < pos, row, torch.where(o_p == pos, b_new.reshape(B, Hk, 1).float(), MASK_VALUE))
+    pool.slot_b[bi, hi, tail] = row
+    pool.slot_k[bi, hi, tail, pos] = k_new.reshape(B, Hk, -1)
+    pool.slot_v[bi, hi, tail, pos] = v_new.reshape(B, Hk, -1)
+    host.write(t, k_new.reshape(B, Hk, 1, -1), v_new.reshape(B, Hk, 1, -1), b_new.reshape(B, Hk, 1).float())
+    loaded = plan.missing.sum()
+    block_bytes = P * (2 * pool.slot_k.shape[4] * pool.slot_k.element_size() + 4)
+    counters.counts[0].add_(loaded)
+    counters.counts[1].add_(loaded * block_bytes)
+    if count_locality:
+        counters.locality.add_(plan.n_resident.sum().float() / plan.n_selected.sum().clamp(min=1).float())
+    step.add_(1)
+
+
+def fetch_step(
+    selected: torch.Tensor,
+    pool: SlotPool,
+    host: HostStore,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    b_new: torch.Tensor,
+    step: torch.Tensor,
+    counters: StepCounters,
+    *,
+    count_locality: bool,
+) -> None:
+    """One decode step of a layer's slot pool, in place: fetch the selection, write the new token, count.
+
+    Args:
+        selected: ``[B, Hk, K]`` long blocks to hold (-1 = none), all before the current block.
+        pool: the slot pool; afterwards it holds the selected blocks and the tail block with the new token, and
+            ``slot_b`` is ``MASK_VALUE`` wherever a slot position holds no token.
+        host: the host store; gets the new token. It must have room for it (``host.ensure_capacity``) and, when
+            the pool is on CUDA, be pinned. The caller records the new length (``host.mark_device_written``).
+        k_new, v_new: ``[B, Hk, 1, D]`` the new token's key and value; ``b_new``: ``[B, Hk, 1]`` float32 its score.
+        step: ``[1]`` long on the pool's device, the cache index t of the new token; advanced by one.
+        counters: advanced on the device (blocks and bytes loaded; locality when ``count_locality``).
+    """
+    _check_step(selected, pool, host, k_new, v_new, b_new, step, counters)
+    path = kernel_path("fetch", pool.slot_k)
+    if path == "triton" and pool.slot_k.is_cuda and not host.pin:
+        from .backend import forced_path
+
+        if forced_path() == "triton":
+            raise ValueError(
+                "fetch_step on CUDA with HF_NOSA_KERNELS=triton needs a pinned host store (NosaConfig.offload=True): "
+                "the kernel reads host memory through its device address."
+            )
+        log_fallback("fetch", "cuda", "the host store is not pinned (NosaConfig.offload=False)")
+        path = "torch"
+    if path == "torch":
+        return fetch_step_ref(selected, pool, host, k_new, v_new, b_new, step, counters, count_locality)
+    _fetch_step_triton(selected, pool, host, k_new, v_new, b_new, step, counters, count_locality)
+
+
+def _check_step(selected, pool, host, k_new, v_new, b_new, step, counters) -> None:
+    B, Hk, S = pool.slot_block.shape
+    P, D = pool.slot_k.shape[3], pool.slot_k.shape[4]
+    if selected.dim() != 3 or tuple(selected.shape[:2]) != (B, Hk) or selected.dtype != torch.long:
+        raise ValueError(f"selected must be long [B={B}, Hk={Hk}, K]; got {selected.dtype} {tuple(selected.shape)}")
+    if selected.shape[2] >= S:
+        raise ValueError(f"selected holds {selected.shape[2]} blocks but the pool has only {S} slots (needs K + 1)")
+    if pool.slot_k.shape != (B, Hk, S + 1, P, D) or pool.slot_v.shape != pool.slot_k.shape:
+        raise ValueError(f"slot_k/slot_v must be [B, Hk, S + 1, P, D] = {(B, Hk, S + 1, P, D)}; got {tuple(pool.slot_k.shape)}")
+    if pool.slot_b.shape != (B, Hk, S + 1, P) or pool.slot_b.dtype != torch.float32:
+        raise ValueError(f"slot_b must be float32 [B, Hk, S + 1, P]; got {pool.slot_b.dtype} {tuple(pool.slot_b.shape)}")
+    for name, t in (("slot_k", pool.slot_k), ("slot_v", pool.slot_v), ("slot_b", pool.slot_b)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        if tuple(t.shape) != (B, Hk, 1, D) or t.stride(-1) != 1 or t.dtype != pool.slot_k.dtype:
+            raise ValueError(f"{name} must be {pool.slot_k.dtype} [B, Hk, 1, D] = {(B, Hk, 1, D)} with a contiguous last dim")
+    if tuple(b_new.shape) != (B, Hk, 1) or b_new.dtype != torch.float32:
+        raise ValueError(f"b_new must be float32 [B, Hk, 1] = {(B, Hk, 1)}; got {b_new.dtype} {tuple(b_new.shape)}")
+    if step.numel() != 1 or step.dtype != torch.long or step.device != pool.slot_k.device:
+        raise ValueError("step must be a one-element long tensor on the slot pool's device")
+    if (host.batch, host.kv_heads, host.head_dim, host.dtype, host.block_size) != (B, Hk, D, pool.slot_k.dtype, P):
+        raise ValueError("the host store's batch, KV heads, head dim, dtype or block size differ from the slot pool's")
+    if counters.counts.device != pool.slot_k.device or counters.counts.numel() != 5:
+        raise ValueError("counters must be StepCounters.zeros(device) on the slot pool's device")

@@ -1,0 +1,139 @@
+"""Which implementation of a kernel runs: Triton on CUDA tensors, the torch reference on CPU tensors.
+
+``HF_NOSA_KERNELS=torch`` or ``HF_NOSA_KERNELS=triton`` forces one path (Triton on CPU tensors needs
+``TRITON_INTERPRET=1``, which is how the tests run the kernels without a GPU). The path each kernel takes is logged
+once per (kernel, path, device type); nothing switches path silently.
+
+``TRITON_INTERPRET`` is read when a kernel is launched, not when this package is imported: ``launcher(kernel)``
+returns the compiled kernel, or under the interpreter a twin of it (with its ``@triton.jit`` helpers swapped for
+interpreted ones), so tests can turn the interpreter on after ``import hf_nosa``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import types
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    HAS_TRITON = True
+except ImportError:  # triton ships for Linux only; the torch references cover the rest
+    triton = tl = InterpretedFunction = JITFunction = None
+    HAS_TRITON = False
+
+logger = logging.getLogger("hf_nosa.kernels")
+
+ENV_VAR = "HF_NOSA_KERNELS"
+PATHS = ("torch", "triton")
+_logged: set[tuple[str, str, str]] = set()
+_interpreted: dict[int, object] = {}
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``), read now."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def forced_path() -> str | None:
+    """The path ``HF_NOSA_KERNELS`` forces, or None; any other value is a ValueError."""
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if not value:
+        return None
+    if value not in PATHS:
+        raise ValueError(f"{ENV_VAR}={value!r} is invalid; allowed values are {PATHS} (or unset for automatic).")
+    return value
+
+
+def kernel_path(name: str, tensor: torch.Tensor) -> str:
+    """``"triton"`` or ``"torch"`` for kernel ``name`` on ``tensor``'s device; logs the choice once."""
+    path = forced_path() or ("triton" if tensor.is_cuda else "torch")
+    if path == "triton":
+        if not HAS_TRITON:
+            raise RuntimeError(f"{ENV_VAR}=triton (or a CUDA tensor) needs the triton package, which is not installed.")
+        if not tensor.is_cuda and not interpreting():
+            raise ValueError(
+                f"{ENV_VAR}=triton with {tensor.device.type} tensors needs TRITON_INTERPRET=1 (the Triton interpreter); "
+                f"set {ENV_VAR}=torch or unset it to use the torch reference there."
+            )
+    _log_once(name, path, tensor.device.type)
+    return path
+
+
+def _log_once(name: str, path: str, device_type: str, why: str = "") -> None:
+    key = (name, path, device_type)
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("hf_nosa kernel %s: %s path on %s tensors%s", name, path, device_type, why)
+
+
+def log_fallback(name: str, device_type: str, why: str) -> None:
+    """Log once that ``name`` runs the torch reference on a device where Triton would be the default."""
+    key = (name, "torch-fallback", device_type)
+    if key not in _logged:
+        _logged.add(key)
+        logger.warning("hf_nosa kernel %s: torch reference on %s tensors because %s", name, device_type, why)
+
+
+def launcher(kernel):
+    """The kernel to launch now: compiled, or its interpreted twin when ``TRITON_INTERPRET=1``."""
+    if not interpreting() or isinstance(kernel, InterpretedFunction):
+        return kernel
+    twin = _interpreted.get(id(kernel))
+    if twin is None:
+        twin = _interpreted[id(kernel)] = InterpretedFunction(_rebind(kernel))
+    return twin
+
+
+def _rebind(kernel):
+    """A copy of ``kernel.fn`` whose global ``@triton.jit`` helpers are interpreted functions."""
+    fn = kernel.fn
+    scope = dict(fn.__globals__)
+    for name in fn.__code__.co_names:
+        obj = fn.__globals__.get(name)
+        if isinstance(obj, JITFunction) and obj is not kernel:
+            scope[name] = launcher(obj)
+    twin = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    twin.__qualname__, twin.__module__, twin.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    return twin
+
+
+def on_device(tensor: torch.Tensor):
+    """Context that makes ``tensor``'s GPU current, so a launch lands there (layers may sit on several GPUs)."""
+    if tensor.is_cuda and tensor.device.index is not None and tensor.device.index != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return _NULL
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL = _Null()
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+_sm_count: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a fixed 8 elsewhere, for split heuristics under the interpreter)."""
+    if device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_count:
+        _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_count[index]
