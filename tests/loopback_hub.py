@@ -33,6 +33,7 @@ class LoopbackHub:
 
     def __init__(self, *, lifetime: float = 120.0, refused_token: str = "hf_refused"):
         self.repos: dict[str, dict[str, dict[str, bytes]]] = {}  # repo -> branch -> path -> content
+        self.created: dict[str, dict] = {}  # repo -> create-repo request (private, type, ...)
         self.commits: list[dict] = []
         self.requests: list[tuple[str, str]] = []
         self.refused_token = refused_token
@@ -104,6 +105,7 @@ class LoopbackHub:
         repo = f"{request['organization']}/{request['name']}" if request.get("organization") else request["name"]
         if repo in self.repos:
             return 409, {"error": "You already created this model repo", "url": f"{self.url}/{repo}"}, None
+        self.created[repo] = request
         self.repos[repo] = {"main": {".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"}}
         return 200, {"url": f"{self.url}/{repo}", "name": repo}, None
 

@@ -128,6 +128,14 @@ def test_register_auto_classes_loads_without_remote_code(exports):
     assert torch.equal(greedy(model, exports["ids"], cache_implementation="nosa"), exports["llama"]["nosa"])
 
 
+def test_stock_checkpoint_in_nosa_class_gets_untrained_heads(exports):
+    from hf_nosa.modeling.remote import NosaLlamaForCausalLM
+
+    model = NosaLlamaForCausalLM.from_pretrained(str(exports["root"] / "stock"))
+    assert all(bool((head.A == 0).all()) for head in eviction_heads(model).values())
+    assert torch.equal(greedy(model, exports["ids"]), exports["stock_plain"])
+
+
 def _tiny_tokenizer(folder):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -410,14 +418,15 @@ def test_push_end_to_end_over_loopback(exports, tmp_path):
         push(folder, "me/tiny", env={"HF_TOKEN": None}),
         push(folder, "me/tiny", "--dry-run"),
         push(folder, "me/tiny", env={"HF_TOKEN": "hf_refused"}),
-        push(folder, "me/tiny"),
+        push(folder, "me/tiny", "--private"),
         push(folder, "me/tiny"),
         push(with_extra, "me/other"),
         push(folder, "me/other", "--overwrite"),
+        {"argv": ["export", str(folder), str(tmp_path / "re_export"), "--nosa", "budget_tokens=96"], "env": {}},
     ]
     with LoopbackHub(lifetime=200) as hub:
         env = {**fresh_env(tmp_path), "HF_ENDPOINT": hub.url}
-        broken_r, offline, anonymous, dry, refused, first, again, extra, overwrite = run_python(
+        broken_r, offline, anonymous, dry, refused, first, again, extra, overwrite, re_export = run_python(
             PUSH, [json.dumps(scenarios)], env
         )
         requests_before_push = hub.requests[: hub.requests.index(("POST", "/api/repos/create"))]
@@ -431,6 +440,9 @@ def test_push_end_to_end_over_loopback(exports, tmp_path):
     assert again["code"] == 1 and "--overwrite" in again["stderr"]
     assert extra["code"] == 0 and overwrite["code"] == 0, overwrite["stderr"]
 
+    private = [repo for repo, request in hub.created.items()
+               if request.get("visibility") == "private" or request.get("private") is True]
+    assert private == ["me/tiny"]
     tiny = [c for c in hub.commits if c["repo"] == "me/tiny"]
     assert len(tiny) == 1 and tiny[0]["revision"] == "main"
     assert sorted(tiny[0]["added"]) == exported and tiny[0]["deleted"] == []
@@ -438,3 +450,7 @@ def test_push_end_to_end_over_loopback(exports, tmp_path):
     other = [c for c in hub.commits if c["repo"] == "me/other"]
     assert len(other) == 2 and other[1]["deleted"] == ["notes.txt"] and sorted(other[1]["added"]) == exported
     assert sorted(hub.repos["me/other"]["main"]) == sorted([".gitattributes", *exported])
+
+    assert re_export["code"] == 0, re_export["stderr"]
+    config = json.loads((tmp_path / "re_export" / "config.json").read_text())
+    assert config["nosa"] == {**json.loads((folder / "config.json").read_text())["nosa"], "budget_tokens": 96}

@@ -109,7 +109,7 @@ def push(
         )
     api = HfApi(endpoint=endpoint, token=token)
     try:
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        api.create_repo(repo_id, private=True if private else None, exist_ok=True, repo_type="model")
         existing = _existing_files(api, repo_id, revision)
         if existing is None and revision is not None:  # a new branch, made from main
             api.create_branch(repo_id, branch=revision, exist_ok=True)

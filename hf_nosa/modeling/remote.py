@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -24,7 +26,6 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
-from transformers import initialization as hf_init
 
 from ..attention import EvictionHead
 from ..config import NosaConfig
@@ -82,7 +83,7 @@ class _NosaCausalLMMixin:
     ``from_pretrained`` builds the model on the meta device before loading weights, which ``to_nosa`` refuses (it
     converts loaded models, whose weights must be real); here the eviction heads are created wherever the layer's
     weights are and filled by the checkpoint. A checkpoint without eviction heads gets ``A = 0`` (see
-    ``_init_weights``): the stock model's outputs, with recency deciding what the eviction head would have.
+    ``initialize_weights``): the stock model's outputs, with recency deciding what the eviction head would have.
     """
 
     family: str = ""
@@ -107,11 +108,14 @@ class _NosaCausalLMMixin:
             attn.nosa_config = cfg
         self.config.nosa = cfg.to_dict()
 
-    def _init_weights(self, module):
-        if isinstance(module, EvictionHead):
-            hf_init.zeros_(module.A)  # delta is an nn.Linear child, initialised by the stock rule
-            return
-        super()._init_weights(module)
+    def initialize_weights(self):
+        super().initialize_weights()
+        # The stock init is dispatched to the inner model, which knows no eviction head: a head the checkpoint did
+        # not provide gets A = 0 here (delta is an nn.Linear, initialised by the stock rule).
+        with torch.no_grad():
+            for head in eviction_heads(self).values():
+                if not getattr(head.A, "_is_hf_initialized", False):
+                    head.A.zero_()
 
 
 class NosaLlamaForCausalLM(_NosaCausalLMMixin, LlamaForCausalLM):
