@@ -2,7 +2,8 @@
 preupload and commit endpoints, enough for ``create_repo`` + ``upload_folder`` through the real client.
 
 Every file is answered as a "regular" (inline base64) upload, so the commit carries the file contents. The server
-records each request and each commit, answers 401 to the token ``refused_token``; it stops when the ``with`` block ends or after ``lifetime`` seconds.
+records each request and each commit and answers 401 to the token ``refused_token``. It stops when the ``with``
+block ends or after ``lifetime`` seconds.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ class LoopbackHub:
 
     def _preupload(self, body, repo, rev):
         files = json.loads(body)["files"]
-        return 200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}, None
+        modes = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]
+        return 200, {"files": modes}, None
 
     def _commit(self, body, repo, rev):
         files, error = self._branch_files(repo, rev)

@@ -4,6 +4,7 @@ server; bad inputs fail clearly and write nothing."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -50,9 +51,21 @@ def tensors(folder):
 
 
 def fresh_env(tmp):
-    """Environment of a fresh Python: its own HF home (remote-code module cache), no token, no endpoint."""
+    """Environment of a fresh Python: its own HF home (remote-code module cache), no token, no endpoint.
+
+    custom_generate/requirements.txt names hf-nosa, which transformers checks through the installed metadata; a
+    source checkout run with PYTHONPATH=. has none, so it gets a minimal dist-info here.
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE_"))}
-    env.update(HF_HOME=str(tmp / "hf_home"), PYTHONPATH=str(REPO_ROOT), TOKENIZERS_PARALLELISM="false")
+    paths = [str(REPO_ROOT)]
+    try:
+        importlib.metadata.version("hf-nosa")
+    except importlib.metadata.PackageNotFoundError:
+        info = tmp / "site" / f"hf_nosa-{hf_nosa.__version__}.dist-info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: hf-nosa\nVersion: {hf_nosa.__version__}\n")
+        paths.append(str(tmp / "site"))
+    env.update(HF_HOME=str(tmp / "hf_home"), PYTHONPATH=os.pathsep.join(paths), TOKENIZERS_PARALLELISM="false")
     return env
 
 
@@ -166,6 +179,19 @@ def test_export_from_saved_folder_finds_tokenizer_license_and_metrics(tmp_path):
     assert all(torch.equal(tensors(out)[k], v) for k, v in tensors(source).items())
 
 
+def test_sharded_export_and_generation_config_without_nosa(tmp_path):
+    from transformers import GenerationConfig
+
+    model = nosa_model("qwen3")
+    model.generation_config.cache_implementation = "nosa"  # accepted in-process, refused by stock transformers
+    out = export(model, tmp_path / "out", max_shard_size="100KB")
+    assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
+    assert verify_folder(out, remote_code=False)["tensors"] == len(model.state_dict())
+    assert all(torch.equal(tensors(out)[k], v) for k, v in model.state_dict().items())
+    assert "cache_implementation" not in json.loads((out / "generation_config.json").read_text())
+    assert GenerationConfig.from_pretrained(str(out)).cache_implementation is None
+
+
 def test_load_metrics_shapes():
     assert load_metrics({"a": 1, "b": {"x": 2}}) == [{"task": "a", "value": 1}, {"task": "b", "x": 2}]
     with pytest.raises(ValueError, match="metrics"):
@@ -191,7 +217,9 @@ def _adapter(tmp_path, family="llama"):
                 param.copy_(torch.randn_like(param))
     adapter_dir = tmp_path / "adapter"
     peft_model.save_pretrained(adapter_dir)
-    record = {"base_model": str(base_dir), "family": family, "nosa_config": NOSA, "recipe": "tiny.yaml", "steps": 30,
+    recipe = {"model": str(base_dir), "description": "tiny test recipe", "nosa": NOSA, "lora": {"r": 4, "alpha": 8},
+              "seq_len": 256, "steps": 30}
+    record = {"base_model": str(base_dir), "family": family, "nosa_config": NOSA, "recipe": recipe, "steps": 30,
               "final_loss": 2.5, "tokens_per_second": 1234.5, "hf_nosa_version": hf_nosa.__version__}
     (adapter_dir / "nosa_retrofit.json").write_text(json.dumps(record))
     return adapter_dir, peft_model.merge_and_unload()
@@ -206,7 +234,7 @@ def test_export_from_adapter_equals_export_from_merged_model(tmp_path):
     assert a.keys() == b.keys() and any(".eviction_head." in k for k in a)
     assert all(torch.equal(a[k], b[k]) for k in a)
     card = ModelCard.load(from_adapter / "README.md").text
-    assert "| `steps` | 30 |" in card and "| `recipe` | tiny.yaml |" in card
+    assert "| `steps` | 30 |" in card and "| `recipe` | tiny test recipe |" in card and '"seq_len": 256' in card
     config = json.loads((from_adapter / "config.json").read_text())
     assert hf_nosa.NosaConfig.from_dict(config["nosa"]) == hf_nosa.NosaConfig(**NOSA)
 
@@ -454,3 +482,33 @@ def test_push_end_to_end_over_loopback(exports, tmp_path):
     assert re_export["code"] == 0, re_export["stderr"]
     config = json.loads((tmp_path / "re_export" / "config.json").read_text())
     assert config["nosa"] == {**json.loads((folder / "config.json").read_text())["nosa"], "budget_tokens": 96}
+
+
+# --------------------------------------------------------------------------- GPU: the same path in bf16 on CUDA
+
+GPU_LOAD = r"""
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+ref = torch.load(sys.argv[2])
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True, dtype=torch.bfloat16,
+                                             device_map="cuda")
+ids = ref["ids"].cuda()
+out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=%d, do_sample=False,
+                     cache_implementation="nosa")
+print(json.dumps({"same_tokens": torch.equal(out.cpu(), ref["out"]), "dtype": str(model.dtype),
+                  "device": str(model.device)}))
+""" % NEW
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_bf16_export_loads_and_decodes_identically(tmp_path, family):
+    model = nosa_model(family).to("cuda", torch.bfloat16)
+    out = export(model, tmp_path / "out")
+    ids = torch.randint(3, 97, (2, 4 * PROMPT))
+    reference = greedy(model, ids.cuda(), cache_implementation="nosa").cpu()
+    torch.save({"ids": ids, "out": reference}, tmp_path / "ref.pt")
+    result = run_python(GPU_LOAD, [str(out), str(tmp_path / "ref.pt")], fresh_env(tmp_path))
+    assert result["dtype"] == "torch.bfloat16" and result["device"].startswith("cuda")
+    assert result["same_tokens"]
+

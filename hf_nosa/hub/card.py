@@ -131,7 +131,7 @@ def _retrofit_section(record: dict[str, Any] | None) -> str:
     rows += [["hf_nosa_version (retrofit)", record.get("hf_nosa_version")]]
     recipe = record.get("recipe")
     if isinstance(recipe, dict):
-        rows[1][1] = recipe.get("name", "see below")
+        rows[1][1] = recipe.get("name") or recipe.get("description") or "below"
     text = (
         "LoRA on the attention projections plus fully trained eviction heads, with the same sparse attention the "
         "model decodes with; the adapter was merged into the weights at export.\n\n"

@@ -93,7 +93,8 @@ def push(
     folder = Path(folder)
     summary = verify_folder(folder, remote_code=True)
     files = _upload_list(summary["files"])
-    result = {"repo_id": repo_id, "revision": revision or "main", "files": files, "commit_url": None, "dry_run": dry_run}
+    result = {"repo_id": repo_id, "revision": revision or "main", "files": files, "commit_url": None}
+    result["dry_run"] = dry_run
     if dry_run:
         return result
     if _offline():

@@ -161,7 +161,7 @@ def verify_folder(folder: str | Path, *, remote_code: bool = True) -> dict[str, 
     config_dict = read_config(folder)
     model_type = config_dict.get("model_type", "")
     if not str(model_type).startswith(MODEL_TYPE_PREFIX):
-        raise ValueError(f"{where}: config.json model_type={model_type!r}; an exported NOSA checkpoint has nosa_<family>")
+        raise ValueError(f"{where}: config.json model_type={model_type!r}; an export has model_type nosa_<family>")
     family = family_of_model_type(model_type)
     nosa_section(config_dict, where)
     configuration_file, modeling_file = remote_code_files(family)
