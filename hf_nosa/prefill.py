@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attend import AttentionInputs, attend
 from .config import NosaConfig
+from .kernels.chunk_attention import chunk_attention
 from .kernels.quoka_score import quoka_score
 from .masks import padding_bias
 from .selection import MASK_VALUE, compress_keys, num_windows, quoka_query_choice, quoka_select_blocks
@@ -97,6 +97,19 @@ def _choose_blocks(layer, q, valid, group, start) -> torch.Tensor:
     return quoka_select_blocks(scores, torch.tensor(current, device=q.device), cfg, budget_blocks=budget)
 
 
+def _group_index(selected, group, start, end, cfg) -> torch.Tensor:
+    """``[B, Hk, R, S]`` int32 rows of this forward's K/V each chunk of the group reads (-1 = none): the tokens of
+    its selected blocks (``selected [B, Hk, R, K]``), then its own tokens."""
+    P, C = cfg.block_size, cfg.prefill_chunk_size
+    B, Hk, R, _ = selected.shape
+    device = selected.device
+    blocks = selected[..., None] * P - start + torch.arange(P, device=device)
+    blocks = torch.where(selected[..., None] >= 0, blocks, -1).flatten(3)  # [B, Hk, R, K * P]
+    own = group[0][0] - start + torch.arange(R * C, device=device).view(R, C)  # chunk r: its C tokens
+    own = torch.where(own < end - start, own, -1)
+    return torch.cat([blocks, own.expand(B, Hk, R, C)], -1).to(torch.int32)
+
+
 def _chunk_kv(layer, k, v, b, start, selected, lo, end):
     """Keys ``[B, Hk, S, D]``, values and bias ``[B, Hk, S]`` a chunk attends to: its selected blocks (``[B, Hk, K]``,
     -1 = none), then its own tokens ``lo .. end - 1``."""
@@ -149,7 +162,8 @@ def quoka_prefill(layer, k, v, q, b, attention_mask, scale: float) -> torch.Tens
     """
     cfg = layer.cfg
     P = cfg.block_size
-    start, T = layer.seen, k.shape[2]
+    B, Hk, T, _ = k.shape
+    start = layer.seen
     end = start + T
     valid = None
     pad = padding_bias(attention_mask, start, T)
@@ -168,12 +182,21 @@ def quoka_prefill(layer, k, v, q, b, attention_mask, scale: float) -> torch.Tens
         a, z = group[0][1] - start, group[-1][2] - start
         extend_compressed(layer.compressed, k[:, :, a:z], b[:, :, a:z], start + a)
         selected = _choose_blocks(layer, q, valid, group, start)  # [B, Hk, R, K]
+        K = selected.shape[-1]
+        for lo, first, hi in group:
+            layer.peak_device_tokens = max(layer.peak_device_tokens, min(K, lo // P) * P + hi - lo)
+        if start == 0:
+            # Every key the group reads was written by this forward: read it in place.
+            index = _group_index(selected, group, start, end, cfg)
+            rows = [first - start for _, first, _ in group] + [z]
+            chunk_attention(q, k, v, b, index, rows, [0] * len(group), scale, out=out)
+            continue
         for r, (lo, first, hi) in enumerate(group):
-            n_sel = min(selected.shape[-1], lo // P)  # candidates all score finite: the first n_sel are real
-            keys, values, key_bias = _chunk_kv(layer, k, v, b, start, selected[:, :, r, :n_sel], lo, hi)
-            layer.peak_device_tokens = max(layer.peak_device_tokens, keys.shape[2])
-            inputs = AttentionInputs(keys, values, key_bias, None, keys.shape[2] - (hi - first), causal=True)
-            out[:, :, first - start : hi - start] = attend(q[:, :, first - start : hi - start], inputs, scale)
+            keys, values, key_bias = _chunk_kv(layer, k, v, b, start, selected[:, :, r, : min(K, lo // P)], lo, hi)
+            S, n = keys.shape[2], hi - first
+            index = torch.arange(S, device=k.device, dtype=torch.int32).expand(B, Hk, 1, S)
+            rows_q = slice(first - start, hi - start)
+            chunk_attention(q[:, :, rows_q], keys, values, key_bias, index, [0, n], [S - n], scale, out=out[:, :, rows_q])
 
     # Leave the layer as a dense prefill would: empty slots but for the partly written last block.
     tail = end - end % P

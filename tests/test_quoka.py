@@ -158,13 +158,13 @@ def test_device_kv_never_exceeds_budget_plus_chunk(monkeypatch, chunk, budget):
     model = _model("llama", seed=5)
     cfg = small_nosa_config(budget_tokens=96, query_tokens=16, prefill_budget_tokens=budget, prefill_chunk_size=chunk)
     seen = []
-    original = prefill_module.attend
+    original = prefill_module.chunk_attention
 
-    def spy(query, inputs, scale):
-        seen.append(inputs.keys.shape[2])
-        return original(query, inputs, scale)
+    def spy(query, keys, values, key_bias, index, *args, **kwargs):
+        seen.extend((index >= 0).sum(-1).amax((0, 1)).tolist())  # KV rows each chunk reads
+        return original(query, keys, values, key_bias, index, *args, **kwargs)
 
-    monkeypatch.setattr(prefill_module, "attend", spy)
+    monkeypatch.setattr(prefill_module, "chunk_attention", spy)
     ids, mask = _prompt(2, 700, seed=6, left_pad=(0, 50))
     cache = NosaCache(model.config, cfg)
     with torch.no_grad():
@@ -200,15 +200,14 @@ def test_auto_is_dense_while_the_prompt_fits_and_quoka_beyond(monkeypatch):
 
 def test_generate_on_a_long_prompt_with_the_default_config():
     model = to_nosa(tiny_model("llama", seed=2, max_position_embeddings=8192))
-    cfg = NosaConfig()
+    cfg = NosaConfig()  # prefill="auto": the prompt is longer than the budget, so QUOKA runs
     ids, _ = _prompt(1, cfg.budget_tokens + 700, seed=9)
-    cache = NosaCache(model.config)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False)
-    assert out.shape == (1, ids.shape[1] + 3)
-    stats = cache.stats()
-    assert stats["device_tokens"] <= cfg.budget_tokens + cfg.prefill_chunk_size
-    via_string = model.generate(ids, cache_implementation="nosa", max_new_tokens=3, do_sample=False)
-    assert torch.equal(via_string, out)
+    out = model.generate(ids, cache_implementation="nosa", max_new_tokens=3, do_sample=False,
+                         return_dict_in_generate=True)
+    assert out.sequences.shape == (1, ids.shape[1] + 3)
+    stats = out.past_key_values.stats()
+    assert stats["seen_tokens"] == ids.shape[1] + 2 and stats["decode_steps"] == 2
+    assert cfg.budget_tokens < stats["device_tokens"] <= cfg.budget_tokens + cfg.prefill_chunk_size
 
 
 def test_compressed_keys_extend_like_a_rebuild():
