@@ -336,6 +336,17 @@ def test_bad_sources(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+def test_remote_classes_check_like_to_nosa():
+    from hf_nosa.modeling.remote import NosaLlamaConfig, NosaQwen2Config, NosaQwen2ForCausalLM
+
+    with pytest.raises(ValueError, match='"nosa" section of config.json is invalid.*block_size'):
+        NosaLlamaConfig(nosa={**NOSA, "block_size": 12})
+    config = {k: v for k, v in tiny_model("qwen2").config.to_dict().items() if k != "layer_types"}
+    sliding = NosaQwen2Config(**{**config, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 0})
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        NosaQwen2ForCausalLM(sliding)
+
+
 def test_verify_rejects_nosa_in_generation_config(exports, tmp_path):
     folder = tmp_path / "copy"
     shutil.copytree(exports["root"] / "llama", folder)

@@ -81,8 +81,9 @@ class _NosaCausalLMMixin:
     """The stock causal LM with NOSA attention in every layer, built in ``__init__`` (also on the meta device).
 
     ``from_pretrained`` builds the model on the meta device before loading weights, which ``to_nosa`` refuses (it
-    converts loaded models, whose weights must be real); here the eviction heads are created wherever the layer's
-    weights are and filled by the checkpoint. A checkpoint without eviction heads gets ``A = 0`` (see
+    converts loaded models, whose weights must be real); so this does what ``to_nosa`` does (same checks, same
+    attention classes and eviction heads) with the heads created wherever the layer's weights are, to be filled by
+    the checkpoint. A checkpoint without eviction heads gets ``A = 0`` (see
     ``initialize_weights``): the stock model's outputs, with recency deciding what the eviction head would have.
     """
 
@@ -96,6 +97,13 @@ class _NosaCausalLMMixin:
             raise ValueError(
                 f"attn_implementation={attn_impl!r} is not supported by NOSA attention; allowed values are "
                 f"{SUPPORTED_ATTENTION}. Load the model with attn_implementation='sdpa'."
+            )
+        layer_types = getattr(self.config, "layer_types", None) or []
+        sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+        if sliding:
+            raise ValueError(
+                f"layers {sliding} use {layer_types[sliding[0]]!r}; NOSA converts full-attention layers only "
+                "(set use_sliding_window=False)."
             )
         attention_class = FAMILIES[self.family].ATTENTION_CLASS
         for layer in self.model.layers:
