@@ -11,6 +11,8 @@ COMMANDS = {
     "demo": ("hf_nosa.demo", "decode a long passkey prompt with NOSA offload on the embedded demo model"),
     "export": ("hf_nosa.hub.exporter", "write a NOSA model or retrofit adapter as a trust_remote_code checkpoint"),
     "push": ("hf_nosa.hub.publish", "verify an exported checkpoint and publish it to the Hub in one commit"),
+    "retrofit": ("hf_nosa.retrofit", "retrofit a Llama/Qwen checkpoint into NOSA: LoRA + trained eviction heads"),
+    "eval": ("hf_nosa.eval.runner", "synthetic long-context suite and perplexity with full attention, NOSA and baselines"),
 }
 
 
