@@ -9,7 +9,8 @@ from .attend import AttentionInputs, attend
 from .cache import NosaCache
 from .config import NosaConfig
 from .masks import additive_mask
-from .selection import MASK_VALUE, eviction_bias, nosa_token_mask
+from .selection import eviction_bias
+from .training import nosa_training_attention
 
 class EvictionHead(nn.Module):
     """``b = A * softplus(delta(v))``: one query-agnostic score per token and KV head (design Sec. 3.1).
@@ -40,9 +41,9 @@ def nosa_attention(
     """NOSA attention of one layer, after RoPE. Returns ``[B, H, Tq, D]``.
 
     With a NosaCache the cache decides what is attended (decode: the selected blocks; prefill: per its mode).
-    With any other cache (or none), the keys are complete: full attention plus the eviction bias, or, when the
-    model's NosaConfig says ``prefill="nosa"``, the decode rule applied to every query token (the training
-    attention; it equals NosaCache decoding).
+    With any other cache (or none), the keys are complete: full attention plus the eviction bias, or, in training
+    mode or when the model's NosaConfig says ``prefill="nosa"``, the decode rule applied to every query token
+    (``training.nosa_training_attention``; it equals NosaCache decoding).
     """
     bias = module.eviction_head(value_flat)  # [B, Hk, Tq]
     if isinstance(cache, NosaCache):
@@ -59,10 +60,12 @@ def nosa_attention(
         key, value = cache.update(key, value, module.layer_idx)
         # A plain cache keeps no eviction scores; they are a function of the values, so recompute them.
         bias = module.eviction_head(value.transpose(1, 2).flatten(2))
+    cfg: NosaConfig = module.nosa_config
+    if module.training or cfg.prefill == "nosa":
+        # Training always uses the rule the model decodes with (design Sec. 5), whatever the prefill mode.
+        return nosa_training_attention(
+            query, key, value, bias, cfg, module.scaling, attention_mask=attention_mask, q_offset=q_offset
+        )
     Tq, T = query.shape[2], key.shape[2]
     mask = additive_mask(attention_mask, Tq, T, q_offset, query.device)
-    cfg: NosaConfig = module.nosa_config
-    if cfg.prefill == "nosa":
-        allowed = nosa_token_mask(query, key, bias, q_offset, cfg, module.scaling)
-        mask = mask + torch.where(allowed, 0.0, MASK_VALUE)
     return attend(query, AttentionInputs(key, value, bias, mask, q_offset, causal=False), module.scaling)

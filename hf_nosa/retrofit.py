@@ -1,0 +1,618 @@
+"""Retrofit a stock Llama / Qwen2 / Qwen3 checkpoint into a NOSA model: LoRA plus fully trained eviction heads.
+
+The model trains with the attention it will decode with (``training.py``): ``to_nosa`` adds the eviction heads,
+PEFT adds LoRA to the projections named by the recipe, and the eviction heads train in full through
+``modules_to_save`` (design Sec. 5). Runs single-process or under ``accelerate launch`` (DDP; FSDP through
+accelerate's own sharded checkpoints).
+
+The output directory holds the PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``, eviction
+heads included) and ``nosa_retrofit.json``; ``checkpoints/step-N/`` hold what ``resume=True`` continues from (the
+trainable weights, optimizer, scheduler, RNG states, loss history).
+
+Example:
+    >>> result = retrofit("tiny", "data.jsonl", "out/tiny")  # doctest: +SKIP
+    >>> model = merge_adapter("out/tiny")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import shutil
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import NosaConfig
+from .modeling import FAMILIES, eviction_heads, family_of, to_nosa
+
+logger = logging.getLogger(__name__)
+
+RUN_FILE = "nosa_retrofit.json"
+TRAINER_STATE = "trainer_state.json"
+TRAINABLE_FILE = "trainable.safetensors"
+RECIPE_MODEL = "recipe:model"  # base_model of a run whose base was built from the recipe's model config
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+
+REQUIRED = ("model", "nosa", "lora", "seq_len", "lr_eviction", "lr_lora", "steps", "batch_size", "grad_accum",
+            "device_memory_gb")
+DEFAULTS = dict(description="", tokenizer=None, text_field="text", warmup_steps=0, weight_decay=0.0,
+                max_grad_norm=1.0, seed=0, save_every=0, keep_checkpoints=2, gradient_checkpointing=True)
+LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
+MODEL_CONFIG_KEYS = ("config", "family", "seed")
+
+
+# ----- recipes -----
+
+
+def _recipe_dirs() -> list[Path]:
+    return [Path.cwd() / "recipes", Path(__file__).resolve().parent.parent / "recipes"]
+
+
+def _number(recipe: dict, name: str, kind: type, low: float, *, inclusive: bool = False):
+    value = recipe[name]
+    if kind is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    ok_type = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok_type or not (value >= low if inclusive else value > low):
+        bound = f">= {low}" if inclusive else f"> {low}"
+        raise ValueError(f"recipe {name}={value!r} is invalid: it must be {'an integer' if kind is int else 'a number'} {bound}")
+    recipe[name] = kind(value)
+
+
+def load_recipe(recipe: str | Path | dict) -> dict:
+    """A validated recipe with defaults filled: from a dict, a YAML path, or a bare name in ``recipes/``.
+
+    Required keys: ``model`` (Hub id, local folder, or ``{"config": {...}, "family": ..., "seed": 0}`` for a random
+    model built from a config), ``nosa`` (NosaConfig fields), ``lora`` (``r``, ``alpha``, ``dropout``,
+    ``target_modules``), ``seq_len`` (a multiple of the block size), ``lr_eviction``, ``lr_lora``, ``steps``,
+    ``batch_size`` (per process), ``grad_accum``, ``device_memory_gb``. Optional: see ``DEFAULTS``.
+    Unknown keys are an error.
+    """
+    if isinstance(recipe, (str, Path)):
+        path = Path(recipe)
+        if not path.is_file() and path.suffix not in (".yaml", ".yml") and len(path.parts) == 1:  # a bare name
+            candidates = [folder / f"{path}.yaml" for folder in _recipe_dirs()]
+            path = next((c for c in candidates if c.is_file()), candidates[0])
+        if not path.is_file():
+            raise FileNotFoundError(f"recipe {str(recipe)!r} not found (looked for {path}); pass a YAML path or a "
+                                    f"name of {sorted(p.stem for d in _recipe_dirs() if d.is_dir() for p in d.glob('*.yaml'))}")
+        import yaml
+
+        recipe = yaml.safe_load(path.read_text())
+    if not isinstance(recipe, dict):
+        raise TypeError(f"recipe must be a mapping of keys to values, got {type(recipe).__name__}")
+    unknown = sorted(set(recipe) - set(REQUIRED) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"recipe: unknown key(s) {unknown}; allowed keys are {sorted([*REQUIRED, *DEFAULTS])}")
+    missing = [key for key in REQUIRED if key not in recipe]
+    if missing:
+        raise ValueError(f"recipe: missing required key(s) {missing}")
+    out = {**DEFAULTS, **json.loads(json.dumps(recipe))}
+    model = out["model"]
+    if isinstance(model, dict):
+        unknown = sorted(set(model) - set(MODEL_CONFIG_KEYS))
+        if unknown or not isinstance(model.get("config"), dict) or model.get("family") not in FAMILIES:
+            raise ValueError(f"recipe model: a mapping needs 'config' (a dict of config fields) and 'family' (one of "
+                             f"{sorted(FAMILIES)}), optionally 'seed'; got keys {sorted(model)}")
+        model.setdefault("seed", 0)
+    elif not isinstance(model, str) or not model:
+        raise ValueError(f"recipe model={model!r} is invalid: a Hub id, a local folder, or a mapping with 'config'")
+    if not isinstance(out["nosa"], dict):
+        raise ValueError("recipe nosa must be a mapping of NosaConfig fields")
+    cfg = NosaConfig.from_dict(out["nosa"])
+    lora = out["lora"]
+    if not isinstance(lora, dict) or sorted(lora) != sorted(LORA_KEYS):
+        raise ValueError(f"recipe lora must have exactly the keys {list(LORA_KEYS)}; got {lora!r}")
+    _number(lora, "r", int, 0)
+    _number(lora, "alpha", float, 0)
+    _number(lora, "dropout", float, 0, inclusive=True)
+    targets = lora["target_modules"]
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) and t for t in targets):
+        raise ValueError(f"recipe lora.target_modules={targets!r} is invalid: a non-empty list of module names")
+    for name in ("seq_len", "steps", "batch_size", "grad_accum"):
+        _number(out, name, int, 0)
+    for name in ("lr_eviction", "lr_lora", "device_memory_gb"):
+        _number(out, name, float, 0)
+    for name in ("warmup_steps", "save_every", "seed"):
+        _number(out, name, int, 0, inclusive=True)
+    _number(out, "keep_checkpoints", int, 0)
+    _number(out, "weight_decay", float, 0, inclusive=True)
+    if out["max_grad_norm"] is not None:
+        _number(out, "max_grad_norm", float, 0)
+    if out["seq_len"] % cfg.block_size:
+        raise ValueError(f"recipe seq_len={out['seq_len']} is invalid: it must be a multiple of "
+                         f"nosa.block_size={cfg.block_size}")
+    if not isinstance(out["gradient_checkpointing"], bool):
+        raise ValueError("recipe gradient_checkpointing must be true or false")
+    for name in ("tokenizer",):
+        if out[name] is not None and not isinstance(out[name], str):
+            raise ValueError(f"recipe {name} must be a string (a Hub id, a folder, or 'bytes') or null")
+    return out
+
+
+# ----- models -----
+
+
+def load_base(spec: str | dict | nn.Module, *, dtype: torch.dtype | str | None = None) -> nn.Module:
+    """The stock base model of a recipe: a Hub id or local folder, a ``{"config": ...}`` mapping, or a module as is.
+
+    A mapping builds a random model of its ``family`` from ``config``, seeded by ``seed`` (the global RNG is left
+    untouched), so that tests and synthetic experiments need no download.
+    """
+    if isinstance(spec, nn.Module):
+        return spec
+    if isinstance(spec, dict):
+        binding = FAMILIES[spec["family"]]
+        config = binding.MODEL_CLASS.config_class(**spec["config"])
+        config._attn_implementation = "sdpa"
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.get("seed", 0))
+            model = binding.MODEL_CLASS(config)
+        return model.to(dtype) if isinstance(dtype, torch.dtype) else model
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype or "auto", attn_implementation="sdpa")
+
+
+def _byte_ids(texts: list[str]) -> list[list[int]]:
+    # Byte-level ids as the package's tiny models use them: 0 <pad>, 1 <s>, 2 </s>, 3 + byte.
+    return [[3 + b for b in text.encode("utf-8")] for text in texts]
+
+
+def _tokenizer(recipe: dict, base):
+    name = recipe["tokenizer"]
+    if name == "bytes":
+        return _byte_ids, 2
+    if name is None:
+        name = base if isinstance(base, str) else getattr(getattr(base, "config", None), "_name_or_path", "") or None
+    if name is None:
+        raise ValueError("the data holds text but the recipe names no tokenizer and the base model has none: set "
+                         "recipe tokenizer (a Hub id, a folder, or 'bytes'), or give the data as input_ids")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(name)
+    return (lambda texts: tok(texts)["input_ids"]), tok.eos_token_id
+
+
+def data_files(data: str | Path) -> dict[str, list[str]]:
+    """The data files of ``data`` (a file or a folder of .jsonl/.json/.parquet/.txt) grouped by ``datasets`` builder."""
+    path = Path(data)
+    if not path.exists():
+        raise FileNotFoundError(f"data path {str(data)!r} does not exist")
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    groups: dict[str, list[str]] = {}
+    for file in files:
+        builder = DATA_SUFFIXES.get(file.suffix.lower())
+        if builder is None and not path.is_dir():
+            raise ValueError(f"data file {file} has suffix {file.suffix!r}; allowed are {sorted(DATA_SUFFIXES)}")
+        if builder is not None and file.stat().st_size > 0:
+            groups.setdefault(builder, []).append(str(file))
+    if not groups:
+        raise ValueError(f"data path {str(data)!r} holds no non-empty {sorted(DATA_SUFFIXES)} file")
+    return groups
+
+
+def pack_data(data: str | Path, recipe: dict, base, eos_id: int | None) -> torch.Tensor:
+    """Read the data through ``datasets`` and pack it into ``[n, seq_len]`` token sequences.
+
+    Records with ``input_ids`` are used as they are; records with the recipe's ``text_field`` (``.txt`` files: one
+    record per file) go through the tokenizer. Documents are joined with the end-of-sequence token.
+    """
+    import datasets
+    import numpy as np
+
+    parts = []
+    for builder, files in data_files(data).items():
+        kwargs = {"sample_by": "document"} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files=files, split="train", keep_in_memory=True, **kwargs)
+        if "input_ids" in ds.column_names:
+            encode, column = (lambda docs: docs), "input_ids"
+        elif recipe["text_field"] in ds.column_names:
+            encode, tok_eos = _tokenizer(recipe, base)
+            eos_id, column = (eos_id if eos_id is not None else tok_eos), recipe["text_field"]
+        else:
+            raise ValueError(f"data files {files} have columns {ds.column_names}; expected 'input_ids' or "
+                             f"{recipe['text_field']!r} (recipe text_field)")
+        tail = [] if eos_id is None else [eos_id]
+
+        def to_ids(batch, encode=encode, column=column, tail=tail):
+            return {"ids": [list(doc) + tail for doc in encode([x for x in batch[column] if x])]}
+
+        ds = ds.map(to_ids, batched=True, remove_columns=ds.column_names, keep_in_memory=True)
+        parts += [chunk.flatten().to_numpy(zero_copy_only=False) for chunk in ds.data.column("ids").chunks]
+    ids = np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+    n = len(ids) // recipe["seq_len"]
+    if n == 0:
+        raise ValueError(f"data {str(data)!r} holds {len(ids)} tokens; one training sequence needs "
+                         f"seq_len={recipe['seq_len']}")
+    return torch.from_numpy(ids[: n * recipe["seq_len"]].copy()).view(n, recipe["seq_len"])
+
+
+def _batch(packed: torch.Tensor, step: int, micro: int, recipe: dict, rank: int, world: int, orders: dict):
+    """The micro-batch of one process: a fixed function of (step, micro, rank), so a resumed run sees the same data.
+
+    Epoch e visits the sequences in a permutation seeded by (seed, e); ``orders`` caches the permutations.
+    """
+    n, bs = packed.shape[0], recipe["batch_size"]
+    first = ((step * recipe["grad_accum"] + micro) * world + rank) * bs
+    rows = []
+    for g in range(first, first + bs):
+        epoch = g // n
+        if epoch not in orders:
+            orders.clear()
+            orders[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(recipe["seed"] * 100003 + epoch))
+        rows.append(int(orders[epoch][g % n]))
+    return packed[rows]
+
+
+def _schedule(recipe: dict):
+    warmup, steps = recipe["warmup_steps"], recipe["steps"]
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def _peft_config(recipe: dict):
+    from peft import LoraConfig
+
+    lora = recipe["lora"]
+    return LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                      target_modules=list(lora["target_modules"]), modules_to_save=["eviction_head"],
+                      task_type="CAUSAL_LM")
+
+
+# ----- checkpoints -----
+
+
+def _trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _checkpoints(output_dir: Path) -> list[Path]:
+    root = output_dir / "checkpoints"
+    found = [p for p in root.glob("step-*") if (p / TRAINER_STATE).is_file()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def _register_checkpoint_hooks(accelerator, model) -> None:
+    """Checkpoints keep only the trainable weights (LoRA + eviction heads), not the frozen base.
+
+    accelerate hands the hooks the full state dicts to save and the models to load; taking them out of its lists
+    makes it skip them. Under FSDP both lists are empty (accelerate saves the sharded model itself).
+    """
+    from safetensors.torch import load_file, save_file
+
+    def save_hook(models, weights, output_dir):
+        if not weights:
+            return
+        weights.clear()
+        if accelerator.is_main_process:
+            state = {k: v.detach().cpu().contiguous() for k, v in _trainable(accelerator.unwrap_model(model)).items()}
+            save_file(state, str(Path(output_dir) / TRAINABLE_FILE))
+
+    def load_hook(models, input_dir):
+        if not models:
+            return
+        models.clear()
+        params = _trainable(accelerator.unwrap_model(model))
+        state = load_file(str(Path(input_dir) / TRAINABLE_FILE))
+        if set(state) != set(params):
+            raise RuntimeError(f"checkpoint {input_dir} does not match this model's trainable weights: missing "
+                               f"{sorted(set(params) - set(state))[:5]}, unexpected {sorted(set(state) - set(params))[:5]}")
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(state[name])
+
+    accelerator.register_save_state_pre_hook(save_hook)
+    accelerator.register_load_state_pre_hook(load_hook)
+
+
+def _save_checkpoint(accelerator, output_dir: Path, step: int, history: dict, keep: int) -> None:
+    path = output_dir / "checkpoints" / f"step-{step:07d}"
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(path))
+    if accelerator.is_main_process:
+        (path / TRAINER_STATE).write_text(json.dumps({**history, "step": step}, indent=1))
+        for old in _checkpoints(output_dir)[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+# ----- the run -----
+
+
+@dataclass
+class RetrofitResult:
+    """What ``retrofit`` returns: the trained PEFT model (eval mode) and the numbers of the run."""
+
+    model: nn.Module
+    output_dir: Path
+    steps: int
+    final_loss: float
+    tokens_per_second: float
+    losses: list[float] = field(default_factory=list)
+
+
+def _device_memory_check(recipe: dict, device: torch.device) -> None:
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        if total < recipe["device_memory_gb"]:
+            logger.warning("the recipe needs about %.0f GB of device memory; this device has %.0f GB",
+                           recipe["device_memory_gb"], total)
+
+
+def retrofit(recipe, data, output_dir, *, base_model=None, resume: bool = False, max_steps: int | None = None):
+    """Retrofit a base model into NOSA with LoRA and trained eviction heads; write the adapter and the run JSON.
+
+    Args:
+        recipe: a recipe dict, a YAML path, or a bare name of ``recipes/`` (see ``load_recipe``).
+        data: a .jsonl/.json/.parquet/.txt file or a folder of them (``input_ids`` or text records).
+        output_dir: where the adapter, ``nosa_retrofit.json`` and ``checkpoints/`` go.
+        base_model: overrides the recipe's model: a local folder, a Hub id, or a loaded ``nn.Module``.
+        resume: continue from the latest checkpoint in ``output_dir`` (same step count, data order, RNG state).
+        max_steps: stop after this global step (a checkpoint is written there), e.g. to split a run in parts.
+
+    Returns:
+        ``RetrofitResult`` (model, steps, final_loss, tokens_per_second, losses of every step so far).
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import parse_flag_from_env, set_seed
+    from peft import get_peft_model
+    from tqdm.auto import tqdm
+
+    import hf_nosa
+
+    recipe = load_recipe(recipe)
+    base = base_model if base_model is not None else recipe["model"]
+    if isinstance(base, str):
+        recipe["model"] = base
+    elif base_model is not None and not isinstance(base_model, nn.Module):
+        raise TypeError(f"base_model must be a folder, a Hub id or an nn.Module, got {type(base_model).__name__}")
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+        raise ValueError(f"max_steps={max_steps!r} is invalid: a positive integer or None")
+    output_dir = Path(output_dir)
+    data_files(data)
+    found = _checkpoints(output_dir)
+    if resume and not found:
+        raise ValueError(f"resume=True but {output_dir} holds no checkpoint (checkpoints/step-N)")
+    if found and not resume:
+        raise ValueError(f"{output_dir} already holds checkpoints; pass resume=True or choose an empty output dir")
+    history = {"losses": [], "tokens": 0, "recipe": recipe}
+    if found:
+        saved = json.loads((found[-1] / TRAINER_STATE).read_text())
+        if saved["recipe"] != recipe:
+            changed = sorted(k for k in {*recipe, *saved["recipe"]} if recipe.get(k) != saved["recipe"].get(k))
+            raise ValueError(f"resume: the recipe differs from the checkpoint's in {changed}; use the same recipe")
+
+    # bf16 on GPU; CPU trains in fp32. `accelerate launch --cpu` (or ACCELERATE_USE_CPU) forces the CPU.
+    cuda = torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
+    accelerator = Accelerator(mixed_precision="bf16" if cuda else "no", step_scheduler_with_optimizer=False)
+    _device_memory_check(recipe, accelerator.device)
+    if isinstance(base, nn.Module):
+        eos_id = base.config.eos_token_id
+    elif isinstance(base, dict):
+        eos_id = base["config"].get("eos_token_id")
+    else:
+        from transformers import AutoConfig
+
+        eos_id = AutoConfig.from_pretrained(base).eos_token_id
+    eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
+    with accelerator.main_process_first():
+        packed = pack_data(data, recipe, base, eos_id)
+
+    set_seed(recipe["seed"])
+    model = load_base(base, dtype=torch.bfloat16 if cuda else torch.float32)
+    family = family_of(model)
+    cfg = NosaConfig.from_dict(recipe["nosa"])
+    to_nosa(model, cfg)
+    for head in eviction_heads(model).values():
+        head.float()  # trained from scratch: keep fp32 masters beside the bf16 base
+    if recipe["gradient_checkpointing"]:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = get_peft_model(model, _peft_config(recipe))
+    groups = {"eviction": [], "lora": []}
+    for name, param in _trainable(model).items():
+        groups["eviction" if ".eviction_head." in name else "lora"].append(param)
+    optimizer = torch.optim.AdamW(
+        [{"params": groups["eviction"], "lr": recipe["lr_eviction"]}, {"params": groups["lora"], "lr": recipe["lr_lora"]}],
+        weight_decay=recipe["weight_decay"],
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(recipe))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    _register_checkpoint_hooks(accelerator, model)
+    start = 0
+    if found:
+        accelerator.load_state(str(found[-1]))
+        saved = json.loads((found[-1] / TRAINER_STATE).read_text())
+        start, history = saved["step"], {**history, "losses": saved["losses"], "tokens": saved["tokens"]}
+        if saved.get("world_size", accelerator.num_processes) != accelerator.num_processes:
+            logger.warning("resuming with %d processes a run that had %d: the data order changes",
+                           accelerator.num_processes, saved["world_size"])
+    history["world_size"] = accelerator.num_processes
+
+    stop = min(recipe["steps"], max_steps or recipe["steps"])
+    rank, world = accelerator.process_index, accelerator.num_processes
+    step_tokens = recipe["batch_size"] * recipe["seq_len"] * recipe["grad_accum"] * world
+    bar = tqdm(total=recipe["steps"], initial=start, disable=not accelerator.is_main_process, desc="retrofit")
+    model.train()
+    began, run_tokens, orders = time.perf_counter(), 0, {}
+    for step in range(start, stop):
+        total = torch.zeros((), device=accelerator.device)
+        for micro in range(recipe["grad_accum"]):
+            ids = _batch(packed, step, micro, recipe, rank, world, orders).to(accelerator.device)
+            sync = micro == recipe["grad_accum"] - 1
+            with contextlib.nullcontext() if sync else accelerator.no_sync(model):
+                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                accelerator.backward(loss / recipe["grad_accum"])
+            total += loss.detach().float()
+        if recipe["max_grad_norm"] is not None:
+            accelerator.clip_grad_norm_(model.parameters(), recipe["max_grad_norm"])
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = float(accelerator.reduce(total / recipe["grad_accum"], "mean"))
+        history["losses"].append(step_loss)
+        history["tokens"] += step_tokens
+        run_tokens += step_tokens
+        speed = run_tokens / (time.perf_counter() - began)
+        bar.update(1)
+        bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{speed:,.0f}")
+        done = step + 1
+        if (recipe["save_every"] and done % recipe["save_every"] == 0) or (done == stop and stop < recipe["steps"]):
+            _save_checkpoint(accelerator, output_dir, done, history, recipe["keep_checkpoints"])
+    bar.close()
+    elapsed = time.perf_counter() - began
+    speed = run_tokens / elapsed if run_tokens else 0.0
+
+    accelerator.wait_for_everyone()
+    state = accelerator.get_state_dict(model)
+    peft_model = accelerator.unwrap_model(model)
+    steps_done = max(start, stop)
+    final_loss = history["losses"][-1] if history["losses"] else float("nan")
+    if accelerator.is_main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        peft_model.save_pretrained(str(output_dir), state_dict=state)
+        if isinstance(base, nn.Module):
+            base_name = getattr(base.config, "_name_or_path", "") or ""
+        else:
+            base_name = base if isinstance(base, str) else RECIPE_MODEL
+        run = dict(base_model=base_name, family=family, nosa_config=cfg.to_dict(), recipe=recipe, steps=steps_done,
+                   final_loss=final_loss, tokens_per_second=speed, hf_nosa_version=hf_nosa.__version__)
+        (output_dir / RUN_FILE).write_text(json.dumps(run, indent=1))
+    accelerator.wait_for_everyone()
+    peft_model.eval()
+    return RetrofitResult(peft_model, output_dir, steps_done, final_loss, speed, list(history["losses"]))
+
+
+# ----- adapters -----
+
+
+def read_run(adapter_dir: str | Path) -> dict:
+    """The ``nosa_retrofit.json`` of an adapter directory."""
+    path = Path(adapter_dir) / RUN_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{adapter_dir} is not a NOSA retrofit adapter: {RUN_FILE} is missing")
+    return json.loads(path.read_text())
+
+
+def load_adapter(model_or_base, adapter_dir: str | Path):
+    """A PeftModel: the adapter (LoRA + eviction heads) of ``adapter_dir`` on a NOSA model.
+
+    Args:
+        model_or_base: a model converted with ``to_nosa`` under the adapter's NosaConfig, or a base given as a
+            folder / Hub id (loaded and converted here).
+
+    Raises:
+        ValueError: the model has no eviction heads, its family or NosaConfig differs from the adapter's, or an
+            eviction head of the adapter did not land in the model. Weights are never dropped silently.
+    """
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    adapter_dir = Path(adapter_dir)
+    run = read_run(adapter_dir)
+    expected = NosaConfig.from_dict(run["nosa_config"])
+    if isinstance(model_or_base, (str, Path)):
+        model = to_nosa(load_base(str(model_or_base)), expected)
+    elif isinstance(model_or_base, nn.Module):
+        model = model_or_base
+    else:
+        raise TypeError(f"model_or_base must be an nn.Module, a folder or a Hub id, got {type(model_or_base).__name__}")
+    family = family_of(model)
+    if family != run["family"]:
+        raise ValueError(f"the adapter was trained on a {run['family']} model; this model is {family}")
+    heads, layers = eviction_heads(model), len(model.model.layers)
+    if len(heads) != layers:
+        raise ValueError(f"the model has eviction heads in {len(heads)} of its {layers} layers; the adapter trains one "
+                         "per layer. Convert it first: to_nosa(model, NosaConfig.from_dict(read_run(dir)['nosa_config']))")
+    actual = NosaConfig.from_model_config(model.config)
+    if actual != expected:
+        diff = {k: (v, expected.to_dict()[k]) for k, v in actual.to_dict().items() if v != expected.to_dict()[k]}
+        raise ValueError(f"the model's NosaConfig differs from the adapter's in {diff} (model, adapter); convert with "
+                         "to_nosa(model, <the adapter's config>) first, change inference settings after loading")
+    peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
+    stored = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    stored_heads = {k for k in stored if ".eviction_head." in k}
+    if len({k.split(".eviction_head.")[0] for k in stored_heads}) != layers:
+        raise ValueError(f"{adapter_dir} holds eviction heads for fewer than the model's {layers} layers")
+    params = dict(peft_model.named_parameters())
+    for key in stored_heads:
+        name = key.replace(".eviction_head.", ".eviction_head.modules_to_save.default.")
+        if name not in params or not torch.equal(params[name].detach().cpu(), stored[key].to(params[name].dtype)):
+            raise ValueError(f"the adapter's {key} did not load into the model")
+    return peft_model.eval()
+
+
+def merge_adapter(adapter_dir: str | Path, base_model=None) -> nn.Module:
+    """The NOSA model with the adapter merged in (``merge_and_unload``): eviction heads kept, in the model's dtype.
+
+    Args:
+        base_model: a stock base (folder, Hub id or module) or an already converted one; default the run's
+            ``base_model`` (or the recipe's model config for a base built from one).
+    """
+    run = read_run(adapter_dir)
+    if base_model is None:
+        base_model = run["base_model"]
+        if base_model == RECIPE_MODEL:
+            base_model = run["recipe"]["model"]
+        if not base_model:
+            raise ValueError(f"the run in {adapter_dir} records no base model name: pass base_model")
+    model = load_base(base_model)
+    if not eviction_heads(model):
+        model = to_nosa(model, NosaConfig.from_dict(run["nosa_config"]))
+    merged = load_adapter(model, adapter_dir).merge_and_unload()
+    dtype = merged.model.layers[0].self_attn.v_proj.weight.dtype
+    for head in eviction_heads(merged).values():
+        head.to(dtype)
+    return merged.eval()
+
+
+# ----- the command -----
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--recipe", required=True, help="recipes/NAME.yaml, or a bare NAME of the shipped recipes")
+    parser.add_argument("--data", required=True, help=".jsonl/.json/.parquet/.txt file or folder (text or input_ids)")
+    parser.add_argument("--output", required=True, help="output folder: adapter, nosa_retrofit.json, checkpoints/")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output")
+    parser.add_argument("--base-model", default=None, help="override the recipe's model (folder or Hub id)")
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this global step (checkpointed)")
+
+
+def run(args) -> int:
+    result = retrofit(args.recipe, args.data, args.output, base_model=args.base_model, resume=args.resume,
+                      max_steps=args.max_steps)
+    from accelerate import PartialState
+
+    if PartialState().is_main_process:
+        print(f"retrofit: {result.steps} steps, final loss {result.final_loss:.4f}, "
+              f"{result.tokens_per_second:,.0f} tokens/s; adapter in {result.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":  # ``accelerate launch -m hf_nosa.retrofit ...`` works like ``hf-nosa retrofit ...``
+    import argparse
+    import sys
+
+    _parser = argparse.ArgumentParser(prog="hf-nosa retrofit")
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))

@@ -1,0 +1,251 @@
+"""Training-time NOSA attention: the decode rule for every query token, with the eviction bias learning (design Sec. 5).
+
+Query token ``t`` attends to exactly what decoding token ``t`` would: the blocks ``select_blocks`` picks for it
+(sink, local window, query-aware and eviction-head blocks, all before its own block ``t // block_size``) plus its
+own block up to ``t``; every key ``j`` carries the eviction bias ``b_j`` in its logit. The selection is computed
+without gradient (a discrete choice); ``delta`` and ``A`` learn through the bias alone.
+
+Two backends compute the same thing:
+
+- ``"flex"`` (CUDA): FlexAttention. The block table is built from the selected blocks (a tile is visited when
+  any query of the tile selected any block in it), ``mask_mod`` reads the per-token selection bitmap, and
+  ``score_mod`` adds ``b_j`` (FlexAttention differentiates through the captured bias).
+- ``"explicit"`` (CPU): an additive mask per chunk of queries and the torch attention of ``attend.py``, the same
+  code the decode path uses.
+
+Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, Tq queries, T keys, D head dim, P block size, N blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .attend import AttentionInputs, attend
+from .config import NosaConfig
+from .masks import additive_mask, padding_bias
+from .selection import (
+    MASK_VALUE,
+    compress_keys,
+    eviction_block_scores,
+    query_block_scores,
+    select_blocks,
+)
+
+BACKENDS = ("flex", "explicit")
+
+# Most fp32 elements one query chunk may hold in its largest intermediate (256 MiB): the selection scores
+# [B, H, chunk, W] and the explicit path's logits [B, H, chunk, T] stay bounded however long the sequence is.
+_CHUNK_ELEMENTS = 1 << 26
+
+# FlexAttention tile (query and key tokens). 128 is the tile every GPU kernel configuration of FlexAttention
+# divides; a NOSA block smaller than the tile is resolved inside the tile by ``mask_mod``.
+FLEX_TILE = 128
+
+_compiled_flex = None
+
+
+def _query_chunk(elements_per_query: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(1, elements_per_query))
+
+
+@torch.no_grad()
+def selected_blocks(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    bias: torch.Tensor,
+    cfg: NosaConfig,
+    scale: float,
+    *,
+    q_offset: int = 0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """For every query token, the blocks the decode rule selects (its own block excluded): a bitmap.
+
+    Computed chunk by chunk over the queries so that the window scores never exceed a fixed size.
+
+    Args:
+        query: ``[B, H, Tq, D]`` post-RoPE queries at positions ``q_offset .. q_offset + Tq - 1``.
+        keys: ``[B, Hk, T, D]`` post-RoPE keys, ``T = q_offset + Tq``.
+        bias: ``[B, Hk, T]`` eviction scores (padding already folded in).
+        chunk_size: queries per chunk (default: as many as fit ``2**26`` fp32 scores).
+
+    Returns:
+        ``[B, Hk, Tq, N]`` bool, ``N = ceil(T / P)``; True where query ``t`` selected block ``n``.
+    """
+    B, H, Tq, _ = query.shape
+    Hk, T = keys.shape[1], keys.shape[2]
+    P = cfg.block_size
+    N = (T + P - 1) // P
+    compressed_keys = compress_keys(keys, cfg)  # [B, Hk, W, D]
+    compressed_bias = compress_keys(bias, cfg)  # [B, Hk, W]
+    W = compressed_keys.shape[2]
+    chunk = chunk_size or _query_chunk(B * H * max(W, N, 1))
+    bitmap = torch.zeros(B, Hk, Tq, N + 1, dtype=torch.bool, device=query.device)  # column N absorbs "none" (-1)
+    for lo in range(0, Tq, chunk):
+        hi = min(Tq, lo + chunk)
+        positions = torch.arange(q_offset + lo, q_offset + hi, device=query.device)
+        qs = query_block_scores(query[:, :, lo:hi], compressed_keys, positions, N, cfg, scale)
+        es = eviction_block_scores(compressed_bias, positions, N, cfg)
+        chosen = select_blocks(qs, es, positions // P, cfg)  # [B, Hk, chunk, K]
+        bitmap[:, :, lo:hi].scatter_(-1, torch.where(chosen < 0, N, chosen), True)
+    return bitmap[..., :N].contiguous()
+
+
+def _token_mask(bitmap: torch.Tensor, positions: torch.Tensor, T: int, P: int) -> torch.Tensor:
+    """``[B, Hk, Tq, N]`` block bitmap -> ``[B, Hk, Tq, T]`` bool: selected blocks plus the own block up to t."""
+    mask = bitmap.repeat_interleave(P, dim=-1)[..., :T]
+    token = torch.arange(T, device=bitmap.device)
+    pos = positions[:, None]
+    return mask | ((token // P == pos // P) & (token <= pos))
+
+
+def _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_offset) -> torch.Tensor:
+    B, H, Tq, D = query.shape
+    T, P = key.shape[2], cfg.block_size
+    rows = attention_mask[..., -Tq:, :T] if attention_mask is not None else None
+    chunk = _query_chunk(B * H * T)
+    outs = []
+    for lo in range(0, Tq, chunk):
+        hi = min(Tq, lo + chunk)
+        positions = torch.arange(q_offset + lo, q_offset + hi, device=query.device)
+        mask = torch.where(_token_mask(bitmap[:, :, lo:hi], positions, T, P), 0.0, MASK_VALUE)
+        if rows is not None:
+            mask = mask + additive_mask(rows[..., lo:hi, :], hi - lo, T, q_offset + lo, query.device)
+        inputs = AttentionInputs(key, value, bias, mask, q_offset + lo, causal=False)
+        outs.append(attend(query[:, :, lo:hi], inputs, scale))
+    return torch.cat(outs, dim=2)
+
+
+def flex_block_mask(bitmap: torch.Tensor, cfg: NosaConfig, *, heads: int, q_offset: int = 0, tile: int = FLEX_TILE):
+    """The FlexAttention ``BlockMask`` of a selection bitmap.
+
+    A (query tile, key tile) pair is visited when a query of the tile selected a block in the key tile, or the key
+    tile holds a query's own block; it is "full" (no ``mask_mod`` needed) when every query of the tile selected
+    every block in it. ``mask_mod`` gives the exact per-token rule inside visited tiles.
+
+    Args:
+        bitmap: ``[B, Hk, Tq, N]`` from ``selected_blocks``.
+        heads: H, the number of query heads (the table is per query head).
+        tile: query tile in tokens (a power of two); the key tile is ``max(tile, block_size)``.
+
+    Returns:
+        ``BlockMask`` for queries ``[Tq]`` and keys ``[T = q_offset + Tq]``.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    B, Hk, Tq, N = bitmap.shape
+    P = cfg.block_size
+    G = heads // Hk
+    T = q_offset + Tq
+    kv_tile = max(tile, P)
+    if kv_tile % P:
+        raise ValueError(f"tile={tile} is invalid: it must be a power of two (block_size={P})")
+    per_tile = kv_tile // P
+    n_qt, n_kt = math.ceil(Tq / tile), math.ceil(T / kv_tile)
+    pad_rows, pad_cols = n_qt * tile - Tq, n_kt * per_tile - N
+    tiles = F.pad(bitmap, (0, pad_cols, 0, pad_rows)).view(B, Hk, n_qt, tile, n_kt, per_tile)
+    row_ok = (torch.arange(n_qt * tile, device=bitmap.device) < Tq).view(n_qt, tile, 1, 1)
+    col_ok = (torch.arange(n_kt * per_tile, device=bitmap.device) < N).view(n_kt, per_tile)
+    any_selected = tiles.any(5).any(3)  # [B, Hk, n_qt, n_kt]
+    all_selected = (tiles | ~row_ok | ~col_ok).all(5).all(3)
+    # Key tiles holding the own block of some query of the tile: causal inside, always partial.
+    first = (q_offset + torch.arange(n_qt, device=bitmap.device) * tile) // kv_tile
+    last = (q_offset + torch.clamp((torch.arange(n_qt, device=bitmap.device) + 1) * tile, max=Tq) - 1) // kv_tile
+    kt = torch.arange(n_kt, device=bitmap.device)
+    own = (kt >= first[:, None]) & (kt <= last[:, None])  # [n_qt, n_kt]
+    full = all_selected & ~own
+    partial = (any_selected | own) & ~full
+
+    def table(visit):
+        visit = visit.repeat_interleave(G, dim=1)  # [B, H, n_qt, n_kt]
+        counts = visit.sum(-1, dtype=torch.int32)
+        order = torch.argsort(visit.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return counts, order
+
+    kv_num, kv_idx = table(partial)
+    full_num, full_idx = table(full)
+    selected = bitmap
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        block = kv_idx // P
+        pos = q_idx + q_offset
+        own_block = (block == pos // P) & (kv_idx <= pos)
+        return selected[b, h // G, q_idx, block] | own_block
+
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, kv_tile), mask_mod=mask_mod, seq_lengths=(Tq, T)
+    )
+
+
+def _flex(query, key, value, bias, bitmap, cfg, scale, q_offset) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_flex
+    H, Hk = query.shape[1], key.shape[1]
+    G = H // Hk
+    block_mask = flex_block_mask(bitmap, cfg, heads=H, q_offset=q_offset, tile=FLEX_TILE)
+    key_bias = bias.float()
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + key_bias[b, h // G, kv_idx]
+
+    run = flex_attention
+    if query.is_cuda:
+        # The fused kernel is the point of FlexAttention; uncompiled it materialises every score.
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        run = _compiled_flex
+    return run(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=G > 1)
+
+
+def nosa_training_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor,
+    cfg: NosaConfig,
+    scale: float,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    q_offset: int = 0,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """NOSA attention for training and sparse prefill: decode selection per query token + eviction bias.
+
+    Args:
+        query: ``[B, H, Tq, D]`` post-RoPE queries at positions ``q_offset ..``.
+        key, value: ``[B, Hk, T, D]`` all keys so far (``T = q_offset + Tq``).
+        bias: ``[B, Hk, T]`` eviction scores ``b_j``; gradients flow to it (and so to ``delta`` and ``A``).
+        attention_mask: the model's mask (bool or additive, ``[B or 1, 1, Tq, T]``) or None for causal. Keys the
+            last query row may not see are padding: like the cache, they get ``MASK_VALUE`` in their bias.
+        backend: ``"flex"`` or ``"explicit"``; default flex on CUDA, explicit elsewhere.
+
+    Returns:
+        ``[B, H, Tq, D]`` in the query's dtype.
+
+    Example:
+        >>> from hf_nosa import NosaConfig
+        >>> cfg = NosaConfig(block_size=16, budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16,
+        ...                  compress_kernel=8, compress_stride=4)
+        >>> q, k, v = torch.randn(1, 4, 96, 16), torch.randn(1, 2, 96, 16), torch.randn(1, 2, 96, 16)
+        >>> nosa_training_attention(q, k, v, torch.zeros(1, 2, 96), cfg, 0.25).shape
+        torch.Size([1, 4, 96, 16])
+    """
+    if backend is None:
+        backend = "flex" if query.is_cuda else "explicit"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; allowed values are {BACKENDS} (or None for auto)")
+    Tq, T = query.shape[2], key.shape[2]
+    if T != q_offset + Tq:
+        raise ValueError(f"keys hold {T} tokens but q_offset + queries = {q_offset} + {Tq}; they must be equal")
+    bias = bias.float()
+    pad = padding_bias(attention_mask, 0, T)
+    if pad is not None:
+        bias = bias + pad.to(bias.device)
+    bitmap = selected_blocks(query, key, bias, cfg, scale, q_offset=q_offset)
+    if backend == "flex":
+        return _flex(query, key, value, bias, bitmap, cfg, scale, q_offset)
+    return _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_offset)

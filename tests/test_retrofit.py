@@ -1,0 +1,220 @@
+"""The LoRA retrofit: tiny.yaml trains, saves, reloads, merges and resumes; bad input fails before training."""
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_nosa import NosaConfig, to_nosa
+from hf_nosa.modeling import eviction_heads
+from hf_nosa.retrofit import (
+    RUN_FILE,
+    load_adapter,
+    load_base,
+    load_recipe,
+    merge_adapter,
+    pack_data,
+    read_run,
+    retrofit,
+)
+
+from .conftest import tiny_model
+
+RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+SHIPPED = ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-4b",
+           "qwen3-8b", "tiny"]
+RUN_KEYS = {"base_model", "family", "nosa_config", "recipe", "steps", "final_loss", "tokens_per_second",
+            "hf_nosa_version"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matrices: one thread is fastest, and keeps the suite steady on a busy 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _write_text_data(path: Path, seed: int = 0, n: int = 120) -> Path:
+    rng = random.Random(seed)
+    words = "the cat sat on the mat and a dog ran to the park while birds sang in the old tree".split()
+    with path.open("w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(8, 30)))}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return _write_text_data(tmp_path_factory.mktemp("data") / "train.jsonl")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, data):
+    out = tmp_path_factory.mktemp("tiny") / "adapter"
+    return retrofit("tiny", data, out)
+
+
+def _logits(model, seed=0, length=100):
+    ids = torch.randint(3, 259, (2, length), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_tiny_recipe_trains_and_writes_the_adapter(tiny_run):
+    losses = tiny_run.losses
+    assert tiny_run.steps == len(losses) == 30
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
+    out = tiny_run.output_dir
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    run = read_run(out)
+    assert set(run) == RUN_KEYS
+    assert run["family"] == "llama" and run["steps"] == 30 and run["base_model"] == "recipe:model"
+    assert run["final_loss"] == pytest.approx(losses[-1]) and run["tokens_per_second"] > 0
+    assert NosaConfig.from_dict(run["nosa_config"]) == NosaConfig.from_dict(load_recipe("tiny")["nosa"])
+    assert json.loads((out / "adapter_config.json").read_text())["modules_to_save"] == ["eviction_head"]
+    # the eviction heads trained (A starts at zero)
+    heads = eviction_heads(tiny_run.model.base_model.model)
+    assert all(float(h.modules_to_save["default"].A.detach().abs().sum()) > 0 for h in heads.values())
+
+
+def test_reloaded_adapter_gives_identical_outputs(tiny_run):
+    recipe = load_recipe("tiny")
+    base = to_nosa(load_base(recipe["model"]), NosaConfig.from_dict(recipe["nosa"]))
+    reloaded = load_adapter(base, tiny_run.output_dir)
+    assert torch.equal(_logits(reloaded), _logits(tiny_run.model))
+
+
+def test_merged_model_equals_the_adapter_model(tiny_run):
+    merged = merge_adapter(tiny_run.output_dir)
+    assert not hasattr(merged, "peft_config") and len(eviction_heads(merged)) == 2
+    torch.testing.assert_close(_logits(merged, seed=1), _logits(tiny_run.model, seed=1), atol=1e-5, rtol=1e-5)
+
+
+def test_loading_onto_a_model_without_heads_or_with_another_config_fails(tiny_run):
+    recipe = load_recipe("tiny")
+    with pytest.raises(ValueError, match="eviction heads"):
+        load_adapter(load_base(recipe["model"]), tiny_run.output_dir)
+    other = NosaConfig.from_dict(recipe["nosa"]).replace(budget_tokens=96)
+    with pytest.raises(ValueError, match="budget_tokens"):
+        load_adapter(to_nosa(load_base(recipe["model"]), other), tiny_run.output_dir)
+    with pytest.raises(ValueError, match="qwen3"):
+        load_adapter(to_nosa(tiny_model("qwen3"), NosaConfig.from_dict(recipe["nosa"])), tiny_run.output_dir)
+
+
+def test_resume_continues_the_step_count_and_the_loss_curve(tiny_run, data, tmp_path):
+    out = tmp_path / "resumed"
+    first = retrofit("tiny", data, out, max_steps=12)
+    assert first.steps == 12
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-0000010", "step-0000012"]
+    with pytest.raises(ValueError, match="resume=True"):
+        retrofit("tiny", data, out)
+    changed = {**load_recipe("tiny"), "lr_lora": 0.5}
+    with pytest.raises(ValueError, match="lr_lora"):
+        retrofit(changed, data, out, resume=True)
+    second = retrofit("tiny", data, out, resume=True)
+    assert second.steps == 30 and len(second.losses) == 30
+    torch.testing.assert_close(torch.tensor(second.losses), torch.tensor(tiny_run.losses), atol=1e-6, rtol=0)
+    assert read_run(out)["steps"] == 30
+    assert torch.equal(_logits(second.model), _logits(tiny_run.model))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(args, tmp_path, extra_env):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(OMP_NUM_THREADS="1", **extra_env)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("mode", ["cpu", "ddp"])
+def test_accelerate_launch_runs_the_tiny_recipe_to_the_end(data, tmp_path, mode):
+    out = tmp_path / "launched"
+    tool = ["-m", "hf_nosa.cli", "retrofit", "--recipe", str(RECIPES / "tiny.yaml"), "--data", str(data),
+            "--output", str(out)]
+    if mode == "cpu":  # the documented command: accelerate's simple launcher, one CPU process
+        proc = _launch(["--cpu", "--num_processes", "2", *tool], tmp_path, {})
+        world = 1
+    else:  # two processes over gloo: torchrun through accelerate, told to stay on the CPU
+        port = str(_free_port())
+        proc = _launch(["--multi_gpu", "--num_processes", "2", "--main_process_port", port, *tool], tmp_path,
+                       {"ACCELERATE_USE_CPU": "1"})
+        world = 2
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "retrofit: 30 steps" in proc.stdout
+    run = read_run(out)
+    assert run["steps"] == 30 and (out / "adapter_model.safetensors").is_file()
+    state = json.loads((out / "checkpoints" / "step-0000030" / "trainer_state.json").read_text())
+    assert state["world_size"] == world and state["tokens"] == 30 * 2 * 2 * 128 * world
+
+
+def test_bad_input_fails_before_training(tmp_path, data):
+    out = tmp_path / "out"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        retrofit("tiny", tmp_path / "missing.jsonl", out)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="no non-empty"):
+        retrofit("tiny", empty, out)
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"text": "too short"}) + "\n")
+    with pytest.raises(ValueError, match="holds 10 tokens"):
+        retrofit("tiny", short, out)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['learning_rate'\]"):
+        retrofit({**load_recipe("tiny"), "learning_rate": 1e-3}, data, out)
+    with pytest.raises(ValueError, match="seq_len=120 .* multiple of nosa.block_size=16"):
+        retrofit({**load_recipe("tiny"), "seq_len": 120}, data, out)
+    with pytest.raises(ValueError, match="NosaConfig field"):
+        retrofit({**load_recipe("tiny"), "nosa": {"budget": 64}}, data, out)
+    with pytest.raises(ValueError, match="lora must have exactly"):
+        retrofit({**load_recipe("tiny"), "lora": {"r": 8}}, data, out)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        retrofit("no-such-recipe", data, out)
+    assert not out.exists()
+
+
+def test_cli_reports_bad_input_as_an_error(tmp_path, data, capsys):
+    from hf_nosa import cli
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((RECIPES / "tiny.yaml").read_text() + "\nlearning_rate: 0.1\n")
+    code = cli.main(["retrofit", "--recipe", str(bad), "--data", str(data), "--output", str(tmp_path / "o")])
+    assert code == 2 and "learning_rate" in capsys.readouterr().err
+
+
+def test_data_formats_pack_the_same_documents(tmp_path):
+    pd = pytest.importorskip("pandas")
+    recipe = load_recipe("tiny")
+    recipe["seq_len"] = 16
+    docs = [[5, 6, 7] * 4, [8] * 9, [9, 10] * 5]
+    pd.DataFrame({"input_ids": docs}).to_parquet(tmp_path / "ids.parquet")
+    packed = pack_data(tmp_path / "ids.parquet", recipe, recipe["model"], eos_id=2)
+    flat = [t for doc in docs for t in doc + [2]]
+    assert packed.tolist() == [flat[:16], flat[16:32]]
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("ab\ncd")  # one document per file, newlines kept
+    (tmp_path / "texts" / "b.txt").write_text("efghijklmn")
+    packed = pack_data(tmp_path / "texts", recipe, recipe["model"], eos_id=2)
+    expected = [3 + b for b in b"ab\ncd"] + [2] + [3 + b for b in b"efghijklmn"] + [2]
+    assert packed.tolist() == [expected[:16]]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_recipes_are_valid(name):
+    recipe = load_recipe(name)
+    cfg = NosaConfig.from_dict(recipe["nosa"])
+    assert recipe["seq_len"] % cfg.block_size == 0 and recipe["device_memory_gb"] > 0
+    assert recipe["seq_len"] >= cfg.budget_tokens
+    assert (RECIPES / f"{name}.yaml").read_text().count("lr_eviction") == 1

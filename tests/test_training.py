@@ -1,0 +1,161 @@
+"""Training-time NOSA attention: it equals decoding, its two backends agree, and the eviction head learns."""
+
+import pytest
+import torch
+
+from hf_nosa import NosaCache, to_nosa
+from hf_nosa.modeling import eviction_heads, randomize_eviction_heads
+from hf_nosa.selection import nosa_token_mask
+from hf_nosa.training import flex_block_mask, nosa_training_attention, selected_blocks
+
+from .conftest import small_nosa_config, tiny_model
+from .utils import assert_close
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matrices: one thread is fastest, and keeps the suite steady on a busy 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# A budget far below the sequence: sink 1 + local 1 + query 1 + eviction 1 blocks of 16 tokens.
+SPARSE = dict(budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16)
+
+
+def _sparse_model(family, seed=0):
+    model = to_nosa(tiny_model(family, seed=seed), small_nosa_config(**SPARSE))
+    return randomize_eviction_heads(model, generator=torch.Generator().manual_seed(seed + 7))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_training_forward_equals_incremental_nosa_decoding(family):
+    model = _sparse_model(family)
+    ids = torch.randint(3, 97, (2, 150), generator=torch.Generator().manual_seed(1))
+    model.train()
+    with torch.no_grad():
+        train_logits = model(ids, use_cache=False).logits
+    model.eval()
+    cache = NosaCache(model.config, small_nosa_config(**SPARSE, prefill="nosa"))
+    prompt = 37  # a partly written block: prefill by the rule, then one token per step
+    with torch.no_grad():
+        steps = [model(ids[:, :prompt], past_key_values=cache).logits]
+        for t in range(prompt, ids.shape[1]):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache).logits)
+    decode_logits = torch.cat(steps, dim=1)
+    assert_close(train_logits, decode_logits, atol=1e-4, rtol=0, msg=family)
+    # the budget really bites: full attention differs
+    with torch.no_grad():
+        dense = model(ids, use_cache=False).logits
+    assert not torch.allclose(dense[:, -50:], decode_logits[:, -50:], atol=1e-3)
+
+
+def _inputs(seed, B=2, H=4, Hk=2, T=150, D=16):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, Hk, Hk))
+    bias = torch.randn(B, Hk, T, generator=g)
+    return q, k, v, bias
+
+
+@pytest.mark.parametrize("q_offset", [0, 37])
+def test_chunked_selection_equals_the_reference_rule(q_offset):
+    cfg = small_nosa_config(**SPARSE)
+    q, k, _, bias = _inputs(2)
+    q = q[:, :, q_offset:]
+    P, T = cfg.block_size, k.shape[2]
+    reference = nosa_token_mask(q, k, bias, q_offset, cfg, 0.25)
+    for chunk in (None, 7):
+        bitmap = selected_blocks(q, k, bias, cfg, 0.25, q_offset=q_offset, chunk_size=chunk)
+        tokens = bitmap.repeat_interleave(P, -1)[..., :T]
+        pos = torch.arange(q_offset, T)[:, None]
+        own = (torch.arange(T) // P == pos // P) & (torch.arange(T) <= pos)
+        assert torch.equal(tokens | own, reference)
+        assert int(bitmap.sum(-1).max()) <= cfg.budget_blocks
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("tile", [16, 32])
+def test_flex_backend_equals_explicit_forward_and_bias_gradient(tile, monkeypatch):
+    import hf_nosa.training as training
+
+    monkeypatch.setattr(training, "FLEX_TILE", tile)
+    cfg = small_nosa_config(**SPARSE)
+    grads, outs = {}, {}
+    for backend in ("explicit", "flex"):
+        q, k, v, bias = _inputs(3)
+        bias.requires_grad_()  # FlexAttention has no CPU backward for q, k, v; the bias gradient it does have
+        out = nosa_training_attention(q, k, v, bias, cfg, 0.25, backend=backend)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        outs[backend], grads[backend] = out.detach(), bias.grad
+    assert_close(outs["flex"], outs["explicit"], atol=1e-5)
+    assert_close(grads["flex"], grads["explicit"], atol=1e-5)
+    assert grads["explicit"].abs().sum() > 0
+
+
+@pytest.mark.parametrize("q_offset", [0, 40])
+def test_flex_block_table_covers_exactly_the_tiles_the_rule_touches(q_offset):
+    cfg = small_nosa_config(**SPARSE)
+    q, k, _, bias = _inputs(4, T=200)
+    q = q[:, :, q_offset:]
+    bitmap = selected_blocks(q, k, bias, cfg, 0.25, q_offset=q_offset)
+    tokens = nosa_token_mask(q, k, bias, q_offset, cfg, 0.25)  # [B, Hk, Tq, T]
+    tile = 32
+    mask = flex_block_mask(bitmap, cfg, heads=4, q_offset=q_offset, tile=tile)
+    Tq, T = tokens.shape[2:]
+    padded = torch.nn.functional.pad(tokens, (0, -T % tile, 0, -Tq % tile))
+    B, Hk = tokens.shape[:2]
+    tiles = padded.view(B, Hk, padded.shape[2] // tile, tile, padded.shape[3] // tile, tile)
+    touched = tiles.any(5).any(3).repeat_interleave(2, dim=1)
+    assert torch.equal(mask.to_dense().bool(), touched)
+    # full tiles need no mask_mod: every token of them is allowed
+    full = torch.zeros_like(touched)
+    for b in range(B):
+        for h in range(4):
+            for i in range(touched.shape[2]):
+                n = int(mask.full_kv_num_blocks[b, h, i])
+                full[b, h, i, mask.full_kv_indices[b, h, i, :n].long()] = True
+    rows_ok = torch.arange(tiles.shape[2] * tile).view(-1, tile) < Tq
+    everything = (tiles | ~rows_ok[None, None, :, :, None, None]).all(5).all(3).repeat_interleave(2, dim=1)
+    assert full.any() and bool((everything | ~full).all())
+
+
+def test_eviction_head_learns_through_the_bias_only():
+    model = _sparse_model("llama")
+    model.train()
+    ids = torch.randint(3, 97, (2, 96), generator=torch.Generator().manual_seed(5))
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    for head in eviction_heads(model).values():
+        assert head.A.grad is not None and head.A.grad.abs().sum() > 0
+        assert head.delta.weight.grad.abs().sum() > 0
+
+
+def test_bad_backend_and_lengths():
+    cfg = small_nosa_config(**SPARSE)
+    q, k, v, bias = _inputs(6, T=40)
+    with pytest.raises(ValueError, match="backend"):
+        nosa_training_attention(q, k, v, bias, cfg, 0.25, backend="triton")
+    with pytest.raises(ValueError, match="q_offset"):
+        nosa_training_attention(q, k, v, bias, cfg, 0.25, q_offset=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_on_gpu_equals_explicit(dtype):
+    cfg = small_nosa_config(block_size=64, budget_tokens=512, query_tokens=128, sink_tokens=64, local_tokens=128,
+                            compress_kernel=32, compress_stride=16)
+    grads = {}
+    outs = {}
+    for backend in ("explicit", "flex"):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, h, 1000, 64, generator=g).to("cuda", dtype).requires_grad_() for h in (8, 2, 2))
+        bias = torch.randn(2, 2, 1000, generator=g).cuda().requires_grad_()
+        out = nosa_training_attention(q, k, v, bias, cfg, 0.125, backend=backend)
+        out.float().pow(2).sum().backward()
+        outs[backend] = out.detach()
+        grads[backend] = [x.grad for x in (q, k, v, bias)]
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert_close(outs["flex"], outs["explicit"], atol=tol, rtol=tol)
+    for a, b in zip(grads["flex"], grads["explicit"]):
+        assert_close(a, b, atol=tol * 10, rtol=tol * 10)
