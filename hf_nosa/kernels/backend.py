@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import types
-
 import torch
 
 try:
@@ -27,6 +25,10 @@ try:
 except ImportError:  # triton ships for Linux only; the torch references cover the rest
     triton = tl = InterpretedFunction = JITFunction = None
     HAS_TRITON = False
+try:  # private, used only to speed up the interpreter (tests on CPU); without it every helper call re-patches
+    from triton.runtime.interpreter import _patch_lang
+except ImportError:
+    _patch_lang = None
 
 logger = logging.getLogger("hf_nosa.kernels")
 
@@ -85,23 +87,46 @@ def launcher(kernel):
     """The kernel to launch now: compiled, or its interpreted twin when ``TRITON_INTERPRET=1``."""
     if not interpreting() or isinstance(kernel, InterpretedFunction):
         return kernel
-    twin = _interpreted.get(id(kernel))
+    return _InterpretedLaunch(_twin(kernel))
+
+
+def _twin(jit_fn):
+    twin = _interpreted.get(id(jit_fn))
     if twin is None:
-        twin = _interpreted[id(kernel)] = InterpretedFunction(_rebind(kernel))
+        twin = _interpreted[id(jit_fn)] = InterpretedFunction(jit_fn.fn)
     return twin
 
 
-def _rebind(kernel):
-    """A copy of ``kernel.fn`` whose global ``@triton.jit`` helpers are interpreted functions."""
-    fn = kernel.fn
-    scope = dict(fn.__globals__)
-    for name in fn.__code__.co_names:
-        obj = fn.__globals__.get(name)
-        if isinstance(obj, JITFunction) and obj is not kernel:
-            scope[name] = launcher(obj)
-    twin = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
-    twin.__qualname__, twin.__module__, twin.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
-    return twin
+class _InterpretedLaunch:
+    """``kernel[grid](...)`` in the interpreter, with every ``@triton.jit`` function it calls (our helpers and
+    triton.language's own, compiled at import because the interpreter was off then) run interpreted too."""
+
+    def __init__(self, twin):
+        self.twin = twin
+
+    def __getitem__(self, grid):
+        run = self.twin[grid]
+
+        def launch(*args, **kwargs):
+            patched: set[int] = set()
+
+            def call(fn, *a, **k):
+                twin = _twin(fn)
+                if _patch_lang is None:
+                    return twin(*a, **k)
+                if id(fn) not in patched:  # patching triton.language once per function and launch is enough
+                    _patch_lang(twin.fn)
+                    patched.add(id(fn))
+                return twin.rewrite()(*a, **k)
+
+            original = JITFunction.__call__
+            JITFunction.__call__ = call
+            try:
+                return run(*args, **kwargs)
+            finally:
+                JITFunction.__call__ = original
+
+        return launch
 
 
 def on_device(tensor: torch.Tensor):

@@ -48,6 +48,12 @@ class NewToken(NamedTuple):
     ring_b: torch.Tensor  # [B, Hk, compress_kernel] float32
 
 
+
+def _empty(*shape, dtype, device) -> torch.Tensor:
+    """Every buffer a launch allocates (outputs and scratch); tests swap it for one that poisons them."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -230,7 +236,7 @@ def _launch_logits(query, ck, cb, token: NewToken | None, step, cfg: NosaConfig,
     B, Hk, W_CAP, D = ck.shape
     H = query.shape[1] if query is not None else Hk
     G = H // Hk
-    logits = torch.empty(B * Hk * G, W_CAP, dtype=torch.float32, device=ck.device) if score else ck
+    logits = _empty(B * Hk * G, W_CAP, dtype=torch.float32, device=ck.device) if score else ck
     append = token is not None
     k_new, b_new, ring_k, ring_b = token if append else (ck, cb, ck, cb)
     q = query if score else ck
@@ -256,8 +262,8 @@ def _block_select_triton(query, ck, cb, step, cfg, scale, token, K, return_score
     R, off0, M = _geometry(cfg)
     n_q = min(cfg.sink_blocks + cfg.local_blocks + cfg.query_blocks, K)
     N_SORT = next_power_of_2(max(K, n_q, blocks_capacity(W_CAP, cfg), 16))
-    out = torch.empty(B, Hk, K, dtype=torch.long, device=ck.device)
-    scores = torch.empty(2, B * Hk, N_SORT, dtype=torch.float32, device=ck.device) if return_scores else out
+    out = _empty(B, Hk, K, dtype=torch.long, device=ck.device)
+    scores = _empty(2, B * Hk, N_SORT, dtype=torch.float32, device=ck.device) if return_scores else out
     with on_device(ck):
         logits = _launch_logits(query, ck, cb, token, step, cfg, scale, score=True)
         launcher(_select_kernel)[(B * Hk,)](

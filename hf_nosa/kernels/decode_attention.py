@@ -16,6 +16,12 @@ from .backend import HAS_TRITON, interpreting, kernel_path, launcher, next_power
 BLOCK_S = 64  # keys per inner step: one 64-token block
 MIN_SPLIT = 512  # keys per program at least, so splitting never costs more than it saves
 
+
+def _empty(*shape, dtype, device) -> torch.Tensor:
+    """Every buffer a launch allocates (outputs and scratch); tests swap it for one that poisons them."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
 if HAS_TRITON:
 
     @triton.jit
@@ -116,10 +122,10 @@ def _decode_attention_triton(query, keys, values, key_bias, scale: float, num_sp
     split_len = triton.cdiv(triton.cdiv(S, num_splits), BLOCK_S) * BLOCK_S
     num_splits = triton.cdiv(S, split_len)
     D_PAD = next_power_of_2(max(D, 16))
-    out = torch.empty(B, H, 1, D, dtype=query.dtype, device=query.device)
+    out = _empty(B, H, 1, D, dtype=query.dtype, device=query.device)
     if num_splits > 1:
-        part_acc = torch.empty(B * Hk * num_splits * G, D_PAD, dtype=torch.float32, device=query.device)
-        part_ml = torch.empty(B * Hk * num_splits * G, 2, dtype=torch.float32, device=query.device)
+        part_acc = _empty(B * Hk * num_splits * G, D_PAD, dtype=torch.float32, device=query.device)
+        part_ml = _empty(B * Hk * num_splits * G, 2, dtype=torch.float32, device=query.device)
     else:
         part_acc = part_ml = out
     # fp32 inputs keep full precision; the interpreter computes tl.dot on bf16 wrongly, so it casts too.

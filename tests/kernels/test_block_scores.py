@@ -1,0 +1,167 @@
+"""block_select / append_token (Triton) against selection.py.
+
+The kernel's pooled scores must match ``query_block_scores`` / ``eviction_block_scores``; its selection must be
+exactly what ``select_blocks`` picks from those scores (so rounding never hides a wrong pick), and on these
+inputs also what the reference picks from its own scores. Selections are compared as ascending block lists.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_nosa.kernels.block_scores as mod
+from hf_nosa import NosaConfig
+from hf_nosa.kernels.block_scores import NewToken, append_token, append_token_ref, block_select, block_select_ref
+from hf_nosa.selection import compress_keys, num_windows, select_blocks
+from tests.conftest import small_nosa_config
+from tests.utils import assert_close
+
+PAPER = NosaConfig()  # block 64, windows 32 / 16, budget 4096
+SMALL = small_nosa_config()  # block 16, windows 8 / 4, budget 8 blocks
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    def empty(*shape, dtype, device):
+        fill = float("nan") if dtype.is_floating_point else 987654321
+        return torch.full(shape, fill, dtype=dtype, device=device)
+
+    monkeypatch.setattr(mod, "_empty", empty)
+
+
+def ascending(selected: torch.Tensor) -> torch.Tensor:
+    big = torch.iinfo(torch.long).max
+    out = torch.where(selected < 0, big, selected).sort(-1).values
+    return out.masked_fill(out == big, -1)
+
+
+def make_state(B, H, Hk, D, t, dtype, W, cfg, with_token, device="cpu", seed=0):
+    """Compressed keys of tokens 0..t-1 (or 0..t when the token is not appended) in a buffer of capacity W whose
+    unused tail is poisoned, the ring of the last compress_kernel tokens, and the query."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, Hk, t + 1, D, generator=g).to(dtype)
+    bias = torch.randn(B, Hk, t + 1, generator=g)
+    done = t if with_token else t + 1
+    n = num_windows(done, cfg)
+    ck = torch.full((B, Hk, W, D), float("nan"), dtype=dtype)
+    cb = torch.full((B, Hk, W), float("nan"))
+    ck[:, :, :n] = compress_keys(keys[:, :, :done], cfg)
+    cb[:, :, :n] = compress_keys(bias[:, :, :done], cfg)
+    ker = cfg.compress_kernel
+    ring_k = torch.zeros(B, Hk, ker, D, dtype=dtype)
+    ring_b = torch.zeros(B, Hk, ker)
+    recent = torch.arange(max(0, t - ker), t)
+    ring_k[:, :, recent % ker] = keys[:, :, recent]
+    ring_b[:, :, recent % ker] = bias[:, :, recent]
+    q = torch.randn(B, 1, H, D, generator=g).to(dtype).transpose(1, 2)
+    to = lambda x: x.to(device)  # noqa: E731
+    token = NewToken(to(keys[:, :, t : t + 1]), to(bias[:, :, t : t + 1]), to(ring_k), to(ring_b)) if with_token else None
+    return to(q), to(ck), to(cb), token, torch.tensor([t], device=device)
+
+
+def clone_token(token):
+    return None if token is None else NewToken(token.key, token.bias, token.ring_k.clone(), token.ring_b.clone())
+
+
+def check(q, ck, cb, token, step, cfg, tol):
+    scale = q.shape[-1] ** -0.5
+    t = int(step)
+    ck_ref, cb_ref, tok_ref = ck.clone(), cb.clone(), clone_token(token)
+    sel_ref, qs_ref, es_ref = block_select_ref(q, ck_ref, cb_ref, step.clone(), cfg, scale, tok_ref, None, True)
+    ck_k, cb_k, tok_k = ck.clone(), cb.clone(), clone_token(token)
+    sel, qs, es = block_select(q, ck_k, cb_k, step.clone(), cfg, scale, token=tok_k, return_scores=True)
+    n, c = num_windows(t + 1, cfg), t // cfg.block_size
+    assert_close(ck_k[:, :, :n], ck_ref[:, :, :n], **tol, msg="compressed keys")
+    assert_close(cb_k[:, :, :n], cb_ref[:, :, :n], atol=1e-6, rtol=1e-6, msg="compressed scores")
+    if token is not None:
+        assert torch.equal(tok_k.ring_k, tok_ref.ring_k) and torch.equal(tok_k.ring_b, tok_ref.ring_b)
+    assert_close(qs[:, :, :c], qs_ref, **tol, msg="query block scores")
+    assert_close(es[:, :, :c], es_ref, atol=1e-6, rtol=1e-6, msg="eviction block scores")
+    assert sel.shape == sel_ref.shape and sel.dtype == torch.long
+    if c:
+        current = torch.tensor([c], device=q.device)
+        on_kernel_scores = select_blocks(qs[:, :, None, :c], es[:, :, None, :c], current, cfg)[:, :, 0]
+        assert torch.equal(sel, ascending(on_kernel_scores)), "the kernel's pick differs from select_blocks on its own scores"
+    assert torch.equal(sel, sel_ref), "the kernel's pick differs from the reference"
+    return sel
+
+
+CPU_CASES = [  # B, H, Hk, D, t, dtype, W, cfg, append
+    (2, 4, 2, 64, 200, torch.float32, 256, SMALL, False),
+    (3, 8, 1, 64, 403, torch.float32, 256, SMALL, True),  # G = 8; a window ends at t
+    (1, 8, 8, 128, 139, torch.bfloat16, 256, SMALL, True),  # G = 1
+    (2, 6, 2, 64, 10, torch.float32, 256, SMALL, True),  # block 0: nothing to select
+    (1, 2, 2, 64, 967, torch.float32, 512, SMALL, True),  # more blocks than the budget, capacity 512
+    (1, 4, 1, 128, 1311, torch.float32, 256, PAPER, True),  # the paper's geometry
+]
+
+
+@pytest.mark.parametrize("B,H,Hk,D,t,dtype,W,cfg,append", CPU_CASES)
+def test_matches_reference_interpreted(interpret, poison, B, H, Hk, D, t, dtype, W, cfg, append):
+    state = make_state(B, H, Hk, D, t, dtype, W, cfg, append)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    check(*state, cfg, tol)
+
+
+def test_ties_go_to_the_most_recent_block(interpret):
+    """Equal keys everywhere: every block scores the same, so the budget is the sink plus the newest blocks."""
+    cfg = SMALL
+    q, ck, cb, token, step = make_state(1, 4, 2, 64, 300, torch.float32, 256, cfg, False)
+    ck[:] = 0.5
+    cb[:] = 0.0
+    sel = check(q, ck, cb, None, step, cfg, dict(atol=1e-6, rtol=1e-6))
+    c = 300 // cfg.block_size
+    expected = [0] + list(range(c - cfg.budget_blocks + 1, c))
+    assert sel[0, 0].tolist() == expected
+
+
+def test_append_token_matches_reference(interpret):
+    cfg = SMALL
+    for t in (7, 8, 11, 12, 99):  # before, at and between window ends
+        q, ck, cb, token, step = make_state(2, 4, 2, 64, t, torch.float32, 256, cfg, True, seed=t)
+        ck_ref, cb_ref, tok_ref = ck.clone(), cb.clone(), clone_token(token)
+        append_token_ref(ck_ref, cb_ref, tok_ref, step, cfg)
+        append_token(ck, cb, token, step, cfg)
+        n = num_windows(t + 1, cfg)
+        assert_close(ck[:, :, :n], ck_ref[:, :, :n], atol=1e-6, rtol=1e-6)
+        assert_close(cb[:, :, :n], cb_ref[:, :, :n], atol=1e-6, rtol=1e-6)
+        assert torch.equal(token.ring_k, tok_ref.ring_k) and torch.equal(token.ring_b, tok_ref.ring_b)
+
+
+def test_bad_input():
+    q, ck, cb, token, step = make_state(1, 4, 2, 16, 50, torch.float32, 256, SMALL, True)
+    with pytest.raises(ValueError, match="query"):
+        block_select(q[:, :3], ck, cb, step, SMALL, 0.25)
+    with pytest.raises(ValueError, match="compressed_bias"):
+        block_select(q, ck, cb.double(), step, SMALL, 0.25)
+    with pytest.raises(ValueError, match="step"):
+        block_select(q, ck, cb, step.int(), SMALL, 0.25)
+    with pytest.raises(ValueError, match="budget_blocks"):
+        block_select(q, ck, cb, step, SMALL, 0.25, budget_blocks=0)
+    with pytest.raises(ValueError, match="token.bias"):
+        block_select(q, ck, cb, step, SMALL, 0.25, token=token._replace(bias=token.bias.double()))
+
+
+GPU_CASES = [  # B, H, Hk, D, t, dtype, W, cfg, append
+    (4, 32, 8, 128, 20_031, torch.bfloat16, 2048, PAPER, True),
+    (3, 32, 8, 64, 70_000, torch.bfloat16, 8192, PAPER, True),  # 1093 blocks: N = 2048
+    (5, 28, 4, 128, 9_000, torch.float32, 1024, PAPER, True),
+    (2, 16, 16, 64, 3_000, torch.bfloat16, 256, PAPER, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,Hk,D,t,dtype,W,cfg,append", GPU_CASES)
+def test_matches_reference_gpu(monkeypatch, poison, B, H, Hk, D, t, dtype, W, cfg, append):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("HF_NOSA_KERNELS", raising=False)
+    state = make_state(B, H, Hk, D, t, dtype, W, cfg, append, device="cuda")
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    check(*state, cfg, tol)

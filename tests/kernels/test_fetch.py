@@ -1,0 +1,188 @@
+"""fetch_step (one Triton launch: plan, UVA copy, tail and host write, counters) against its torch reference.
+
+A trajectory of decode steps runs through both paths from the same state; after every step the slot pools,
+tables, counters and host stores must be identical, and the pool must hold exactly what the host store holds at
+every position that has a token (``MASK_VALUE`` in ``slot_b`` everywhere else).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_nosa.host_store import HostStore
+from hf_nosa.kernels.fetch import SlotPool, StepCounters, fetch_step, fetch_step_ref
+from hf_nosa.selection import MASK_VALUE
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+
+
+def make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen):
+    """A host store holding T tokens (several chunks) and a slot pool poisoned with NaN, tail holding T's block."""
+    host = HostStore(B, Hk, D, dtype, P, pin=device.type == "cuda")
+    host.chunk = chunk_blocks * P
+    k = torch.randn(B, Hk, T, D, generator=gen).to(dtype)
+    v = torch.randn(B, Hk, T, D, generator=gen).to(dtype)
+    host.write(0, k, v, torch.randn(B, Hk, T, generator=gen))
+    host.wait_writes()
+    S = K + 1
+    nan = float("nan")
+    pool = SlotPool(
+        torch.full((B, Hk, S + 1, P, D), nan, dtype=dtype, device=device),
+        torch.full((B, Hk, S + 1, P, D), nan, dtype=dtype, device=device),
+        torch.full((B, Hk, S + 1, P), nan, dtype=torch.float32, device=device),
+        torch.full((B, Hk, S), -1, dtype=torch.long, device=device),
+        torch.zeros(B, Hk, dtype=torch.long, device=device),
+    )
+    n_tail = T % P
+    if n_tail:  # like NosaLayer._reset_slots: the partly written block sits in slot 0
+        pool.slot_k[:, :, 0, :n_tail] = k[:, :, T - n_tail :].to(device)
+        pool.slot_v[:, :, 0, :n_tail] = v[:, :, T - n_tail :].to(device)
+        pool.slot_b[:, :, 0, :n_tail] = host.read(T - n_tail, T, device)[2]
+        pool.slot_block[:, :, 0] = T // P
+    return host, pool
+
+
+def clone_host(host: HostStore) -> HostStore:
+    twin = copy.copy(host)
+    for name in ("k_chunks", "v_chunks", "b_chunks"):
+        setattr(twin, name, [chunk.clone().pin_memory() if host.pin else chunk.clone() for chunk in getattr(host, name)])
+    twin._table, twin._version = None, host._version + 1
+    return twin
+
+
+def next_selection(prev, c, K, gen, device):
+    """Mostly the previous blocks (locality), some new ones, a few rows with fewer than K; all < c, unique."""
+    B, Hk, _ = prev.shape
+    out = torch.full((B, Hk, K), -1, dtype=torch.long)
+    for b in range(B):
+        for h in range(Hk):
+            keep = [int(x) for x in prev[b, h] if 0 <= x < c and torch.rand(1, generator=gen) < 0.7]
+            rest = [int(x) for x in torch.randperm(c, generator=gen) if int(x) not in keep]
+            n = min(c, K - int(torch.randint(0, 2, (1,), generator=gen)))
+            row = (keep + rest)[:n]
+            out[b, h, : len(row)] = torch.tensor(row, dtype=torch.long)[torch.randperm(len(row), generator=gen)]
+    return out.to(device)
+
+
+def check_pool_against_host(pool: SlotPool, host: HostStore, t: int):
+    """Every slot position holding a token equals the host store there; every other position has b = MASK."""
+    B, Hk, S = pool.slot_block.shape
+    P = pool.slot_k.shape[3]
+    hk, hv, hb = host.read(0, t + 1, "cpu")
+    blocks = pool.slot_block.cpu()
+    for b in range(B):
+        for h in range(Hk):
+            for s in range(S):
+                blk = int(blocks[b, h, s])
+                n = 0 if blk < 0 else min(P, t + 1 - blk * P)
+                got_b = pool.slot_b[b, h, s].cpu()
+                assert torch.all(got_b[n:] == MASK_VALUE), (b, h, s, blk)
+                if n:
+                    lo = blk * P
+                    assert torch.equal(pool.slot_k[b, h, s, :n].cpu(), hk[b, h, lo : lo + n])
+                    assert torch.equal(pool.slot_v[b, h, s, :n].cpu(), hv[b, h, lo : lo + n])
+                    assert torch.equal(got_b[:n], hb[b, h, lo : lo + n])
+
+
+def run_trajectory(B, Hk, D, P, K, T, dtype, device, steps, chunk_blocks=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
+    host_ref, pool_ref = make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen)
+    host_ker, pool_ker = clone_host(host_ref), SlotPool(*(x.clone() for x in pool_ref))
+    counters_ref, counters_ker = StepCounters.zeros(device), StepCounters.zeros(device)
+    step_ref = torch.tensor([T], device=device)
+    step_ker = step_ref.clone()
+    selected = torch.full((B, Hk, K), -1, dtype=torch.long, device=device)
+    for i in range(steps):
+        t = T + i
+        selected = next_selection(selected.cpu(), t // P, K, gen, device)
+        k_new = torch.randn(B, 1, Hk, D, generator=gen).to(dtype).to(device).transpose(1, 2)  # model layout
+        v_new = torch.randn(B, 1, Hk, D, generator=gen).to(dtype).to(device).transpose(1, 2)
+        b_new = torch.randn(B, 1, Hk, generator=gen).to(device).transpose(1, 2)
+        for host in (host_ref, host_ker):
+            host.ensure_capacity(t + 1)
+        fetch_step_ref(selected, pool_ref, host_ref, k_new, v_new, b_new, step_ref, counters_ref, i > 0)
+        fetch_step(selected, pool_ker, host_ker, k_new, v_new, b_new, step_ker, counters_ker, count_locality=i > 0)
+        host_ker.mark_device_written(t + 1, device)
+        S = K + 1
+        for name, ref, ker in zip(SlotPool._fields, pool_ref, pool_ker):
+            if name in ("slot_k", "slot_v", "slot_b"):  # the scratch slot S is the reference's dumping ground
+                ref, ker = ref[:, :, :S], ker[:, :, :S]
+            torch.testing.assert_close(ker, ref, rtol=0, atol=0, equal_nan=True, msg=f"step {i}: {name}")
+        assert int(step_ker) == int(step_ref) == t + 1
+        torch.testing.assert_close(counters_ker.counts, counters_ref.counts, rtol=0, atol=0)
+        torch.testing.assert_close(counters_ker.locality, counters_ref.locality, rtol=1e-6, atol=1e-6)
+        check_pool_against_host(pool_ker, host_ker, t)
+    for which in range(3):
+        torch.testing.assert_close(host_ker.read(0, T + steps, "cpu")[which], host_ref.read(0, T + steps, "cpu")[which], rtol=0, atol=0)
+    assert int(counters_ker.counts[2:].abs().sum()) == 0  # the kernel's scratch counters return to zero
+
+
+CPU_CASES = [  # B, Hk, D, P, K, T, dtype, steps
+    (3, 2, 64, 16, 6, 150, torch.float32, 16),  # crosses block 160 and host chunks of 64 tokens
+    (1, 8, 128, 16, 3, 45, torch.bfloat16, 8),
+    (1, 1, 64, 32, 4, 96, torch.float32, 4),  # starts on a block boundary: no tail
+    (3, 1, 64, 16, 2, 29, torch.float16, 5),
+]
+
+
+@pytest.mark.parametrize("B,Hk,D,P,K,T,dtype,steps", CPU_CASES)
+def test_trajectory_matches_reference_interpreted(interpret, B, Hk, D, P, K, T, dtype, steps):
+    run_trajectory(B, Hk, D, P, K, T, dtype, "cpu", steps)
+
+
+def test_bad_input(interpret):
+    gen = torch.Generator().manual_seed(0)
+    host, pool = make_state(1, 2, 64, 16, 4, 40, torch.float32, torch.device("cpu"), 4, gen)
+    sel = torch.full((1, 2, 4), -1, dtype=torch.long)
+    k = torch.randn(1, 2, 1, 64)
+    b = torch.randn(1, 2, 1)
+    step, counters = torch.tensor([40]), StepCounters.zeros("cpu")
+    with pytest.raises(ValueError, match="selected"):
+        fetch_step(sel.int(), pool, host, k, k, b, step, counters, count_locality=False)
+    with pytest.raises(ValueError, match="slots"):
+        fetch_step(torch.full((1, 2, 5), -1), pool, host, k, k, b, step, counters, count_locality=False)
+    with pytest.raises(ValueError, match="k_new"):
+        fetch_step(sel, pool, host, k.half(), k, b, step, counters, count_locality=False)
+    with pytest.raises(ValueError, match="b_new"):
+        fetch_step(sel, pool, host, k, k, b.double(), step, counters, count_locality=False)
+    with pytest.raises(ValueError, match="step"):
+        fetch_step(sel, pool, host, k, k, b, step.int(), counters, count_locality=False)
+
+
+GPU_CASES = [  # decode-sized: budget 4096 in 64-token blocks
+    (4, 8, 128, 64, 64, 5000, torch.bfloat16, 6),
+    (3, 8, 64, 64, 64, 9000, torch.bfloat16, 4),  # two host chunks of 8192 tokens
+    (1, 2, 128, 64, 16, 2000, torch.float32, 8),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,Hk,D,P,K,T,dtype,steps", GPU_CASES)
+def test_trajectory_matches_reference_gpu(monkeypatch, B, Hk, D, P, K, T, dtype, steps):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("HF_NOSA_KERNELS", raising=False)
+    run_trajectory(B, Hk, D, P, K, T, dtype, "cuda", steps, chunk_blocks=128)
+
+
+@pytest.mark.gpu
+def test_unpinned_store_on_cuda(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    host, pool = make_state(1, 2, 64, 16, 4, 40, torch.float32, torch.device("cuda"), 4, gen)
+    host.pin = False
+    args = (torch.full((1, 2, 4), -1, dtype=torch.long, device="cuda"), pool, host,
+            torch.randn(1, 2, 1, 64, device="cuda"), torch.randn(1, 2, 1, 64, device="cuda"),
+            torch.randn(1, 2, 1, device="cuda"), torch.tensor([40], device="cuda"), StepCounters.zeros("cuda"))
+    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+    with pytest.raises(ValueError, match="pinned"):
+        fetch_step(*args, count_locality=False)
+    monkeypatch.delenv("HF_NOSA_KERNELS")
+    fetch_step(*args, count_locality=False)  # automatic: the torch reference, logged once
+    assert int(args[6]) == 41
