@@ -265,7 +265,8 @@ def _schedule(recipe: dict):
     return factor
 
 
-def _peft_config(recipe: dict):
+def lora_config(recipe: dict):
+    """The PEFT ``LoraConfig`` of a recipe: its LoRA settings, with the eviction heads trained in full."""
     from peft import LoraConfig
 
     lora = recipe["lora"]
@@ -354,6 +355,39 @@ def _device_memory_check(recipe: dict, device: torch.device) -> None:
                            recipe["device_memory_gb"], total)
 
 
+def _build_model(recipe: dict, base, dtype: torch.dtype):
+    """Base -> to_nosa -> gradient checkpointing -> PEFT LoRA with the eviction heads trained in full (fp32)."""
+    from peft import get_peft_model
+
+    model = load_base(base, dtype=dtype)
+    family = family_of(model)
+    cfg = NosaConfig.from_dict(recipe["nosa"])
+    to_nosa(model, cfg)
+    for head in eviction_heads(model).values():
+        head.float()  # trained from scratch: fp32 masters beside a bf16 base
+    if recipe["gradient_checkpointing"]:
+        if hasattr(model, "activation_checkpointing_enable"):  # the transformers >= 5.2x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = get_peft_model(model, lora_config(recipe))
+    return model, family, cfg
+
+
+def _optimizer(model: nn.Module, recipe: dict) -> torch.optim.Optimizer:
+    """AdamW with two learning rates: the eviction heads (trained from zero) and LoRA."""
+    groups = {"eviction": [], "lora": []}
+    for name, param in _trainable(model).items():
+        groups["eviction" if ".eviction_head." in name else "lora"].append(param)
+    return torch.optim.AdamW(
+        [{"params": groups["eviction"], "lr": recipe["lr_eviction"]}, {"params": groups["lora"], "lr": recipe["lr_lora"]}],
+        weight_decay=recipe["weight_decay"],
+    )
+
+
 def retrofit(recipe, data, output_dir, *, base_model=None, resume: bool = False, max_steps: int | None = None):
     """Retrofit a base model into NOSA with LoRA and trained eviction heads; write the adapter and the run JSON.
 
@@ -370,7 +404,6 @@ def retrofit(recipe, data, output_dir, *, base_model=None, resume: bool = False,
     """
     from accelerate import Accelerator
     from accelerate.utils import parse_flag_from_env, set_seed
-    from peft import get_peft_model
     from tqdm.auto import tqdm
 
     import hf_nosa
@@ -414,28 +447,8 @@ def retrofit(recipe, data, output_dir, *, base_model=None, resume: bool = False,
         packed = pack_data(data, recipe, base, eos_id)
 
     set_seed(recipe["seed"])
-    model = load_base(base, dtype=torch.bfloat16 if cuda else torch.float32)
-    family = family_of(model)
-    cfg = NosaConfig.from_dict(recipe["nosa"])
-    to_nosa(model, cfg)
-    for head in eviction_heads(model).values():
-        head.float()  # trained from scratch: keep fp32 masters beside the bf16 base
-    if recipe["gradient_checkpointing"]:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.config.use_cache = False
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-        model = get_peft_model(model, _peft_config(recipe))
-    groups = {"eviction": [], "lora": []}
-    for name, param in _trainable(model).items():
-        groups["eviction" if ".eviction_head." in name else "lora"].append(param)
-    optimizer = torch.optim.AdamW(
-        [{"params": groups["eviction"], "lr": recipe["lr_eviction"]}, {"params": groups["lora"], "lr": recipe["lr_lora"]}],
-        weight_decay=recipe["weight_decay"],
-    )
+    model, family, cfg = _build_model(recipe, base, torch.bfloat16 if cuda else torch.float32)
+    optimizer = _optimizer(model, recipe)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(recipe))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     _register_checkpoint_hooks(accelerator, model)

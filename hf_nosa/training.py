@@ -84,12 +84,15 @@ def selected_blocks(
     W = compressed_keys.shape[2]
     chunk = chunk_size or _query_chunk(B * H * max(W, N, 1))
     bitmap = torch.zeros(B, Hk, Tq, N + 1, dtype=torch.bool, device=query.device)  # column N absorbs "none" (-1)
+    # The scores in fp32 like the decode path, even under bf16 autocast: the same blocks must win near-ties.
+    no_autocast = torch.autocast(query.device.type, enabled=False)
     for lo in range(0, Tq, chunk):
         hi = min(Tq, lo + chunk)
         positions = torch.arange(q_offset + lo, q_offset + hi, device=query.device)
-        qs = query_block_scores(query[:, :, lo:hi], compressed_keys, positions, N, cfg, scale)
-        es = eviction_block_scores(compressed_bias, positions, N, cfg)
-        chosen = select_blocks(qs, es, positions // P, cfg)  # [B, Hk, chunk, K]
+        with no_autocast:
+            qs = query_block_scores(query[:, :, lo:hi], compressed_keys, positions, N, cfg, scale)
+            es = eviction_block_scores(compressed_bias, positions, N, cfg)
+            chosen = select_blocks(qs, es, positions // P, cfg)  # [B, Hk, chunk, K]
         bitmap[:, :, lo:hi].scatter_(-1, torch.where(chosen < 0, N, chosen), True)
     return bitmap[..., :N].contiguous()
 

@@ -159,3 +159,23 @@ def test_flex_on_gpu_equals_explicit(dtype):
     assert_close(outs["flex"], outs["explicit"], atol=tol, rtol=tol)
     for a, b in zip(grads["flex"], grads["explicit"]):
         assert_close(a, b, atol=tol * 10, rtol=tol * 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_flex_training_forward_on_gpu_equals_nosa_decoding_and_trains_the_heads():
+    model = _sparse_model("llama").cuda()
+    ids = torch.randint(3, 97, (2, 150), generator=torch.Generator().manual_seed(1)).cuda()
+    model.train()
+    train_logits = model(ids, use_cache=False).logits
+    model.eval()
+    cache = NosaCache(model.config, small_nosa_config(**SPARSE, prefill="nosa"))
+    with torch.no_grad():
+        steps = [model(ids[:, :37], past_key_values=cache).logits]
+        for t in range(37, ids.shape[1]):
+            steps.append(model(ids[:, t : t + 1], past_key_values=cache).logits)
+    assert_close(train_logits.detach(), torch.cat(steps, dim=1), atol=1e-3, rtol=0)
+    model.train()
+    model(ids, labels=ids, use_cache=False).loss.backward()
+    for head in eviction_heads(model).values():
+        assert head.A.grad.abs().sum() > 0 and head.delta.weight.grad.abs().sum() > 0
