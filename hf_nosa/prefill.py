@@ -11,11 +11,12 @@ earlier call wrote it) span at most ``prefill_chunk_size`` tokens. Per chunk and
 3. ``selection.quoka_select_blocks`` takes sink + local + the top blocks, ``prefill_budget_blocks`` in all;
 4. the chunk's queries attend to those blocks plus the chunk itself (causal), with the eviction bias.
 
-So at most ``prefill_budget_tokens + prefill_chunk_size`` KV tokens per (sequence, KV head) are gathered on the
-device for a chunk; the prompt's K/V are never assembled there (the projection output of the current forward
-exists already and is read in place). Selected blocks written by this forward are gathered from that output;
-blocks of earlier forward calls come from the host store. Every token's K, V and eviction score go to the host
-store and extend the compressed keys, so afterwards the layer is in the state a dense prefill leaves.
+So a chunk reads at most ``prefill_budget_tokens + prefill_chunk_size`` KV tokens per (sequence, KV head)
+(``stats()["device_tokens"]``), and the prompt's K/V are never assembled on the device: within one forward call
+the projection output of the layer exists already, and ``kernels.chunk_attention`` reads the listed rows of it in
+place. A call that continues a sequence (a caller's own chunking, a new turn) gathers each chunk's keys, taking
+blocks of earlier calls from the host store. Every token's K, V and eviction score go to the host store and extend
+the compressed keys, so afterwards the layer is in the state a dense prefill leaves.
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ from .config import NosaConfig
 from .kernels.chunk_attention import chunk_attention
 from .kernels.quoka_score import quoka_score
 from .masks import padding_bias
-from .selection import MASK_VALUE, compress_keys, num_windows, quoka_query_choice, quoka_select_blocks
+from .selection import (
+    MASK_VALUE,
+    compress_keys,
+    num_windows,
+    quoka_query_choice,
+    quoka_select_blocks,
+    windows_available,
+)
 
 # Chunks whose queries are chosen and scored together (tokens): bounds the transient copies of queries and
 # compressed-key windows while keeping the number of launches per chunk small.
@@ -89,12 +97,14 @@ def _choose_blocks(layer, q, valid, group, start) -> torch.Tensor:
     kept = queries.gather(3, index[..., None].expand(-1, -1, -1, -1, D))  # [B, H, R, n, D]
     n_valid = real[:, 0].sum(-1).clamp(max=index.shape[-1])  # [B, R]
 
-    current = [lo // P for lo, _, _ in group]
-    n_windows = torch.tensor([num_windows(lo, cfg) for lo, _, _ in group], device=q.device)
-    n_blocks = max(current)
+    # Chunk r's own keys begin at lo0 + r*C; computed on the device (a tensor built from a list would sync).
+    lo = lo0 + torch.arange(R, device=q.device) * C
+    current = lo // P
+    n_windows = windows_available(lo - 1, cfg)  # windows complete before each chunk
+    n_blocks = group[-1][0] // P
     scores = quoka_score(kept, layer.compressed.keys, n_windows, n_blocks, cfg, n_valid=n_valid)
     budget = min(cfg.prefill_budget_blocks, n_blocks)
-    return quoka_select_blocks(scores, torch.tensor(current, device=q.device), cfg, budget_blocks=budget)
+    return quoka_select_blocks(scores, current, cfg, budget_blocks=budget)
 
 
 def _group_index(selected, group, start, end, cfg) -> torch.Tensor:
@@ -150,6 +160,29 @@ def _fetch_earlier_blocks(layer, selected, start, slot_k, slot_v, slot_b) -> Non
     layer.bytes_to_device += sum(x.numel() * x.element_size() for x in (hk, hv, hb))
 
 
+_WRITERS: dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _write_to_host(layer, start, k, v, b):
+    """Store the update in the host store; on CUDA from a side stream, so the copy overlaps the chunk attention.
+
+    Returns that stream (None on CPU): the caller makes its stream wait for it once the layer is done.
+    """
+    if not k.is_cuda:
+        layer.host.write(start, k, v, b)
+        return None
+    main = torch.cuda.current_stream(k.device)
+    writer = _WRITERS.get(k.device)
+    if writer is None:
+        writer = _WRITERS[k.device] = torch.cuda.Stream(k.device)
+    writer.wait_stream(main)
+    with torch.cuda.stream(writer):
+        layer.host.write(start, k, v, b)
+    for t in (k, v, b):
+        t.record_stream(writer)
+    return writer
+
+
 def quoka_prefill(layer, k, v, q, b, attention_mask, scale: float) -> torch.Tensor:
     """Store an update of several tokens in ``layer`` (a NosaLayer) and attend to it chunk by chunk with QUOKA.
 
@@ -171,7 +204,7 @@ def quoka_prefill(layer, k, v, q, b, attention_mask, scale: float) -> torch.Tens
         pad = pad.to(b.device)
         b = b + pad
         valid = pad[:, 0] == 0  # [B, Tq]
-    layer.host.write(start, k, v, b)
+    writer = _write_to_host(layer, start, k, v, b)
     layer.seen = end
 
     out = torch.empty_like(q)
@@ -206,4 +239,6 @@ def quoka_prefill(layer, k, v, q, b, attention_mask, scale: float) -> torch.Tens
         layer._reset_slots(*layer.host.read(tail, end, layer.device))
     if layer.selector is not None:
         layer.selector.observe(layer, k, b, start)
+    if writer is not None:  # later kernels (decode fetches) read the store in stream order
+        torch.cuda.current_stream(k.device).wait_stream(writer)
     return out

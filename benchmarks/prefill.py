@@ -1,0 +1,267 @@
+"""Time to first token and peak device memory of a long prompt: dense prefill, dense chunked prefill, QUOKA.
+
+Random-weight 1B-shaped Llama (16 layers, 32 heads, 8 KV heads x 64, bf16, sdpa). For each prompt length and
+batch, in one run:
+
+- ``dense``: the stock model prefills the whole prompt in one forward (transformers' DynamicCache);
+- ``dense_chunked``: the stock model prefills it in chunks of ``--dense-chunk`` tokens (DynamicCache);
+- ``quoka@C``: the NOSA-converted model (eviction heads at A = 0) prefills it in one forward into a NosaCache
+  with ``prefill="quoka"``: chunks of C tokens, each attending to ``--budget`` tokens of blocks plus itself.
+
+TTFT is the wall time from the token ids on the device to the first generated token (last-position logits,
+argmax), after ``--warmup`` untimed runs; the median of ``--repeat`` runs is reported. Peak memory is
+``torch.cuda.max_memory_allocated`` during the run minus what was allocated before it (weights). The JSON holds
+the GPU, versions, command and date; the PNG plots TTFT and peak memory against the prompt length.
+
+    PYTHONPATH=. python benchmarks/prefill.py --out DIR
+    python benchmarks/prefill.py --smoke          # tiny sizes, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import transformers
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import hf_nosa  # noqa: E402
+from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
+
+SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, vocab_size=128256)
+SHAPE_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=97)
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # past_key_values= is the keyword 5.17 knows
+
+
+def command_line() -> str:
+    """The command that ran, with the output folder written as DIR (it is a path of the machine that ran it)."""
+    args = list(sys.argv)
+    for i, arg in enumerate(args[:-1]):
+        if arg == "--out":
+            args[i + 1] = "DIR"
+    return "PYTHONPATH=. python " + " ".join(args)
+
+
+def _version(name: str) -> str:
+    try:
+        return __import__(name).__version__
+    except ImportError:
+        return "absent"
+
+
+def environment() -> dict:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return dict(
+        gpu=gpu, torch=torch.__version__, transformers=transformers.__version__, hf_nosa=hf_nosa.__version__,
+        triton=_version("triton"), python=platform.python_version(), command=command_line(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def prefill_dense(model, ids, chunk=None):
+    """The stock model with a DynamicCache, whole prompt or chunk by chunk; returns (first token, cache)."""
+    cache = DynamicCache(config=model.config)
+    step = chunk or ids.shape[1]
+    for lo in range(0, ids.shape[1], step):
+        logits = model(ids[:, lo : lo + step], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    return logits[:, -1].argmax(-1), cache
+
+
+@torch.no_grad()
+def prefill_quoka(model, ids, nosa_config):
+    cache = NosaCache(model.config, nosa_config)
+    logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    return logits[:, -1].argmax(-1), cache
+
+
+def measure(run, device, warmup, repeat):
+    """Median seconds of ``run()`` and peak extra device memory (bytes) of the last timed run."""
+    for _ in range(warmup):
+        run()
+    times, peak, result = [], 0, None
+    for _ in range(repeat):
+        result = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        sync(device)
+        start = time.perf_counter()
+        result = run()
+        sync(device)
+        times.append(time.perf_counter() - start)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) - base
+    return statistics.median(times), peak, result
+
+
+def kv_bytes_dense(cache) -> int:
+    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+
+
+def plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if "ttft_s" in r]
+    batches = sorted({r["batch"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(2, len(batches), figsize=(5.5 * len(batches), 8), squeeze=False)
+    for j, batch in enumerate(batches):
+        for method in methods:
+            pts = sorted((r["context"], r["ttft_s"], r["peak_bytes"]) for r in rows
+                         if r["batch"] == batch and r["method"] == method)
+            if not pts:
+                continue
+            ctx = [p[0] / 1024 for p in pts]
+            axes[0, j].plot(ctx, [p[1] for p in pts], marker="o", label=method)
+            axes[1, j].plot(ctx, [p[2] / 2**30 for p in pts], marker="o", label=method)
+        axes[0, j].set_title(f"batch {batch}: time to first token")
+        axes[0, j].set_ylabel("seconds")
+        axes[1, j].set_title(f"batch {batch}: peak device memory above the weights")
+        axes[1, j].set_ylabel("GiB")
+        for ax in axes[:, j]:
+            ax.set_xlabel("prompt (K tokens)")
+            ax.grid(alpha=0.3)
+            ax.legend()
+    model = "tiny Llama (smoke)" if result["smoke"] else "1B-shaped Llama"
+    fig.suptitle(f"prefill, {model}, {result['dtype']}, {result['gpu']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="16384,32768,65536")
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--budget", type=int, default=4096, help="QUOKA prefill budget (tokens)")
+    parser.add_argument("--chunks", default="512,2048", help="QUOKA chunk sizes, one method each")
+    parser.add_argument("--dense-chunk", type=int, default=512, help="chunk of the dense chunked prefill")
+    parser.add_argument("--queries", type=int, default=16, help="QUOKA kept queries per head")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU")
+    parser.add_argument("--out", default=None, help="folder for prefill.json and prefill.png")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = SHAPE_SMOKE if args.smoke else SHAPE_1B
+    block = 64
+    if args.smoke:
+        args.contexts, args.batches, args.budget, args.chunks, args.dense_chunk = "256,512", "1,2", 64, "32,64", 32
+        args.warmup, args.repeat, block = 0, 1, 16
+    contexts = [int(c) for c in args.contexts.split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    chunks = [int(c) for c in args.chunks.split(",")]
+
+    config = LlamaConfig(**shape, max_position_embeddings=max(contexts) * 2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    nosa_configs = {
+        chunk: NosaConfig(
+            block_size=block, budget_tokens=args.budget, query_tokens=args.budget // 4, sink_tokens=block,
+            local_tokens=args.budget // 4, compress_kernel=block // 2, compress_stride=block // 4, prefill="quoka",
+            prefill_chunk_size=chunk, quoka_queries=args.queries,
+        )
+        for chunk in chunks
+    }
+
+    rows = []
+    result = dict(environment(), smoke=args.smoke, shape=shape, dtype=str(dtype), budget_tokens=args.budget,
+                  chunks=chunks, dense_chunk=args.dense_chunk, quoka_queries=args.queries, warmup=args.warmup,
+                  repeat=args.repeat, rows=rows)
+    g = torch.Generator().manual_seed(0)
+    prompts = {(c, b): torch.randint(3, shape["vocab_size"], (b, c), generator=g) for c in contexts for b in batches}
+    first_tokens = {}
+
+    def record(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "prefill.json"), "w") as f:
+                json.dump(result, f, indent=2)
+
+    def run_method(method, context, batch, run, extra):
+        ids = prompts[context, batch].to(device)
+        try:
+            seconds, peak, (token, cache) = measure(lambda: run(ids), device, args.warmup, args.repeat)
+        except torch.OutOfMemoryError as error:
+            record(dict(method=method, context=context, batch=batch, error=f"OOM: {error}"[:200]))
+            return
+        row = dict(method=method, context=context, batch=batch, ttft_s=seconds, tok_per_s=batch * context / seconds,
+                   peak_bytes=peak, **extra(cache))
+        if method == "dense":
+            first_tokens[context, batch] = token.cpu()
+        elif (context, batch) in first_tokens:
+            row["first_token_agrees_with_dense"] = float((token.cpu() == first_tokens[context, batch]).float().mean())
+        record(row)
+        del cache
+
+    # The stock model first (dense rows), then the same weights converted for QUOKA.
+    for context in contexts:
+        for batch in batches:
+            dense_extra = lambda cache: dict(kv_device_bytes=kv_bytes_dense(cache))  # noqa: E731
+            run_method("dense", context, batch, lambda ids: prefill_dense(model, ids), dense_extra)
+            run_method("dense_chunked", context, batch, lambda ids: prefill_dense(model, ids, args.dense_chunk),
+                       dense_extra)
+    to_nosa(model, nosa_configs[chunks[0]])
+    for context in contexts:
+        for batch in batches:
+            for chunk, cfg in nosa_configs.items():
+                def quoka_extra(cache, cfg=cfg):
+                    stats = cache.stats()
+                    return dict(device_tokens=stats["device_tokens"],
+                                device_tokens_bound=cfg.prefill_budget_blocks * cfg.block_size + cfg.prefill_chunk_size,
+                                kv_device_bytes=stats["device_kv_bytes"], host_bytes=stats["host_bytes"],
+                                bytes_to_device=stats["bytes_to_device"])
+
+                run_method(f"quoka@{chunk}", context, batch, lambda ids, cfg=cfg: prefill_quoka(model, ids, cfg),
+                           quoka_extra)
+
+    for context in contexts:
+        for batch in batches:
+            by = {r["method"]: r for r in rows if r["context"] == context and r["batch"] == batch and "ttft_s" in r}
+            for method, row in by.items():
+                if method != "dense" and "dense" in by:
+                    row["speedup_vs_dense"] = by["dense"]["ttft_s"] / row["ttft_s"]
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "prefill.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        plot(result, os.path.join(args.out, "prefill.png"))
+    summary = [(r["method"], r["context"], r["batch"], round(r.get("ttft_s", float("nan")), 4),
+                round(r.get("speedup_vs_dense", 1.0), 2)) for r in rows]
+    print("method, context, batch, ttft_s, speedup_vs_dense")
+    for line in summary:
+        print(*line, sep=", ")
+    return result
+
+
+if __name__ == "__main__":
+    main()
