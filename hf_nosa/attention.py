@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -27,6 +29,18 @@ class EvictionHead(nn.Module):
     def forward(self, value_flat: torch.Tensor) -> torch.Tensor:
         """``[B, T, Hk * D]`` -> ``[B, Hk, T]`` float32."""
         return eviction_bias(value_flat, self.delta.weight, self.delta.bias, self.A)
+
+
+_warned_quoka = False
+
+
+def _warn_quoka_without_nosa_cache() -> None:
+    global _warned_quoka
+    _warned_quoka = True
+    logging.getLogger(__name__).warning(
+        'prefill="quoka" chunks the prompt only inside a NosaCache; with another cache (or none) every key is on the '
+        "device already and the prompt gets full attention. Use cache_implementation=\"nosa\" for QUOKA."
+    )
 
 
 def nosa_attention(
@@ -67,5 +81,7 @@ def nosa_attention(
             query, key, value, bias, cfg, module.scaling, attention_mask=attention_mask, q_offset=q_offset
         )
     Tq, T = query.shape[2], key.shape[2]
+    if cfg.prefill == "quoka" and Tq > 1 and not _warned_quoka:
+        _warn_quoka_without_nosa_cache()
     mask = additive_mask(attention_mask, Tq, T, q_offset, query.device)
     return attend(query, AttentionInputs(key, value, bias, mask, q_offset, causal=False), module.scaling)

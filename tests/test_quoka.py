@@ -210,6 +210,18 @@ def test_generate_on_a_long_prompt_with_the_default_config():
     assert cfg.budget_tokens < stats["device_tokens"] <= cfg.budget_tokens + cfg.prefill_chunk_size
 
 
+def test_quoka_outside_a_nosa_cache_says_it_attends_fully(caplog, monkeypatch):
+    import hf_nosa.attention as attention
+
+    monkeypatch.setattr(attention, "_warned_quoka", False)
+    model = to_nosa(tiny_model("llama"), small_nosa_config(prefill="quoka"))
+    ids = _prompt(1, 40, seed=0)[0]
+    with caplog.at_level("WARNING"), torch.no_grad():
+        model(ids, use_cache=False)
+        model(ids, use_cache=False)
+    assert sum("only inside a NosaCache" in r.message for r in caplog.records) == 1
+
+
 def test_compressed_keys_extend_like_a_rebuild():
     cfg = small_nosa_config()
     g = torch.Generator().manual_seed(1)
