@@ -7,9 +7,9 @@ whole model forward of one decode token can be captured by hand and replayed, wi
 run around each replay. ``DecodeGraph`` does that; ``greedy_decode`` is a small generation loop on top.
 
 A graph is (re)captured when a layer's buffers move (the compressed keys grow to the next power of two of
-windows, a beam reorder, a reset) or the batch changes; the step before a capture runs eagerly, so kernels are
-compiled outside the capture. Limits: no padding mask (every row must be a real token, as in a plain batch);
-greedy only in ``greedy_decode``; CUDA only.
+windows, a beam reorder, a reset) or the batch changes; a step with the same key runs eagerly before a capture,
+so kernels are compiled outside it (the first two steps after a prefill run eagerly). Limits: no padding mask
+(every row must be a real token, as in a plain batch); greedy only in ``greedy_decode``; CUDA only.
 """
 
 from __future__ import annotations
@@ -52,11 +52,10 @@ class DecodeGraph:
         key = (tuple(input_ids.shape), tuple(layer.fused_graph_key() for layer in layers))
         if self.graph is None or key != self.key:
             if key != self._eager_key:
-                # Run this step eagerly: compiles the kernels for these shapes and leaves the state a capture needs.
-                self._eager_key = None
-                out = self._forward(input_ids, position_ids)
-                self._eager_key = tuple(input_ids.shape), tuple(layer.fused_graph_key() for layer in self._layers())
-                return out
+                # Run a step of this key eagerly first: it compiles every kernel variant the capture will launch
+                # (compiling or loading a module while capturing is not allowed).
+                self._eager_key = key
+                return self._forward(input_ids, position_ids)
             self._capture(input_ids, position_ids, key)
         self.static_ids.copy_(input_ids)
         self.static_pos.copy_(position_ids)

@@ -157,3 +157,55 @@ def test_cuda_graph_replay_equals_eager_gpu(compiled, monkeypatch):
             pos = torch.full_like(token, cache.get_seq_length())
             token = step(token, pos).argmax(-1, keepdim=True)
     assert step.captures == 1 and step.replays >= 7
+
+
+def test_query_only_kernel_selector_equals_the_baseline(interpret, monkeypatch):
+    """The query-only rule on block_select (used by the throughput benchmark) picks what baselines.py picks."""
+    baselines = pytest.importorskip("hf_nosa.baselines")
+    monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
+    model = nosa_model(num_hidden_layers=1, seed=5)
+    cache = NosaCache(model.config)
+    ids = torch.randint(3, 97, (2, 150), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(6)
+    t = 150  # the token after the prompt; its window set is already complete
+    for trial in range(3):
+        query = torch.randn(2, 4, 1, 16, generator=g)
+        layer.step.fill_(t)
+        layer._step_value = t
+        expected = baselines.QueryOnlySelector().select(layer, query, t, 0.25)
+        monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+        got = KernelQueryOnly().select(layer, query, t, 0.25)
+        monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
+        big = torch.iinfo(torch.long).max
+        expected = torch.where(expected < 0, big, expected).sort(-1).values
+        expected[expected == big] = -1
+        assert torch.equal(got, expected), trial
+
+
+def test_benchmark_fill_matches_a_dense_prefill():
+    """decode_throughput.py fills NosaCache layers directly; the state must be what a dense prefill leaves."""
+    from benchmarks.decode_throughput import build_model, fill_nosa, nosa_config
+    from hf_nosa.selection import num_windows
+
+    model = build_model("smoke", "cpu", torch.float32)
+    ncfg = nosa_config(smoke=True)
+    hf_nosa.to_nosa(model, ncfg)
+    randomize_eviction_heads(model, scale=0.1, generator=torch.Generator().manual_seed(0))
+    for context in (256, 200):
+        cache = fill_nosa(model, NosaCache(model.config, ncfg), 2, context, 10, torch.device("cpu"), torch.float32,
+                          piece=64)
+        ref = NosaCache(model.config, ncfg)
+        for i, layer in enumerate(cache.layers):
+            k, v, b = layer.host.read(0, context, "cpu")
+            ref.update(k, v, i, query=torch.zeros(2, 4, context, 16), bias=b)
+            r, n = ref.layers[i], num_windows(context, ncfg)
+            assert layer.seen == r.seen == context and layer.compressed.n == r.compressed.n == n
+            assert_close(layer.compressed.keys[:, :, :n], r.compressed.keys[:, :, :n])
+            assert_close(layer.compressed.bias[:, :, :n], r.compressed.bias[:, :, :n])
+            assert torch.equal(layer.compressed.ring_k, r.compressed.ring_k)
+            assert torch.equal(layer.compressed.ring_b, r.compressed.ring_b)
+            assert torch.equal(layer.slot_block, r.slot_block) and torch.equal(layer.tail_slot, r.tail_slot)
+            assert torch.equal(layer.slot_k[:, :, 0], r.slot_k[:, :, 0])

@@ -1,0 +1,494 @@
+"""Decode throughput at long context under a device-memory cap: transformers' caches against NosaCache.
+
+Random-weight Llama shapes (1b: 16 layers, 32 heads, 8 KV heads x 64; 8b: 32 layers, 32 heads, 8 KV heads x 128),
+contexts 16K / 32K / 64K, the device capped with ``torch.cuda.set_per_process_memory_fraction`` (24 GB for 1b,
+48 GB for 8b) to emulate the cards people run long contexts on. Methods:
+
+- ``dynamic``: transformers' default DynamicCache, eager decode loop, the faster of sdpa and eager attention;
+- ``static_compile``: StaticCache + ``torch.compile(mode="reduce-overhead")``, the fastest stock path;
+- ``offloaded``: ``DynamicCache(offloading=True)``;
+- ``nosa``: NosaCache on the Triton path, eviction heads with random nonzero A, decode step replayed from a CUDA
+  graph (``hf_nosa.kernels.cuda_graph``);
+- ``query_only``: the same engine with a query-aware-only selector (InfLLMv2-style baseline).
+
+Each method runs at the largest batch that fits the device cap and the host budget (``--host-gb``); the row says
+which bound it (NOSA batches are powers of two so that host-store chunks are reused from row to row). Caches are
+filled directly with random keys and values (no prefill is timed). Beside each row: tok/s, ms per step, for NOSA
+the per-step GPU time of selection / fetch / attention (torch.profiler over eager steps) and the rest, and the
+roofline floor: HBM bytes over the measured HBM bandwidth plus PCIe bytes over the measured pinned-copy rate.
+Results go to DIR/decode_throughput.json after every row (``--resume`` skips rows already there) and a plot to
+DIR/decode_throughput.png.
+
+    PYTHONPATH=. python benchmarks/decode_throughput.py --out DIR            # everything (~8 min on an H200)
+    PYTHONPATH=. python benchmarks/decode_throughput.py --quick --out DIR    # 32K and 64K, fewer steps
+    python benchmarks/decode_throughput.py --smoke                           # tiny sizes on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.fetch_bandwidth import environment  # noqa: E402
+from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
+from hf_nosa.host_store import HostStore  # noqa: E402
+from hf_nosa.kernels.block_scores import block_select, window_capacity_for  # noqa: E402
+from hf_nosa.kernels.cuda_graph import DecodeGraph  # noqa: E402
+from hf_nosa.modeling import eviction_heads, randomize_eviction_heads  # noqa: E402
+from hf_nosa.selection import compress_keys, num_windows  # noqa: E402
+
+GB = 1e9
+SHAPES = {
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False),
+    "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=97),
+}
+CAP_GB = {"1b": 24, "8b": 48, "smoke": None}
+METHODS = ("dynamic", "static_compile", "offloaded", "nosa", "query_only")
+HOST_CHUNK_BYTES = 256 << 20  # K (or V) bytes of one host-store chunk: equal sizes let pinned blocks be reused
+MARGIN = 1.5 * GB  # device memory kept free for activations, workspaces, graph pools
+
+
+# ----- the query-only baseline on the NOSA engine -----
+
+
+def query_only_selector():
+    """InfLLMv2-style selection (sink + local window + query-aware top blocks, no eviction head) on the device:
+    the NOSA rule with the whole budget given to the query-aware part. Uses hf_nosa.baselines.QueryOnlySelector's
+    name and observe when that module exists; its select runs through the block_select kernel."""
+    try:
+        from hf_nosa.baselines import QueryOnlySelector as Base
+    except ImportError:
+        Base = object
+
+    class KernelQueryOnlySelector(Base):
+        name = "query_only"
+
+        def observe(self, layer, keys, bias, start):
+            pass
+
+        def select(self, layer, query, t, scale):
+            cfg = layer.cfg
+            cfg = cfg.replace(query_tokens=cfg.budget_tokens - cfg.sink_tokens - cfg.local_tokens)
+            return block_select(query, layer.compressed.keys, layer.compressed.bias, layer.step, cfg, scale)
+
+    return KernelQueryOnlySelector(), Base is not object
+
+
+# ----- models and caches -----
+
+
+def build_model(shape: str, device, dtype):
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=1 << 18)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    return model
+
+
+def nosa_config(smoke: bool) -> NosaConfig:
+    if smoke:
+        return NosaConfig(block_size=16, budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16,
+                          compress_kernel=8, compress_stride=4, prefill="dense")
+    return NosaConfig(prefill="dense")  # block 64, budget 4096 (query 1024, sink 64, local 1024), windows 32/16
+
+
+def random_kv(cfg, batch, n, device, dtype, gen):
+    shape = (batch, cfg.num_key_value_heads, n, cfg.head_dim)
+    return (torch.randn(shape, generator=gen, device=device, dtype=dtype),
+            torch.randn(shape, generator=gen, device=device, dtype=dtype))
+
+
+def fill_transformers(model, cache, batch, context, device, dtype):
+    cfg = model.config
+    gen = torch.Generator(device=device).manual_seed(0)
+    for layer in range(cfg.num_hidden_layers):
+        k, v = random_kv(cfg, batch, context, device, dtype, gen)
+        cache.update(k, v, layer)
+        del k, v
+    return cache
+
+
+def fill_nosa(model, cache: NosaCache, batch, context, total_steps, device, dtype, piece=1024):
+    """Write ``context`` random tokens straight into every layer's host store, compressed keys, ring and tail
+    slot (what a dense prefill leaves), with eviction scores from the model's own (random) eviction heads."""
+    cfg, ncfg = model.config, cache.nosa_config
+    heads = eviction_heads(model)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ker, stride = ncfg.compress_kernel, ncfg.compress_stride
+    overlap = ker - stride
+    for i, layer in enumerate(cache.layers):
+        like = torch.empty(batch, cfg.num_key_value_heads, 1, cfg.head_dim, device=device, dtype=dtype)
+        layer.lazy_initialization(like, like)
+        layer.compressed._reserve(window_capacity_for(num_windows(context + total_steps, ncfg)))
+        prev_k = prev_b = None
+        for start in range(0, context, piece):
+            n = min(piece, context - start)
+            k, v = random_kv(cfg, batch, n, device, dtype, gen)
+            b = heads[i](v.transpose(1, 2).flatten(2))  # [B, Hk, n] fp32
+            layer.host.write(start, k, v, b)
+            span_k = k if prev_k is None else torch.cat([prev_k, k], 2)
+            span_b = b if prev_b is None else torch.cat([prev_b, b], 2)
+            first = (start - (span_k.shape[2] - n)) // stride  # window index of the span's first token
+            w = num_windows(span_k.shape[2], ncfg)
+            layer.compressed.keys[:, :, first : first + w] = compress_keys(span_k, ncfg)
+            layer.compressed.bias[:, :, first : first + w] = compress_keys(span_b, ncfg)
+            prev_k, prev_b = k[:, :, n - overlap :], b[:, :, n - overlap :]
+        layer.compressed.n = num_windows(context, ncfg)
+        recent = torch.arange(context - ker, context, device=device)
+        layer.compressed.ring_k[:, :, recent % ker] = k[:, :, -ker:]
+        layer.compressed.ring_b[:, :, recent % ker] = b[:, :, -ker:]
+        layer.seen = context
+        layer._reset_slots(k, v, b)  # the partly written last block becomes the tail (keys end at `context`)
+    return cache
+
+
+# ----- batch sizes -----
+
+
+def bytes_per_seq(method, shape, context, steps, ncfg, dtype_bytes=2):
+    s = SHAPES[shape]
+    L, Hk, D, H = s["num_hidden_layers"], s["num_key_value_heads"], s["head_dim"], s["num_attention_heads"]
+    kv = L * Hk * (context + steps) * D * 2 * dtype_bytes
+    if method in ("dynamic", "static_compile"):
+        return dict(device=kv * (1 + 1 / L), host=0)  # DynamicCache.update copies one layer at a time
+    if method == "offloaded":
+        return dict(device=2 * kv / L, host=kv)
+    P, S = ncfg.block_size, ncfg.budget_blocks + 1
+    W = window_capacity_for(num_windows(context + steps, ncfg))
+    slots = (S + 1) * P * (2 * D * dtype_bytes + 4)
+    compressed = W * (D * dtype_bytes + 4) + ncfg.compress_kernel * (D * dtype_bytes + 4)
+    scratch = (H // Hk) * W * 4 / L  # window logits: one buffer reused by every layer
+    host = (context + steps) * (2 * D * dtype_bytes + 4)
+    return dict(device=L * Hk * (slots + compressed + scratch), host=L * Hk * host)
+
+
+def pick_batch(method, shape, context, steps, ncfg, cap, host_budget, weights, offload_step_bytes):
+    need = bytes_per_seq(method, shape, context, steps, ncfg)
+    bounds = {"device": int((cap - weights - MARGIN) // need["device"])}
+    if need["host"]:
+        bounds["host"] = int(host_budget // need["host"])
+    if method == "offloaded":  # every step moves the whole cache twice: flat tok/s in batch, so bound the time
+        bounds["time"] = max(1, int(offload_step_bytes // (2 * need["host"])))
+    bound = min(bounds, key=bounds.get)
+    batch = max(1, bounds[bound])
+    if method in ("nosa", "query_only"):
+        batch = 1 << (batch.bit_length() - 1)
+    return batch, bound, bounds
+
+
+# ----- measuring -----
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_bandwidths(device) -> dict:
+    """HBM (device copy, read + write) and PCIe (pinned host->device copy) rates of this machine, now."""
+    if device.type != "cuda":
+        return dict(hbm_GBps=float("nan"), pcie_GBps=float("nan"))
+    n = 1 << 30
+    a, b = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    rates = {}
+    for name, fn, moved in (("hbm_GBps", lambda: b.copy_(a), 2 * n), ("pcie_GBps", lambda: b.copy_(host, non_blocking=True), n)):
+        fn()
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(5):
+            fn()
+        sync(device)
+        rates[name] = 5 * moved / (time.perf_counter() - start) / GB
+    del a, b, host
+    return rates
+
+
+PHASES = {"_window_logits_kernel": "selection", "_select_kernel": "selection", "_fetch_step_kernel": "fetch",
+          "_decode_attention_kernel": "attention", "_combine_splits_kernel": "attention"}
+
+
+def kernel_breakdown(step_fn, steps) -> dict:
+    """GPU ms per step of each NOSA phase and of all kernels, from torch.profiler over eager steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step_fn()
+        torch.cuda.synchronize()
+    totals = defaultdict(float)
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        phase = next((p for name, p in PHASES.items() if name in event.key), None)
+        if phase:
+            totals[phase] += us
+        totals["gpu_total"] += us
+    return {k: totals[k] / steps / 1000 for k in ("selection", "fetch", "attention", "gpu_total")}
+
+
+@torch.no_grad()
+def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw, attn=None):
+    """Fill a cache, decode ``args.steps`` timed tokens after warm-up; return the row."""
+    cfg = model.config
+    total_steps = args.warmup + args.steps + (2 if method in ("nosa", "query_only") else 0) + 2
+    compiled = None
+    if method in ("dynamic", "offloaded"):
+        model.config._attn_implementation = attn or "sdpa"
+        cache = fill_transformers(model, DynamicCache(config=cfg, offloading=method == "offloaded"), batch, context, device, dtype)
+    elif method == "static_compile":
+        model.config._attn_implementation = "sdpa"
+        cache = fill_transformers(model, StaticCache(config=cfg, max_cache_len=context + total_steps), batch, context, device, dtype)
+        compiled = torch.compile(model.__call__, mode="reduce-overhead", fullgraph=False, dynamic=None)
+    else:
+        model.config._attn_implementation = "sdpa"
+        selector, from_baselines = query_only_selector() if method == "query_only" else (None, False)
+        if device.type == "cuda":
+            HostStore.chunk_tokens = max(ncfg.block_size, HOST_CHUNK_BYTES // (batch * cfg.num_key_value_heads * cfg.head_dim * 2))
+        cache = fill_nosa(model, NosaCache(cfg, ncfg, selector=selector), batch, context, total_steps, device, dtype)
+    sync(device)
+
+    token = torch.randint(3, cfg.vocab_size, (batch, 1), device=device)
+    t0 = context
+    graph = DecodeGraph(model, cache) if method in ("nosa", "query_only") and device.type == "cuda" else None
+
+    def step(i, eager=False):
+        nonlocal token
+        pos = torch.full((batch, 1), t0 + i, device=device, dtype=torch.long)
+        if graph is not None and not eager:
+            logits = graph(token, pos)
+        else:
+            fn = compiled or model
+            logits = fn(input_ids=token, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+        token = logits.argmax(-1, keepdim=True)
+
+    i = 0
+    start = time.perf_counter()
+    for _ in range(args.warmup):
+        step(i)
+        i += 1
+    sync(device)
+    warmup_s = time.perf_counter() - start
+    row = dict(shape=shape, method=method, context=context, batch=batch)
+    if method in ("nosa", "query_only"):
+        before = cache.stats()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step(i)
+        i += 1
+    sync(device)
+    seconds = (time.perf_counter() - start) / args.steps
+    row.update(tok_per_s=batch / seconds, ms_per_step=1000 * seconds, warmup_s=warmup_s, steps=args.steps)
+    if attn:
+        row["attn"] = attn
+    if compiled is not None:
+        row["compile"] = "torch.compile(model.__call__, mode='reduce-overhead', dynamic=None); warm-up includes compile"
+
+    # roofline floor
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    L, Hk, D, H = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
+    kv_read = L * batch * Hk * (context + i) * D * 2 * 2
+    pcie = 0.0
+    if method in ("nosa", "query_only"):
+        after = cache.stats()
+        loaded = (after["bytes_to_device"] - before["bytes_to_device"]) / args.steps
+        token_write = L * batch * Hk * (2 * D * 2 + 4)
+        S, P = ncfg.budget_blocks + 1, ncfg.block_size
+        n_win = num_windows(context + i, ncfg)
+        hbm = weights + L * batch * Hk * (S * P * (2 * D * 2 + 4) + n_win * (D * 2 + 4) + 2 * (H // Hk) * n_win * 4)
+        pcie = loaded + token_write
+        row.update(
+            locality=(after["locality"] if after["decode_steps"] else float("nan")),
+            blocks_per_step=(after["blocks_loaded"] - before["blocks_loaded"]) / args.steps,
+            pcie_MB_per_step=pcie / 1e6, device_kv_GB=after["device_kv_bytes"] / GB, host_GB=after["host_bytes"] / GB,
+            selector=("hf_nosa.baselines.QueryOnlySelector + block_select kernel" if method == "query_only" and from_baselines
+                      else "benchmark query-only selector on block_select" if method == "query_only" else "nosa"),
+        )
+        if graph is not None:
+            row.update(graph_captures=graph.captures, graph_replays=graph.replays)
+            try:
+                row["breakdown_ms"] = kernel_breakdown(lambda: step(i, eager=True), 2)
+                parts = sum(row["breakdown_ms"][k] for k in ("selection", "fetch", "attention"))
+                row["breakdown_ms"]["rest"] = row["ms_per_step"] - parts
+            except Exception as error:  # the profiler is a measurement aid; its failure must not lose the row
+                row["breakdown_ms"] = f"unavailable: {type(error).__name__}: {error}"[:300]
+    else:
+        hbm = weights + kv_read
+        if method == "offloaded":
+            pcie = 2 * kv_read
+    row["hbm_MB_per_step"] = hbm / 1e6
+    if bw["hbm_GBps"] == bw["hbm_GBps"]:  # measured (not NaN)
+        hbm_ms, pcie_ms = 1000 * hbm / (bw["hbm_GBps"] * GB), 1000 * pcie / (bw["pcie_GBps"] * GB)
+        row.update(floor_ms=hbm_ms + pcie_ms, floor_overlapped_ms=max(hbm_ms, pcie_ms),
+                   x_floor=row["ms_per_step"] / (hbm_ms + pcie_ms))
+    if device.type == "cuda":
+        row["device_peak_GB"] = torch.cuda.max_memory_allocated() / GB
+    del cache, compiled, graph
+    return row
+
+
+def free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def attempt(args, model, shape, method, context, batch, device, dtype, ncfg, bw, attn=None):
+    """run_row at ``batch``, halving on out-of-memory."""
+    tries = []
+    while batch >= 1:
+        free(device)
+        try:
+            row = run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw, attn)
+            row["oom_at"] = tries
+            return row
+        except torch.OutOfMemoryError:
+            tries.append(batch)
+            batch //= 2
+    return dict(shape=shape, method=method, context=context, error=f"out of memory at batch {tries}")
+
+
+def save(result, out):
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "decode_throughput.json"), "w") as f:
+            json.dump(result, f, indent=2)
+
+
+def plot(result, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = sorted({r["shape"] for r in result["rows"] if "tok_per_s" in r})
+    if not shapes:
+        return
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        for method in METHODS:
+            rows = sorted((r for r in result["rows"] if r["shape"] == shape and r["method"] == method and "tok_per_s" in r),
+                          key=lambda r: r["context"])
+            if rows:
+                ax.plot([r["context"] / 1024 for r in rows], [r["tok_per_s"] for r in rows], marker="o", label=method)
+                for r in rows:
+                    ax.annotate(f"b{r['batch']}", (r["context"] / 1024, r["tok_per_s"]), fontsize=7,
+                                textcoords="offset points", xytext=(3, 3))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (K tokens)")
+        ax.set_ylabel("decode tok/s (whole batch)")
+        cap = CAP_GB.get(shape)
+        ax.set_title(f"{shape} shape" + (f", device capped at {cap} GB" if cap else ""))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "decode_throughput.png"), dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="folder for decode_throughput.json / .png")
+    parser.add_argument("--shapes", default="1b,8b")
+    parser.add_argument("--contexts", default="16384,32768,65536")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--host-gb", type=float, default=72.0, help="host memory the host-side caches may use")
+    parser.add_argument("--offload-step-gb", type=float, default=6.0,
+                        help="bound the offloaded cache's batch so a step moves at most this much")
+    parser.add_argument("--quick", action="store_true", help="32K and 64K only, sdpa only, 8 steps")
+    parser.add_argument("--resume", action="store_true", help="keep the rows already in DIR and skip them")
+    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (Triton interpreter for NOSA)")
+    args = parser.parse_args(argv)
+
+    smoke = args.smoke or not torch.cuda.is_available()
+    if smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ.setdefault("HF_NOSA_KERNELS", "triton")
+        args.shapes, args.contexts, args.steps, args.warmup = "smoke", "256", 2, 1
+    if args.quick:
+        args.contexts, args.steps = "32768,65536", 8
+    device = torch.device("cpu" if smoke else "cuda")
+    dtype = torch.float32 if smoke else torch.bfloat16
+    ncfg = nosa_config(smoke)
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"--methods has unknown {unknown}; allowed: {METHODS}")
+
+    path = os.path.join(args.out, "decode_throughput.json") if args.out else None
+    result = dict(environment(), nosa_config=ncfg.to_dict(), host_budget_GB=args.host_gb, rows=[])
+    if args.resume and path and os.path.exists(path):
+        with open(path) as f:
+            result["rows"] = [r for r in json.load(f)["rows"] if "error" not in r]
+    done = {(r["shape"], r["method"], r["context"]) for r in result["rows"]}
+    bw = measure_bandwidths(device)
+    result["measured"] = bw
+    print("measured", bw, flush=True)
+
+    for shape in args.shapes.split(","):
+        cap = CAP_GB[shape] * GB if CAP_GB[shape] else float("inf")
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+        model = build_model(shape, device, dtype)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        converted = False
+        for method in methods:
+            if method in ("static_compile", "offloaded") and device.type != "cuda":
+                continue  # needs CUDA (compile with CUDA graphs, offload streams)
+            if method in ("nosa", "query_only") and not converted:
+                to_nosa(model, ncfg)
+                randomize_eviction_heads(model, scale=0.1, generator=torch.Generator().manual_seed(0))
+                model.to(device=device, dtype=dtype)
+                converted = True
+            for context in map(int, args.contexts.split(",")):
+                if (shape, method, context) in done:
+                    continue
+                if smoke:
+                    batch, bound, bounds = 2, "smoke", {}
+                else:
+                    batch, bound, bounds = pick_batch(method, shape, context, args.steps + args.warmup + 4, ncfg,
+                                                      cap, args.host_gb * GB, weights, args.offload_step_gb * GB)
+                if method == "dynamic":
+                    candidates = [attempt(args, model, shape, method, context, batch, device, dtype, ncfg, bw, attn)
+                                  for attn in (("sdpa",) if args.quick else ("sdpa", "eager"))]
+                    ok = [r for r in candidates if "tok_per_s" in r]
+                    row = max(ok, key=lambda r: r["tok_per_s"]) if ok else candidates[0]
+                    row["tried"] = {r.get("attn", "?"): r.get("tok_per_s") for r in candidates}
+                else:
+                    row = attempt(args, model, shape, method, context, batch, device, dtype, ncfg, bw)
+                row.update(bound=bound, batch_bounds=bounds, device_cap_GB=CAP_GB[shape])
+                result["rows"].append(row)
+                print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+                save(result, args.out)
+        del model
+        free(device)
+    if args.out:
+        plot(result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
