@@ -562,7 +562,9 @@ def load_adapter(model_or_base, adapter_dir: str | Path):
         diff = {k: (v, expected.to_dict()[k]) for k, v in actual.to_dict().items() if v != expected.to_dict()[k]}
         raise ValueError(f"the model's NosaConfig differs from the adapter's in {diff} (model, adapter); convert with "
                          "to_nosa(model, <the adapter's config>) first, change inference settings after loading")
-    peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = PeftModel.from_pretrained(model, str(adapter_dir))
     stored = load_file(str(adapter_dir / "adapter_model.safetensors"))
     stored_heads = {k for k in stored if ".eviction_head." in k}
     if len({k.split(".eviction_head.")[0] for k in stored_heads}) != layers:

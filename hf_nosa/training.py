@@ -201,7 +201,11 @@ def _flex(query, key, value, bias, bitmap, cfg, scale, q_offset) -> torch.Tensor
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
         run = _compiled_flex
-    return run(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=G > 1)
+    # Under bf16 autocast q/k/v already arrive in bf16; the kernel accumulates in fp32 either way. Autocast is
+    # switched off around it so that every torch version sees plain same-dtype inputs.
+    with torch.autocast(query.device.type, enabled=False):
+        return run(query, key.to(query.dtype), value.to(query.dtype), score_mod=score_mod, block_mask=block_mask,
+                   scale=scale, enable_gqa=G > 1)
 
 
 def nosa_training_attention(
@@ -223,7 +227,10 @@ def nosa_training_attention(
         key, value: ``[B, Hk, T, D]`` all keys so far (``T = q_offset + Tq``).
         bias: ``[B, Hk, T]`` eviction scores ``b_j``; gradients flow to it (and so to ``delta`` and ``A``).
         attention_mask: the model's mask (bool or additive, ``[B or 1, 1, Tq, T]``) or None for causal. Keys the
-            last query row may not see are padding: like the cache, they get ``MASK_VALUE`` in their bias.
+            last query row may not see are padding: like the cache, they get ``MASK_VALUE`` in their bias. The
+            rule is causal by itself, so a causal + padding mask is all the flex backend honours; the explicit
+            backend also adds the mask as given. Rows of padding queries are arbitrary (and differ between the
+            backends); train on packed sequences, which have none.
         backend: ``"flex"`` or ``"explicit"``; default flex on CUDA, explicit elsewhere.
 
     Returns:

@@ -126,6 +126,27 @@ def test_resume_continues_the_step_count_and_the_loss_curve(tiny_run, data, tmp_
     assert torch.equal(_logits(second.model), _logits(tiny_run.model))
 
 
+def test_local_folder_base_with_token_ids_and_two_learning_rates(tmp_path):
+    from hf_nosa.retrofit import _build_model, _optimizer
+
+    recipe = {**load_recipe("tiny"), "steps": 3, "save_every": 0, "tokenizer": None, "lr_lora": 5e-3}
+    folder = tmp_path / "base"
+    load_base(recipe["model"]).save_pretrained(folder)  # a local checkpoint without a tokenizer
+    data = tmp_path / "ids.jsonl"
+    rng = random.Random(1)
+    data.write_text("".join(json.dumps({"input_ids": [rng.randrange(3, 259) for _ in range(200)]}) + "\n"
+                            for _ in range(8)))
+    result = retrofit(recipe, data, tmp_path / "out", base_model=str(folder))
+    run = read_run(tmp_path / "out")
+    assert run["base_model"] == str(folder) and run["steps"] == 3 and run["recipe"]["model"] == str(folder)
+    merged = merge_adapter(tmp_path / "out")  # the base comes back from the folder the run recorded
+    torch.testing.assert_close(_logits(merged), _logits(result.model), atol=1e-5, rtol=1e-5)
+    model, _, _ = _build_model(recipe, str(folder), torch.float32)
+    lrs = sorted((g["lr"], len(g["params"])) for g in _optimizer(model, recipe).param_groups)
+    layers, targets = 2, len(recipe["lora"]["target_modules"])
+    assert lrs == sorted([(recipe["lr_eviction"], 3 * layers), (recipe["lr_lora"], 2 * targets * layers)])
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -218,3 +239,18 @@ def test_shipped_recipes_are_valid(name):
     assert recipe["seq_len"] % cfg.block_size == 0 and recipe["device_memory_gb"] > 0
     assert recipe["seq_len"] >= cfg.budget_tokens
     assert (RECIPES / f"{name}.yaml").read_text().count("lr_eviction") == 1
+
+
+@pytest.mark.gpu
+def test_tiny_recipe_on_gpu_bf16_with_flex_attention(data, tmp_path):
+    pytest.importorskip("datasets")
+    result = retrofit("tiny", data, tmp_path / "gpu")
+    assert next(result.model.parameters()).is_cuda
+    assert sum(result.losses[-5:]) / 5 < sum(result.losses[:5]) / 5 - 0.3, result.losses
+    recipe = load_recipe("tiny")
+    base = to_nosa(load_base(recipe["model"], dtype=torch.bfloat16).cuda(), NosaConfig.from_dict(recipe["nosa"]))
+    reloaded = load_adapter(base, tmp_path / "gpu")
+    ids = torch.randint(3, 259, (2, 128), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        a, b = reloaded(input_ids=ids).logits.float(), result.model(input_ids=ids).logits.float()
+    torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)

@@ -6,7 +6,7 @@ import torch
 from hf_nosa import NosaCache, to_nosa
 from hf_nosa.modeling import eviction_heads, randomize_eviction_heads
 from hf_nosa.selection import nosa_token_mask
-from hf_nosa.training import flex_block_mask, nosa_training_attention, selected_blocks
+from hf_nosa.training import BACKENDS, flex_block_mask, nosa_training_attention, selected_blocks
 
 from .conftest import small_nosa_config, tiny_model
 from .utils import assert_close
@@ -52,6 +52,22 @@ def test_training_forward_equals_incremental_nosa_decoding(family):
     assert not torch.allclose(dense[:, -50:], decode_logits[:, -50:], atol=1e-3)
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_left_padded_batch_matches_the_cache_prefill():
+    model = _sparse_model("qwen3", seed=2)
+    ids = torch.randint(3, 97, (2, 120), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    with torch.no_grad():
+        model.train()
+        train_logits = model(ids, attention_mask=mask, use_cache=False).logits
+        model.eval()
+        cache = NosaCache(model.config, small_nosa_config(**SPARSE, prefill="nosa"))
+        cache_logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+    real = mask.bool()
+    assert_close(train_logits[real], cache_logits[real], atol=1e-4, rtol=0)
+
+
 def _inputs(seed, B=2, H=4, Hk=2, T=150, D=16):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, h, T, D, generator=g) for h in (H, Hk, Hk))
@@ -92,6 +108,20 @@ def test_flex_backend_equals_explicit_forward_and_bias_gradient(tile, monkeypatc
     assert_close(outs["flex"], outs["explicit"], atol=1e-5)
     assert_close(grads["flex"], grads["explicit"], atol=1e-5)
     assert grads["explicit"].abs().sum() > 0
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_and_explicit_agree_on_real_rows_under_padding():
+    # Padded query rows are garbage in both (they see only padding); real rows must agree exactly.
+    cfg = small_nosa_config(**SPARSE)
+    q, k, v, bias = _inputs(5)
+    keep = torch.ones(2, 150, dtype=torch.bool)
+    keep[1, :37] = False
+    causal = torch.ones(150, 150, dtype=torch.bool).tril()
+    mask = (causal[None] & keep[:, None, :])[:, None]  # [B, 1, T, T] as transformers builds for sdpa
+    outs = [nosa_training_attention(q, k, v, bias, cfg, 0.25, attention_mask=mask, backend=b) for b in BACKENDS]
+    real = keep[:, None, :, None].expand_as(outs[0])
+    assert_close(outs[0][real], outs[1][real], atol=1e-5)
 
 
 @pytest.mark.parametrize("q_offset", [0, 40])
