@@ -250,7 +250,7 @@ def kernel_breakdown(step_fn, steps) -> dict:
 def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw, attn=None):
     """Fill a cache, decode ``args.steps`` timed tokens after warm-up; return the row."""
     cfg = model.config
-    total_steps = args.warmup + args.steps + (2 if method in ("nosa", "query_only") else 0) + 2
+    total_steps = args.warmup + args.steps + (5 if method in ("nosa", "query_only") else 0) + 2
     compiled = None
     if method in ("dynamic", "offloaded"):
         model.config._attn_implementation = attn or "sdpa"
@@ -325,6 +325,13 @@ def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
         )
         if graph is not None:
             row.update(graph_captures=graph.captures, graph_replays=graph.replays)
+            sync(device)
+            start = time.perf_counter()
+            for _ in range(3):  # what the CUDA graph gives: the same step without it
+                step(i, eager=True)
+                i += 1
+            sync(device)
+            row["eager_ms_per_step"] = 1000 * (time.perf_counter() - start) / 3
             try:
                 row["breakdown_ms"] = kernel_breakdown(lambda: step(i, eager=True), 2)
                 parts = sum(row["breakdown_ms"][k] for k in ("selection", "fetch", "attention"))
@@ -469,7 +476,7 @@ def main(argv=None):
                 if smoke:
                     batch, bound, bounds = 2, "smoke", {}
                 else:
-                    batch, bound, bounds = pick_batch(method, shape, context, args.steps + args.warmup + 4, ncfg,
+                    batch, bound, bounds = pick_batch(method, shape, context, args.steps + args.warmup + 7, ncfg,
                                                       cap, args.host_gb * GB, weights, args.offload_step_gb * GB)
                 if method == "dynamic":
                     candidates = [attempt(args, model, shape, method, context, batch, device, dtype, ncfg, bw, attn)
