@@ -211,9 +211,10 @@ if HAS_TRITON:
             row = bh_row + (blk % (CHUNK // P)).to(tl.int64) * P  # [NB] token row inside the chunk
             tok = row[:, None] + o_p[None, :]  # [NB, P]
             m_nd = m_n[:, None, None] & m_d[None, None, :]
-            host_k = tl.load(table_ptr + chunk, mask=m_n, other=0).to(slot_k_ptr.dtype)
-            host_v = tl.load(table_ptr + table_stride + chunk, mask=m_n, other=0).to(slot_v_ptr.dtype)
-            host_b = tl.load(table_ptr + 2 * table_stride + chunk, mask=m_n, other=0).to(slot_b_ptr.dtype)
+            # Chunk addresses are page-aligned pinned allocations: saying so lets the loads be vectorised.
+            host_k = tl.multiple_of(tl.load(table_ptr + chunk, mask=m_n, other=0), 16).to(slot_k_ptr.dtype)
+            host_v = tl.multiple_of(tl.load(table_ptr + table_stride + chunk, mask=m_n, other=0), 16).to(slot_v_ptr.dtype)
+            host_b = tl.multiple_of(tl.load(table_ptr + 2 * table_stride + chunk, mask=m_n, other=0), 16).to(slot_b_ptr.dtype)
             kv_off = tok[:, :, None] * D + o_d[None, None, :]  # [NB, P, D_PAD]
             b_k = tl.load(host_k[:, None, None] + kv_off, mask=m_nd)
             b_v = tl.load(host_v[:, None, None] + kv_off, mask=m_nd)
