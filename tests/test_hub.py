@@ -239,6 +239,21 @@ def test_export_from_adapter_equals_export_from_merged_model(tmp_path):
     assert hf_nosa.NosaConfig.from_dict(config["nosa"]) == hf_nosa.NosaConfig(**NOSA)
 
 
+def test_export_of_a_real_tiny_retrofit(tmp_path):
+    from hf_nosa.retrofit import merge_adapter, retrofit
+
+    words = "the cat sat on the mat and a dog ran to the park".split()
+    lines = [json.dumps({"text": " ".join(words[(i + j) % len(words)] for j in range(40))}) for i in range(24)]
+    (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
+    result = retrofit("tiny", tmp_path / "data.jsonl", tmp_path / "adapter", max_steps=2)
+    out = export(result.output_dir, tmp_path / "out")
+    merged = tensors(export(merge_adapter(result.output_dir), tmp_path / "merged"))
+    assert all(torch.equal(tensor, merged[name]) for name, tensor in tensors(out).items())
+    record = json.loads((result.output_dir / "nosa_retrofit.json").read_text())
+    assert json.loads((out / "config.json").read_text())["nosa"] == record["nosa_config"]
+    assert "| `steps` | 2 |" in ModelCard.load(out / "README.md").text
+
+
 @pytest.mark.parametrize(
     "base, match",
     [

@@ -7,18 +7,14 @@
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..config import NosaConfig
-from ..modeling import eviction_heads, family_of, to_nosa
+from ..modeling import eviction_heads
+from ..retrofit import RUN_FILE, merge_adapter
 
-logger = logging.getLogger(__name__)
-
-RECORD_FILE = "nosa_retrofit.json"
+RECORD_FILE = RUN_FILE
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 RECORD_KEYS = ("base_model", "family", "nosa_config")
@@ -50,59 +46,25 @@ def read_retrofit_record(folder: Path) -> dict[str, Any]:
     return record
 
 
-def _load_base(base: Any):
-    from torch import nn
-    from transformers import AutoModelForCausalLM
-
-    if isinstance(base, nn.Module):
-        return base
-    try:
-        return AutoModelForCausalLM.from_pretrained(str(base))
-    except OSError as error:
-        raise FileNotFoundError(f"cannot load the base model {str(base)!r}: {error}") from None
-
-
 def merge_retrofit_adapter(folder: Path, base_model: Any = None):
-    """(merged NOSA model, record): the adapter's LoRA merged into its base, eviction heads restored.
-
-    ``base_model`` (path, Hub id or model; default: the recorded one) must be the model the adapter was trained
-    on: another family, other shapes, or an adapter whose tensors do not all land in the model are errors.
-    """
-    from peft import PeftModel
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import load_file
-
+    """(merged NOSA model, record): ``hf_nosa.retrofit.merge_adapter`` with its failures stated as the adapter not
+    fitting the base (another family, other shapes or layer count, a different NosaConfig)."""
     folder = Path(folder)
     record = read_retrofit_record(folder)
     if not (folder / ADAPTER_WEIGHTS).is_file():
         raise FileNotFoundError(f"{str(folder)!r} has no {ADAPTER_WEIGHTS}")
     base_name = base_model if isinstance(base_model, (str, Path)) else record["base_model"]
-    model = _load_base(base_model if base_model is not None else record["base_model"])
-    family = family_of(model)
-    if family != record["family"]:
-        raise ValueError(
-            f"adapter {str(folder)!r} was trained on a {record['family']} model ({record['base_model']}); "
-            f"the base model given is a {family} model"
-        )
-    to_nosa(model, NosaConfig.from_dict(record["nosa_config"]))
     try:
-        peft_model = PeftModel.from_pretrained(model, str(folder))
-    except (RuntimeError, KeyError, ValueError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        merged = merge_adapter(folder, base_model=base_model)
+    except OSError as error:
+        raise FileNotFoundError(f"cannot load the base model {str(base_name)!r}: {error}") from None
+    except (RuntimeError, KeyError, ValueError) as error:  # PEFT reports shape and key mismatches as these
+        text = str(error).strip()
+        first_line = text.splitlines()[0] if text else repr(error)
         raise ValueError(
             f"adapter {str(folder)!r} does not fit the base model {str(base_name)!r} "
             f"(trained on {record['base_model']}): {first_line}"
         ) from None
-    stored = load_file(str(folder / ADAPTER_WEIGHTS))
-    loaded = get_peft_model_state_dict(peft_model)
-    lost = sorted(set(stored) - set(loaded))
-    differ = [name for name in set(stored) & set(loaded) if not torch.equal(stored[name].to(loaded[name]), loaded[name])]
-    if lost or differ:
-        raise ValueError(
-            f"adapter {str(folder)!r} does not fit the base model {str(base_name)!r}: "
-            f"{len(lost) + len(differ)} adapter tensors did not load (e.g. {(lost + differ)[0]})"
-        )
-    merged = peft_model.merge_and_unload()
     if not eviction_heads(merged):
         raise ValueError(f"merging {str(folder)!r} lost the eviction heads")
     return merged, record
