@@ -372,6 +372,12 @@ def attempt(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
         except torch.OutOfMemoryError:
             tries.append(batch)
             batch //= 2
+        except Exception as error:  # keep the run going; the row records what failed
+            import traceback
+
+            traceback.print_exc()
+            return dict(shape=shape, method=method, context=context, batch=batch,
+                        error=f"{type(error).__name__}: {error}"[:500])
     return dict(shape=shape, method=method, context=context, error=f"out of memory at batch {tries}")
 
 
@@ -413,6 +419,24 @@ def plot(result, out):
     fig.savefig(os.path.join(out, "decode_throughput.png"), dpi=120)
 
 
+def merge(paths, out):
+    """Rows of several runs (e.g. one per shape, run in separate sessions) in one result file and plot."""
+    result = None
+    for path in paths:
+        with open(path) as f:
+            part = json.load(f)
+        if result is None:
+            result = dict(part, rows=[], merged_from=[])
+        keys = {(r["shape"], r["method"], r["context"]) for r in part["rows"]}
+        result["rows"] = [r for r in result["rows"] if (r["shape"], r["method"], r["context"]) not in keys] + part["rows"]
+        result["merged_from"].append(dict(command=part.get("command"), date=part.get("date"), gpu=part.get("gpu"),
+                                          measured=part.get("measured")))
+    save(result, out)
+    if out:
+        plot(result, out)
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for decode_throughput.json / .png")
@@ -427,7 +451,11 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="32K and 64K only, sdpa only, 8 steps")
     parser.add_argument("--resume", action="store_true", help="keep the rows already in DIR and skip them")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (Triton interpreter for NOSA)")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="no run: merge the rows of these result files into DIR (JSON and plot)")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
 
     smoke = args.smoke or not torch.cuda.is_available()
     if smoke:
