@@ -209,3 +209,29 @@ def test_benchmark_fill_matches_a_dense_prefill():
             assert torch.equal(layer.compressed.ring_b, r.compressed.ring_b)
             assert torch.equal(layer.slot_block, r.slot_block) and torch.equal(layer.tail_slot, r.tail_slot)
             assert torch.equal(layer.slot_k[:, :, 0], r.slot_k[:, :, 0])
+
+
+def test_crop_and_beam_search_on_the_kernel_path_interpreted(interpret, monkeypatch):
+    """The device-side step counter follows the cache through crop (assisted decoding) and beam reordering."""
+    model = nosa_model(num_hidden_layers=1, seed=7)
+    ids = torch.randint(3, 97, (1, 44), generator=torch.Generator().manual_seed(7))
+    logits = {}
+    for path in ("torch", "triton"):
+        monkeypatch.setenv("HF_NOSA_KERNELS", path)
+        cache = NosaCache(model.config)
+        out = []
+        with torch.no_grad():
+            token = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+            for _ in range(3):
+                out.append(model(token, past_key_values=cache).logits[:, -1])
+                token = out[-1][:, None].argmax(-1)
+            cache.crop(-2)
+            for _ in range(2):
+                out.append(model(token, past_key_values=cache).logits[:, -1])
+                token = out[-1][:, None].argmax(-1)
+            cache.batch_repeat_interleave(2)
+            cache.reorder_cache(torch.tensor([1, 0]))
+            out.append(model(token.repeat(2, 1), past_key_values=cache).logits[:, -1][:1])
+        logits[path] = torch.stack(out)
+        assert cache.get_seq_length() == 44 + 3 - 2 + 2 + 1
+    assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
