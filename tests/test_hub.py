@@ -179,6 +179,24 @@ def test_export_from_saved_folder_finds_tokenizer_license_and_metrics(tmp_path):
     assert all(torch.equal(tensors(out)[k], v) for k, v in tensors(source).items())
 
 
+def test_model_from_a_hub_id_takes_base_license_and_tokenizer_from_the_local_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "cache" / "models--org--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    _tiny_tokenizer(repo / "snapshots" / commit)
+    (repo / "snapshots" / commit / "README.md").write_text("---\nlicense: llama3.2\n---\n# tiny\n")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    model = nosa_model("llama")
+    model.config._name_or_path = "org/tiny-llama"  # as from_pretrained("org/tiny-llama") leaves it
+    out = export(model, tmp_path / "out")
+    card = ModelCard.load(out / "README.md")
+    assert card.data.base_model == "org/tiny-llama" and card.data.license == "llama3.2"
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+
+
 def test_sharded_export_and_generation_config_without_nosa(tmp_path):
     from transformers import GenerationConfig
 

@@ -106,7 +106,7 @@ def _resolve_source(source: Any, base_model: Any):
         family_of(source)
         if not eviction_heads(source):
             raise ValueError("the model has no eviction heads: convert it with hf_nosa.to_nosa(model) first")
-        name = getattr(source, "name_or_path", None) or None
+        name = getattr(source.config, "_name_or_path", None) or getattr(source, "name_or_path", None) or None
         folder = Path(name) if name and Path(name).is_dir() else None
         return source, None, folder, base_model or name
     if not isinstance(source, (str, Path)):
@@ -121,6 +121,19 @@ def _resolve_source(source: Any, base_model: Any):
     model = _load_model_folder(folder)
     base = base_model or read_config(folder).get("_name_or_path")
     return model, None, folder, base
+
+
+def _cached_snapshot(repo_id: Any) -> Path | None:
+    """The local Hub-cache folder of ``repo_id`` that holds its tokenizer files, if any were downloaded (no network)."""
+    if not card_module.is_repo_id(repo_id):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        cached = try_to_load_from_cache(repo_id, name)
+        if isinstance(cached, str):
+            return Path(cached).parent
+    return None
 
 
 def _copy_tokenizer(tokenizer: Any, search: list[Path | None], stage: Path) -> bool:
@@ -213,9 +226,11 @@ def export(
             folder (PEFT files + ``nosa_retrofit.json``), which is merged into its base.
         out_dir: the folder to create; an existing non-empty one needs ``overwrite=True``.
         base_model: for an adapter, the base to merge into (path, Hub id or model) instead of the recorded one; a
-            model passed here is converted and merged in place.
-        tokenizer: a tokenizer, or a folder holding tokenizer files; by default the source's or base's folder is
-            searched and its tokenizer files copied (none found: no tokenizer files).
+            model passed here is converted and merged in place. For a model, the base it came from (path or Hub
+            id; default its ``name_or_path``): the card's base_model and license and the tokenizer come from it.
+        tokenizer: a tokenizer, or a folder holding tokenizer files; by default the source's folder, the base's
+            folder or the base's local Hub-cache snapshot is searched and its tokenizer files copied (none found:
+            no tokenizer files).
         nosa_config: the NosaConfig to store as the checkpoint's default (default: the model's).
         metrics: a metrics JSON path or object for the card's evaluation table (formats in ``hub/card.py``).
         repo_id: the Hub id the card's usage snippet names (default: the folder's name).
@@ -258,7 +273,7 @@ def export(
         _write_config(model, stage, family, cfg, version)
         _write_generation_config(model, stage)
         _write_code(stage, family, version, requirement)
-        _copy_tokenizer(tokenizer, [source_folder, base_folder], stage)
+        _copy_tokenizer(tokenizer, [source_folder, base_folder, _cached_snapshot(base)], stage)
         readme = card_module.render_model_card(
             family=family,
             model_type=MODEL_TYPE_PREFIX + family,
