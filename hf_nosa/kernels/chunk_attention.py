@@ -14,11 +14,9 @@ import torch
 
 from ..attend import AttentionInputs, attend
 from ..selection import MASK_VALUE
-from .quoka_score import HAS_TRITON, kernel_backend
+from .backend import HAS_TRITON, interpreting, kernel_path, launcher, next_power_of_2, on_device, tl, triton
 
 if HAS_TRITON:
-    import triton
-    import triton.language as tl
 
     @triton.jit
     def _chunk_attention_kernel(
@@ -98,34 +96,29 @@ if HAS_TRITON:
         tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_x[:, None] & m_d[None, :])
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
 def _launch(query, keys, values, key_bias, index, rows, shift, scale, out, rows_per_tile):
-    import os
-
     B, H, _, D = query.shape
     Hk, R, S = keys.shape[1], index.shape[2], index.shape[3]
     G = H // Hk
-    G_PAD = _next_power_of_2(G)
+    G_PAD = next_power_of_2(G)
     block_m = max(1, rows_per_tile // G_PAD)
     longest = max(rows[r + 1] - rows[r] for r in range(R))
     tiles = max(1, -(-longest // block_m))
     device = query.device
     rows_t = torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True)
     shift_t = torch.tensor(shift, dtype=torch.int32).to(device, non_blocking=True)
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = interpreting()
     # fp32 keeps full precision; the interpreter computes tl.dot on bf16 wrongly, so it casts too.
-    ieee = query.dtype == torch.float32 or keys.dtype == torch.float32 or interpreting
-    _chunk_attention_kernel[(B * Hk, R * tiles)](
-        query, keys, values, key_bias, index, rows_t, shift_t, out,
-        *query.stride(), *keys.stride(), *values.stride(), *key_bias.stride(), *index.stride(), *out.stride(),
-        S, tiles, float(scale),
-        HK=Hk, G=G, G_PAD=G_PAD, D=D, D_PAD=max(16, _next_power_of_2(D)),
-        BLOCK_M=block_m, BLOCK_N=64 if not interpreting else 16, IEEE=ieee, MASKED=MASK_VALUE,
-        num_warps=8 if block_m * G_PAD >= 128 else 4, num_stages=2,
-    )
+    ieee = query.dtype == torch.float32 or keys.dtype == torch.float32 or interpreted
+    with on_device(query):
+        launcher(_chunk_attention_kernel)[(B * Hk, R * tiles)](
+            query, keys, values, key_bias, index, rows_t, shift_t, out,
+            *query.stride(), *keys.stride(), *values.stride(), *key_bias.stride(), *index.stride(), *out.stride(),
+            S, tiles, float(scale),
+            HK=Hk, G=G, G_PAD=G_PAD, D=D, D_PAD=max(16, next_power_of_2(D)),
+            BLOCK_M=block_m, BLOCK_N=16 if interpreted else 64, IEEE=ieee, MASKED=MASK_VALUE,
+            num_warps=8 if block_m * G_PAD >= 128 else 4, num_stages=2,
+        )
 
 
 def chunk_attention_ref(query, keys, values, key_bias, index, rows, shift, scale, out) -> None:
@@ -162,7 +155,8 @@ def chunk_attention(
     out: torch.Tensor | None = None,
     rows_per_tile: int = 128,
 ) -> torch.Tensor:
-    """``softmax(q . k * scale + bias) . v`` of R chunks over listed key rows: Triton on CUDA, torch elsewhere.
+    """``softmax(q . k * scale + bias) . v`` of R chunks over listed key rows: Triton on CUDA, torch elsewhere
+    (``HF_NOSA_KERNELS=torch|triton`` forces one, see ``backend.py``).
 
     Args:
         query: ``[B, H, Tq, D]``; chunk r's queries are the rows ``rows[r] .. rows[r + 1] - 1``.
@@ -199,7 +193,7 @@ def chunk_attention(
         raise ValueError(f"chunk_attention: rows must increase within 0 .. {Tq}; got {rows}")
     if out is None:
         out = torch.zeros_like(query)
-    if kernel_backend(query.device) == "torch":
+    if kernel_path("chunk_attention", query) == "torch":
         chunk_attention_ref(query, keys, values, key_bias, index, rows, shift, scale, out)
     else:
         _launch(query, keys, values, key_bias, index, rows, shift, scale, out, rows_per_tile)

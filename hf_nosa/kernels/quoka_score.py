@@ -9,24 +9,11 @@ over the offsets. Nothing of size queries x windows is ever written out; the tor
 
 from __future__ import annotations
 
-import os
-
 import torch
-
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # triton ships for Linux only; the torch reference covers the rest
-    HAS_TRITON = False
 
 from ..config import NosaConfig
 from ..selection import quoka_scores, window_offsets
-
-BACKEND_ENV = "HF_NOSA_KERNELS"
-BACKENDS = ("torch", "triton")
-
+from .backend import HAS_TRITON, kernel_path, launcher, next_power_of_2, on_device, tl, triton
 
 if HAS_TRITON:
 
@@ -119,56 +106,35 @@ def _launch(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid):
     n_valid = n_valid.to(device=kept_queries.device, dtype=torch.int32)
     block_n = 32
     grid = (B * Hk, R, -(-n_blocks // block_n))
-    _quoka_score_kernel[grid](
-        kept_queries,
-        compressed_keys,
-        n_windows,
-        n_valid,
-        out,
-        *kept_queries.stride(),
-        *compressed_keys.stride(),
-        *n_valid.stride(),
-        *out.stride(),
-        Hk=Hk,
-        G=H // Hk,
-        NQ=NQ,
-        D=D,
-        N=n_blocks,
-        PER_BLOCK=per_block,
-        FIRST_OFFSET=int(offsets[0]),
-        N_OFFSETS=len(offsets),
-        BLOCK_Q=max(16, triton.next_power_of_2(NQ)),
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
-        BLOCK_N=block_n,
-    )
+    with on_device(kept_queries):
+        launcher(_quoka_score_kernel)[grid](
+            kept_queries,
+            compressed_keys,
+            n_windows,
+            n_valid,
+            out,
+            *kept_queries.stride(),
+            *compressed_keys.stride(),
+            *n_valid.stride(),
+            *out.stride(),
+            Hk=Hk,
+            G=H // Hk,
+            NQ=NQ,
+            D=D,
+            N=n_blocks,
+            PER_BLOCK=per_block,
+            FIRST_OFFSET=int(offsets[0]),
+            N_OFFSETS=len(offsets),
+            BLOCK_Q=max(16, next_power_of_2(NQ)),
+            BLOCK_D=max(16, next_power_of_2(D)),
+            BLOCK_N=block_n,
+        )
     return out
 
 
 def quoka_score_ref(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid=None) -> torch.Tensor:
     """The torch reference: ``selection.quoka_scores``."""
     return quoka_scores(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid)
-
-
-def kernel_backend(device: torch.device) -> str:
-    """"triton" on CUDA, "torch" elsewhere, unless ``HF_NOSA_KERNELS`` names one."""
-    forced = os.environ.get(BACKEND_ENV, "")
-    if not forced:
-        if device.type == "cuda" and not HAS_TRITON:
-            raise ValueError("quoka_score on CUDA needs the triton package; install it or set HF_NOSA_KERNELS=torch.")
-        return "triton" if device.type == "cuda" else "torch"
-    if forced not in BACKENDS:
-        raise ValueError(
-            f"{BACKEND_ENV}={forced!r} is invalid; allowed values are {BACKENDS} (unset: Triton on CUDA, torch "
-            "elsewhere)."
-        )
-    if forced == "triton" and not HAS_TRITON:
-        raise ValueError(f"{BACKEND_ENV}=triton needs the triton package, which is not installed.")
-    if forced == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"{BACKEND_ENV}=triton needs CUDA tensors (got {device.type}); on CPU set TRITON_INTERPRET=1 before "
-            "importing hf_nosa to run the kernels in Triton's interpreter."
-        )
-    return forced
 
 
 def quoka_score(
@@ -180,7 +146,8 @@ def quoka_score(
     *,
     n_valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """QUOKA block scores of R chunks: Triton on CUDA, torch elsewhere (``HF_NOSA_KERNELS=torch|triton`` forces one).
+    """QUOKA block scores of R chunks: Triton on CUDA, torch elsewhere (``HF_NOSA_KERNELS=torch|triton`` forces one,
+    see ``backend.py``).
 
     Args:
         kept_queries: ``[B, H, R, n, D]`` the kept queries of each chunk and query head (any float dtype).
@@ -226,7 +193,7 @@ def quoka_score(
         raise ValueError(f"quoka_score: n_valid must have shape ({B}, {R}), got {tuple(n_valid.shape)}")
     if n < 1:
         raise ValueError("quoka_score: at least one kept query per chunk is needed (n >= 1)")
-    if kernel_backend(kept_queries.device) == "torch":
+    if kernel_path("quoka_score", kept_queries) == "torch":
         return quoka_score_ref(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid)
     if n_valid is None:
         n_valid = torch.full((B, R), n, dtype=torch.int32, device=kept_queries.device)
