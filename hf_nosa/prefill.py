@@ -229,7 +229,9 @@ def quoka_prefill(layer, k, v, q, b, attention_mask, scale: float) -> torch.Tens
             S, n = keys.shape[2], hi - first
             index = torch.arange(S, device=k.device, dtype=torch.int32).expand(B, Hk, 1, S)
             rows_q = slice(first - start, hi - start)
-            chunk_attention(q[:, :, rows_q], keys, values, key_bias, index, [0, n], [S - n], scale, out=out[:, :, rows_q])
+            chunk_attention(
+                q[:, :, rows_q], keys, values, key_bias, index, [0, n], [S - n], scale, out=out[:, :, rows_q]
+            )
 
     # Leave the layer as a dense prefill would: empty slots but for the partly written last block.
     tail = end - end % P

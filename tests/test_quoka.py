@@ -79,7 +79,8 @@ def test_layer_state_after_quoka_prefill_is_the_dense_state():
         n = dense.compressed.n
         assert quoka.compressed.n == n == num_windows(141, dense.cfg)
         for name in ("keys", "bias"):
-            torch.testing.assert_close(getattr(quoka.compressed, name)[:, :, :n], getattr(dense.compressed, name)[:, :, :n])
+            actual, expected = getattr(quoka.compressed, name), getattr(dense.compressed, name)
+            torch.testing.assert_close(actual[:, :, :n], expected[:, :, :n])
         for name in ("ring_k", "ring_b", "slot_block", "tail_slot"):
             torch.testing.assert_close(getattr(quoka.compressed if "ring" in name else quoka, name),
                                        getattr(dense.compressed if "ring" in name else dense, name))
@@ -93,7 +94,8 @@ def test_prefill_over_several_calls_reads_earlier_blocks_from_the_host_store():
     model = _model("qwen3", seed=4)
     ids, mask = _prompt(2, 150, seed=3, left_pad=(0, 30))
     dense = NosaCache(model.config, small_nosa_config(prefill="dense"))
-    quoka = NosaCache(model.config, small_nosa_config(prefill="quoka", prefill_budget_tokens=256, prefill_chunk_size=32))
+    quoka_config = small_nosa_config(prefill="quoka", prefill_budget_tokens=256, prefill_chunk_size=32)
+    quoka = NosaCache(model.config, quoka_config)
     with torch.no_grad():
         expected = model(ids, attention_mask=mask, past_key_values=dense).logits
         first = model(ids[:, :69], attention_mask=mask[:, :69], past_key_values=quoka).logits

@@ -5,8 +5,10 @@ Dispatch: Triton on CUDA tensors, the torch reference on CPU tensors; ``HF_NOSA_
 """
 
 from .block_scores import NewToken, append_token, block_select
+from .chunk_attention import chunk_attention
 from .decode_attention import decode_attention
 from .fetch import FetchPlan, SlotPool, StepCounters, fetch_blocks, fetch_blocks_ref, fetch_step, plan_fetch
+from .quoka_score import quoka_score
 
 __all__ = [
     "FetchPlan",
@@ -15,9 +17,11 @@ __all__ = [
     "StepCounters",
     "append_token",
     "block_select",
+    "chunk_attention",
     "decode_attention",
     "fetch_blocks",
     "fetch_blocks_ref",
     "fetch_step",
     "plan_fetch",
+    "quoka_score",
 ]

@@ -184,7 +184,8 @@ def chunk_attention(
             f"chunk_attention: values {tuple(values.shape)} and key_bias {tuple(key_bias.shape)} must match keys "
             f"{tuple(keys.shape)}"
         )
-    if index.dim() != 4 or index.shape[:2] != keys.shape[:2] or len(rows) != index.shape[2] + 1 or len(shift) != index.shape[2]:
+    R = index.shape[2] if index.dim() == 4 else -1
+    if index.dim() != 4 or index.shape[:2] != keys.shape[:2] or len(rows) != R + 1 or len(shift) != R:
         raise ValueError(
             f"chunk_attention: index must be [B, Hk, R, S] with R + 1 rows and R shifts; got index "
             f"{tuple(index.shape)}, {len(rows)} rows, {len(shift)} shifts"

@@ -4,14 +4,18 @@ CPU cases run the kernel in the Triton interpreter (``TRITON_INTERPRET=1``, set 
 the compiled kernel at prefill-sized shapes.
 """
 
+import importlib
+
 import pytest
 import torch
 
-import hf_nosa.kernels.chunk_attention as chunk_module
 from hf_nosa.attend import AttentionInputs, attend
 from hf_nosa.selection import MASK_VALUE
 
 from ..utils import assert_close
+
+# The package re-exports a function of the module's name: take the module itself.
+chunk_module = importlib.import_module("hf_nosa.kernels.chunk_attention")
 
 
 def _case(B, H, Hk, D, lengths, n_selected, dtype, device, seed, shift=0):
@@ -93,7 +97,8 @@ def test_kernel_matches_reference_interpreted(interpret, case):
 
 def test_reference_with_every_earlier_token_is_causal_attention():
     g = torch.Generator().manual_seed(3)
-    q, k, v = torch.randn(2, 4, 30, 16, generator=g), torch.randn(2, 2, 30, 16, generator=g), torch.randn(2, 2, 30, 16, generator=g)
+    q = torch.randn(2, 4, 30, 16, generator=g)
+    k, v = torch.randn(2, 2, 30, 16, generator=g), torch.randn(2, 2, 30, 16, generator=g)
     bias = torch.randn(2, 2, 30, generator=g)
     rows = [0, 8, 20, 30]
     index = torch.full((2, 2, 3, 30), -1, dtype=torch.int32)
