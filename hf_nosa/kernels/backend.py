@@ -5,14 +5,16 @@
 once per (kernel, path, device type); nothing switches path silently.
 
 ``TRITON_INTERPRET`` is read when a kernel is launched, not when this package is imported: ``launcher(kernel)``
-returns the compiled kernel, or under the interpreter a twin of it (with its ``@triton.jit`` helpers swapped for
-interpreted ones), so tests can turn the interpreter on after ``import hf_nosa``.
+returns the compiled kernel, or under the interpreter an interpreted twin of it that also runs every
+``@triton.jit`` function it calls (ours and triton.language's) interpreted, so tests can turn the interpreter on
+after ``import hf_nosa``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+
 import torch
 
 try:
@@ -68,11 +70,11 @@ def kernel_path(name: str, tensor: torch.Tensor) -> str:
     return path
 
 
-def _log_once(name: str, path: str, device_type: str, why: str = "") -> None:
+def _log_once(name: str, path: str, device_type: str) -> None:
     key = (name, path, device_type)
     if key not in _logged:
         _logged.add(key)
-        logger.info("hf_nosa kernel %s: %s path on %s tensors%s", name, path, device_type, why)
+        logger.info("hf_nosa kernel %s: %s path on %s tensors", name, path, device_type)
 
 
 def log_fallback(name: str, device_type: str, why: str) -> None:
