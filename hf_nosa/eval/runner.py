@@ -10,6 +10,7 @@ one token at a time (see ``decode.py``), so they differ only in what decode atte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -40,7 +41,7 @@ def load_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype = to
     NOSA checkpoints (``model_type`` llama/qwen2/qwen3 or nosa_llama/nosa_qwen2/nosa_qwen3, with a "nosa" section)
     are rebuilt as the stock family class converted by ``to_nosa`` and loaded strictly, eviction heads included.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(path)
     config_file = path / "config.json"
@@ -51,7 +52,11 @@ def load_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype = to
         model = _load_nosa_checkpoint(path, raw)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    if (path / "tokenizer.json").is_file():
+        # Straight from tokenizer.json: AutoTokenizer would read config.json, whose remote code it must not run.
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
@@ -85,7 +90,8 @@ def nosa_layout(section, budget_tokens: int, *, sink_tokens=None, local_tokens=N
     """The NosaConfig of an evaluation: a model's "nosa" section (or the defaults) at ``budget_tokens``, dense prefill.
 
     Without a section (a model that was never trained with NOSA), the sink is one block and the local window and
-    the query-aware tokens are a quarter of the budget each, unless given.
+    the query-aware tokens are a quarter of the budget each (whole blocks; the local window gets at least one), unless
+    given.
 
     Args:
         section: the model's ``config.nosa`` (dict or NosaConfig) or None.
@@ -94,12 +100,14 @@ def nosa_layout(section, budget_tokens: int, *, sink_tokens=None, local_tokens=N
     P = base.block_size
     if budget_tokens % P or budget_tokens <= 0:
         raise ValueError(f"budget_tokens={budget_tokens} is invalid: it must be a positive multiple of block_size={P}")
-    quarter = max(P, (budget_tokens // 4) // P * P)
+    quarter = (budget_tokens // 4) // P * P
+    local = min(max(P, quarter), budget_tokens - P)  # small budgets: the sink and the local window come first
+    query = min(quarter, budget_tokens - P - local)
     overrides = dict(budget_tokens=budget_tokens, prefill="dense")
     for name, value, fallback in (
         ("sink_tokens", sink_tokens, P),
-        ("local_tokens", local_tokens, quarter),
-        ("query_tokens", query_tokens, quarter),
+        ("local_tokens", local_tokens, local),
+        ("query_tokens", query_tokens, query),
     ):
         if value is not None:
             overrides[name] = value
@@ -122,6 +130,25 @@ def kv_bytes_per_token(model, context: int) -> int:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     element = next(model.parameters()).element_size()
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * element * context
+
+
+@contextlib.contextmanager
+def dense_attention_outside_nosa_cache(model):
+    """Within: converted layers attend fully (plus their eviction bias) when no NosaCache is used.
+
+    A NOSA model whose config says ``prefill="nosa"`` applies the sparse training rule even with a plain cache;
+    the ``default`` method must measure full attention, so its layers' configs are switched to dense meanwhile.
+    """
+    layers = [layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "nosa_config")]
+    saved = [attn.nosa_config for attn in layers]
+    try:
+        for attn in layers:
+            if attn.nosa_config.prefill == "nosa":
+                attn.nosa_config = attn.nosa_config.replace(prefill="dense")
+        yield model
+    finally:
+        for attn, cfg in zip(layers, saved):
+            attn.nosa_config = cfg
 
 
 def cache_factory(model, method: str, nosa_config: NosaConfig | None):
@@ -189,6 +216,17 @@ class _Traffic:
 def evaluate_tasks(model, tokenizer, *, tasks, length: int, method: str, nosa_config, samples: int, seed: int = 0,
                    batch_size: int = 8, prefill_chunk: int = 4096, progress=None) -> dict:
     """Accuracy per task at one length with one method: ``{"tasks": {task: acc}, "mean_accuracy", ...}``."""
+    with _attention_for(model, method):
+        return _evaluate_tasks(model, tokenizer, tasks, length, method, nosa_config, samples, seed, batch_size,
+                               prefill_chunk, progress)
+
+
+def _attention_for(model, method: str):
+    return dense_attention_outside_nosa_cache(model) if method == "default" else contextlib.nullcontext()
+
+
+def _evaluate_tasks(model, tokenizer, tasks, length, method, nosa_config, samples, seed, batch_size, prefill_chunk,
+                    progress) -> dict:
     make_cache = cache_factory(model, method, nosa_config)
     counter = TokenCounter(tokenizer)
     stop_ids = _stop_ids(tokenizer)
@@ -296,11 +334,12 @@ def evaluate(
                                       progress=progress))
             if docs:
                 traffic = _Traffic()
-                ppl = long_generation_perplexity(
-                    model, [ids for _, ids in docs], make_cache=cache_factory(model, method, nosa_config),
-                    generate_tokens=min(perplexity_tokens, length - 1), batch_size=batch_size, prefill_chunk=prefill_chunk,
-                    on_batch=lambda cache, result: traffic.add(cache, result, result.nll.shape[0]),
-                )
+                with _attention_for(model, method):
+                    ppl = long_generation_perplexity(
+                        model, [ids for _, ids in docs], make_cache=cache_factory(model, method, nosa_config),
+                        generate_tokens=min(perplexity_tokens, length - 1), batch_size=batch_size,
+                        prefill_chunk=prefill_chunk, on_batch=lambda cache, result: traffic.add(cache, result, result.nll.shape[0]),
+                    )
                 row["perplexity"] = ppl["perplexity"]
                 row["perplexity_documents"] = [name for name, _ in docs]
                 row["perplexity_traffic"] = traffic.summary()
