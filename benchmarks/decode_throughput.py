@@ -12,7 +12,8 @@ contexts 16K / 32K / 64K, the device capped with ``torch.cuda.set_per_process_me
 - ``query_only``: the same engine with a query-aware-only selector (InfLLMv2-style baseline).
 
 Each method runs at the largest batch that fits the device cap and the host budget (``--host-gb``); the row says
-which bound it (NOSA batches are powers of two so that host-store chunks are reused from row to row). Caches are
+which bound it (the offloaded cache moves its whole KV every step, so its tok/s is flat in the batch: its batch is
+bounded by ``--offload-step-gb`` moved per step). Caches are
 filled directly with random keys and values (no prefill is timed). Beside each row: tok/s, ms per step, for NOSA
 the per-step GPU time of selection / fetch / attention (torch.profiler over eager steps) and the rest, and the
 roofline floor: HBM bytes over the measured HBM bandwidth plus PCIe bytes over the measured pinned-copy rate.
@@ -58,7 +59,9 @@ SHAPES = {
 }
 CAP_GB = {"1b": 24, "8b": 48, "smoke": None}
 METHODS = ("dynamic", "static_compile", "offloaded", "nosa", "query_only")
-HOST_CHUNK_BYTES = 256 << 20  # K (or V) bytes of one host-store chunk: equal sizes let pinned blocks be reused
+# K (or V) bytes of one host-store chunk, at most: the pinned allocator rounds sizes up to a power of two, so
+# chunks just under 256 MB waste little and are reused from row to row whatever the batch.
+HOST_CHUNK_BYTES = 256 << 20
 MARGIN = 1.5 * GB  # device memory kept free for activations, workspaces, graph pools
 
 
@@ -190,10 +193,7 @@ def pick_batch(method, shape, context, steps, ncfg, cap, host_budget, weights, o
     if method == "offloaded":  # every step moves the whole cache twice: flat tok/s in batch, so bound the time
         bounds["time"] = max(1, int(offload_step_bytes // (2 * need["host"])))
     bound = min(bounds, key=bounds.get)
-    batch = max(1, bounds[bound])
-    if method in ("nosa", "query_only"):
-        batch = 1 << (batch.bit_length() - 1)
-    return batch, bound, bounds
+    return max(1, bounds[bound]), bound, bounds
 
 
 # ----- measuring -----
