@@ -29,6 +29,13 @@ def _rows(results: dict) -> list[dict]:
     return sorted(rows, key=lambda r: (r["length"], ORDER.index(r["label"]) if r["label"] in ORDER else 99))
 
 
+def _metric(row: dict, key: str):
+    """A row's value; full attention's traffic is its whole KV cache per token (what offloading it would move)."""
+    if key == "bytes_to_device_per_token" and row.get(key) is None:
+        return row.get("kv_bytes_read_per_token")
+    return row.get(key)
+
+
 def _fmt(value, digits=3) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -49,11 +56,16 @@ def markdown(results: dict) -> str:
         lines.append("| method | mean | " + " | ".join(tasks) + " | perplexity | locality | KB to device / token |")
         lines.append("|---|---|" + "---|" * len(tasks) + "---|---|---|")
         for r in at:
-            kb = r.get("bytes_to_device_per_token")
+            kb = _metric(r, "bytes_to_device_per_token")
+            traffic = _fmt(kb / 1e3 if kb is not None else None, 1)
+            if r.get("bytes_to_device_per_token") is None and kb is not None:
+                traffic += " *"
             cells = [NAMES.get(r["label"], r["label"]), _fmt(r["mean_accuracy"])]
             cells += [_fmt(r["tasks"].get(t), 2) for t in tasks]
-            cells += [_fmt(r.get("perplexity")), _fmt(r.get("locality")), _fmt(kb / 1e3 if kb is not None else None, 1)]
+            cells += [_fmt(r.get("perplexity")), _fmt(r.get("locality")), traffic]
             lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+        lines.append("\\* full attention reads its whole KV cache every step: what offloading it would move per token.")
         lines.append("")
     summary = results.get("summary", {})
     if summary:
@@ -97,19 +109,23 @@ def plots(results: dict, out: Path) -> list[Path]:
     plt.close(fig)
     written.append(path)
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
-    for length in lengths:
-        at = [r for r in rows if r["length"] == length]
-        labels = [NAMES.get(r["label"], r["label"]) for r in at]
-        axes[0].plot(labels, [r.get("perplexity") or float("nan") for r in at], "o-", label=f"{length}")
-        axes[1].plot(labels, [r.get("locality") or float("nan") for r in at], "o-", label=f"{length}")
-        axes[2].plot(labels, [(r.get("bytes_to_device_per_token") or float("nan")) / 1e3 for r in at], "o-", label=f"{length}")
-    for ax, title in zip(axes, ("long-generation perplexity", "decode locality", "KB host->device per token")):
+    labels = [label for label in ORDER if any(r["label"] == label for r in rows)]
+    labels += sorted({r["label"] for r in rows} - set(labels))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    width = 0.8 / len(lengths)
+    metrics = (("perplexity", 1, "long-generation perplexity"), ("locality", 1, "decode locality"),
+               ("bytes_to_device_per_token", 1e3, "KB host->device per decoded token"))
+    for ax, (key, scale, title) in zip(axes, metrics):
+        for i, length in enumerate(lengths):
+            at = {r["label"]: r for r in rows if r["length"] == length}
+            values = [(_metric(at[label], key) or float("nan")) / scale if label in at else float("nan") for label in labels]
+            ax.bar([x + i * width for x in range(len(labels))], values, width, label=f"{length} tokens")
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))])
+        ax.set_xticklabels([NAMES.get(label, label) for label in labels], rotation=45, ha="right", fontsize=7)
         ax.set_title(title)
-        ax.tick_params(axis="x", rotation=45, labelsize=7)
-        for label in ax.get_xticklabels():
-            label.set_horizontalalignment("right")
-        ax.legend(title="tokens", fontsize=7)
+        ax.legend(fontsize=7)
+    axes[2].set_yscale("log")
+    axes[2].set_title("KB host->device per decoded token\n(full attention: its whole KV, were it offloaded)", fontsize=9)
     fig.tight_layout()
     path = out / "traffic.png"
     fig.savefig(path, dpi=110)
@@ -119,10 +135,11 @@ def plots(results: dict, out: Path) -> list[Path]:
 
 
 def write_report(out: Path) -> None:
+    """results.md, then the plots (matplotlib may be missing where the run happened: rerun this script elsewhere)."""
     out = Path(out)
     results = json.loads((out / "results.json").read_text())
-    plots(results, out)
     (out / "results.md").write_text(markdown(results))
+    plots(results, out)
 
 
 if __name__ == "__main__":

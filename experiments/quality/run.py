@@ -41,7 +41,8 @@ from train import train  # noqa: E402
 import hf_nosa  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.eval import TASKS, evaluate  # noqa: E402
-from hf_nosa.eval.runner import environment  # noqa: E402
+from hf_nosa.eval.corpus import corpus_text  # noqa: E402
+from hf_nosa.eval.runner import environment, format_row  # noqa: E402
 from hf_nosa.tokenizer import VOCAB_SIZE, build_tokenizer  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -54,13 +55,14 @@ PRESETS = {
         train_tasks=list(TASKS),
         task_share=0.6, answer_weight=4.0, min_task_len=384,
         # (sequence length, batch, share of the pretraining time)
-        pretrain=dict(phases=[(2048, 32, 0.4), (4096, 16, 0.6)], share=0.37, lr=3e-3),
+        pretrain=dict(phases=[(2048, 32, 0.4), (4096, 16, 0.6)], share=0.35, lr=3e-3),
         nosa=dict(block_size=64, budget_tokens=1024, sink_tokens=64, local_tokens=256, query_tokens=320,
                   compress_kernel=32, compress_stride=16),
-        retrofit=dict(seq_len=8192, batch=4, share=0.21, lr=2e-3, head_lr=1e-2, rank=32, alpha=64),
-        control=dict(share=0.12),
-        eval=dict(lengths=[8192, 16384], budget_ratio=8, samples=8, batch={8192: 48, 16384: 24}, ppl_docs=8,
-                  ppl_tokens=128, share=0.26, tasks=list(TASKS), extras=True),
+        retrofit=dict(seq_len=8192, batch=4, share=0.20, lr=2e-3, head_lr=1e-2, rank=32, alpha=64),
+        control=dict(share=0.10),
+        # one batch per row at 8K (all 72 samples), two at 16K: dense prefill logits stay under ~40 GB
+        eval=dict(lengths=[8192, 16384], budget_ratio=8, samples=8, batch={8192: 72, 16384: 36}, ppl_docs=8,
+                  ppl_tokens=128, share=0.30, tasks=list(TASKS), extras=True),
         workers=6,
         minutes=7.5,
     ),
@@ -249,12 +251,13 @@ def eval_rows(run: Run, settings, models: dict, tokenizer, device, deadline: flo
                 row.update(label=label, model=source)
                 run.results["evaluation"].append(row)
                 run.save()
+                run.log(format_row(row, label=label))
 
             try:
                 evaluate(model, tokenizer, tasks=e["tasks"], lengths=[length], methods=[method],
                          budget_ratio=e["budget_ratio"], samples=e["samples"], seed=0,
                          batch_size=e["batch"].get(length, 8), perplexity_docs=e["ppl_docs"],
-                         perplexity_tokens=e["ppl_tokens"], show_progress=False, on_result=keep)
+                         perplexity_tokens=e["ppl_tokens"], show_progress=False, verbose=False, on_result=keep)
             except Exception as error:  # one failed row must not lose the others
                 run.results["notes"].append(f"evaluation of {label} at {length} failed: {error!r}")
                 run.log(f"FAILED {label} at {length}: {error!r}\n{traceback.format_exc()}")
@@ -355,6 +358,7 @@ def main(argv=None) -> int:
     run.log(f"preset {preset} on {device} ({run.results['environment']['device']}), {minutes} minutes, hf_nosa {hf_nosa.__version__}")
     tokenizer = build_tokenizer()
     layout = NosaConfig(prefill="nosa", **settings["nosa"])
+    corpus_text("train")  # read once here, so that data-loading processes share it
 
     # 1. pretrain with full attention
     base = build_model(settings, args.seed).to(device)

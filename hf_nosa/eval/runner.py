@@ -283,6 +283,7 @@ def evaluate(
     prefill_chunk: int = 4096,
     layout: dict | None = None,
     show_progress: bool = True,
+    verbose: bool = True,
     on_result=None,
 ) -> list[dict]:
     """Every (length, method) pair: task accuracy, long-generation perplexity, locality and traffic.
@@ -291,6 +292,7 @@ def evaluate(
         budget_tokens: the NosaCache budget for every length; else ``length / budget_ratio`` (rounded down to
             whole blocks; ratio 8 when neither is given).
         layout: sink_tokens / local_tokens / query_tokens overrides for ``nosa_layout``.
+        verbose: print one line per result.
         on_result: called with each result dict as soon as it is ready (to save partial results).
 
     Returns:
@@ -349,7 +351,11 @@ def evaluate(
             results.append(row)
             if on_result is not None:
                 on_result(row)
-            _print_row(row, progress)
+            if verbose:
+                if progress is not None:
+                    progress.write(format_row(row))
+                else:
+                    print(format_row(row), flush=True)
     if progress is not None:
         progress.close()
     return results
@@ -365,18 +371,15 @@ def _progress(show: bool, total: int):
     return tqdm(total=total, unit="sample", dynamic_ncols=True)
 
 
-def _print_row(row: dict, progress) -> None:
+def format_row(row: dict, label: str | None = None) -> str:
+    """One line summing up a result: length, method (or ``label``), mean accuracy, perplexity, traffic, per task."""
     tasks = " ".join(f"{task}={acc:.2f}" for task, acc in row["tasks"].items())
     extra = ""
     if "perplexity" in row:
         extra += f" ppl={row['perplexity']:.3f}"
     if "locality" in row:
         extra += f" locality={row['locality']:.3f} bytes/token={row['bytes_to_device_per_token']:.0f}"
-    line = f"[{row['length']} {row['method']}] mean={row['mean_accuracy']:.3f}{extra} ({row['seconds']:.1f}s) {tasks}"
-    if progress is not None:
-        progress.write(line)
-    else:
-        print(line, flush=True)
+    return f"[{row['length']} {label or row['method']}] mean={row['mean_accuracy']:.3f}{extra} ({row['seconds']:.1f}s) {tasks}"
 
 
 def environment() -> dict:
