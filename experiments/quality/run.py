@@ -257,7 +257,8 @@ def eval_rows(run: Run, settings, models: dict, tokenizer, device, deadline: flo
                 evaluate(model, tokenizer, tasks=e["tasks"], lengths=[length], methods=[method],
                          budget_ratio=e["budget_ratio"], samples=e["samples"], seed=0,
                          batch_size=e["batch"].get(length, 8), perplexity_docs=e["ppl_docs"],
-                         perplexity_tokens=e["ppl_tokens"], show_progress=False, verbose=False, on_result=keep)
+                         perplexity_tokens=e["ppl_tokens"], prefill_chunk=length, show_progress=False,
+                         verbose=False, on_result=keep)  # one prefill call: no materialised mask
             except Exception as error:  # one failed row must not lose the others
                 run.results["notes"].append(f"evaluation of {label} at {length} failed: {error!r}")
                 run.log(f"FAILED {label} at {length}: {error!r}\n{traceback.format_exc()}")
