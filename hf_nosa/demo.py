@@ -84,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
     before = result.prefill_stats or {"bytes_to_device": 0}
     moved = stats["bytes_to_device"] - before["bytes_to_device"]
     slots = config.budget_blocks + 1
+    layers = [layer for layer in cache.layers if layer.is_initialized]
+    pool = sum(t.numel() * t.element_size() for layer in layers for t in (layer.slot_k, layer.slot_v, layer.slot_b))
+    keys = layers[0].compressed.keys
+    windows = sum(layer.compressed.n for layer in layers) * keys.shape[0] * keys.shape[1] * keys.shape[3] * keys.element_size()
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
 
@@ -97,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"pass key:    {sample.answers[0]}")
     print(f"answer:      {answer or '(empty)'}  -> {'correct' if correct else 'WRONG'}")
     print(f"KV cache:    full cache {_mb(stats['full_kv_bytes'])} in the host store; device working set "
-          f"{_mb(stats['device_kv_bytes'])} ({slots} slots of {config.block_size} tokens per layer and KV head, "
-          f"compressed keys included)")
+          f"{_mb(pool + windows)}: slot pool {_mb(pool)} ({slots} slots of {config.block_size} tokens per layer and "
+          f"KV head, plus one scratch slot) and compressed keys {_mb(windows)}")
     print(f"moved:       {_mb(moved)} host->device over {result.decode_steps} decode steps "
           f"({moved / max(1, result.decode_steps) / 1e3:.1f} KB per token); locality {stats['locality']:.3f} "
           f"(share of selected blocks already on the device)")

@@ -41,10 +41,10 @@ def test_embedded_model_is_small_and_loads():
 def test_demo_runs_on_the_embedded_model(capsys):
     settings = json.loads((DEFAULT_MODEL / "demo.json").read_text())
     budget = settings["budget_tokens"]
-    assert cli_main(["demo", "--seed", "3", "--context", str(8 * budget)]) == 0
+    assert cli_main(["demo", "--seed", "3", "--context", str(4 * budget)]) == 0  # 4x: quick on any demo model
     text = capsys.readouterr().out
     check_output(text)
-    assert f"budget {budget} tokens (8x less than the context)" in text
+    assert f"budget {budget} tokens (4x less than the context)" in text
 
 
 def test_demo_runs_on_a_given_checkpoint_and_rejects_bad_input(tmp_path, capsys):
