@@ -547,7 +547,11 @@ print(json.dumps({"same_tokens": torch.equal(out.cpu(), ref["out"]), "dtype": st
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_gpu_bf16_export_loads_and_decodes_identically(tmp_path, family):
-    model = nosa_model(family).to("cuda", torch.bfloat16)
+    model = nosa_model(family)
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    model = model.to("cuda", torch.bfloat16)
+    # from_pretrained(dtype=bf16) keeps the RoPE frequencies in fp32; .to(bf16) would round them
+    model.model.rotary_emb.inv_freq = inv_freq.cuda()
     out = export(model, tmp_path / "out")
     ids = torch.randint(3, 97, (2, 4 * PROMPT))
     reference = greedy(model, ids.cuda(), cache_implementation="nosa").cpu()
