@@ -147,3 +147,17 @@ def test_bad_selector_input():
         make_selector("h2o")
     with pytest.raises(ValueError, match="outlier_fraction"):
         ShadowKVSelector(outlier_fraction=1.5)
+
+
+@pytest.mark.gpu
+def test_selectors_on_cuda_generate_what_the_default_cache_does_at_full_budget():
+    model = tiny_model("llama", seed=9).cuda()
+    cfg = small_nosa_config(budget_tokens=512)
+    to_nosa(model, cfg)
+    ids = torch.randint(3, 97, (3, 150), generator=torch.Generator().manual_seed(10)).cuda()
+    reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+    for name in sorted(BASELINES):
+        cache = NosaCache(model.config, cfg, selector=make_selector(name))
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                             past_key_values=cache)
+        assert torch.equal(out, reference), name
