@@ -1,6 +1,6 @@
 """The quality experiment, end to end in one time-boxed run: pretrain, retrofit, control, evaluate, export.
 
-    PYTHONPATH=. python experiments/quality/run.py --out DIR              # one GPU, ~7.5 minutes
+    PYTHONPATH=. python experiments/quality/run.py --out DIR              # one GPU, ~7.5 minutes in all
     PYTHONPATH=. python experiments/quality/run.py --out DIR --smoke      # the whole pipeline on CPU, ~2 minutes
     PYTHONPATH=. python experiments/quality/run.py --out DIR --preset cpu-demo   # the CPU-trained demo model
 
@@ -64,7 +64,7 @@ PRESETS = {
         eval=dict(lengths=[8192, 16384], budget_ratio=8, samples=8, batch={8192: 72, 16384: 36}, ppl_docs=8,
                   ppl_tokens=128, share=0.30, tasks=list(TASKS), extras=True),
         workers=6,
-        minutes=7.5,
+        minutes=7.25,
     ),
     # The whole pipeline on CPU at toy sizes (checks every code path; the numbers mean nothing).
     "smoke": dict(
