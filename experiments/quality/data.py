@@ -48,13 +48,15 @@ class PackedStream(torch.utils.data.IterableDataset):
         ids, weights, used = [], [], 0
         while used < need:
             room = need - used
+            sample = None
             if self.tasks and rng.random() < self.task_share and room >= self.min_task_len + 64:
                 task = rng.choice(self.tasks)
                 length = int(math.exp(rng.uniform(math.log(self.min_task_len), math.log(room - 64))))
                 try:
                     sample = make_sample(task, rng, length, tokenizer, split="train", counter=counter)
-                except ValueError:  # too short for this task's needles: take text instead
-                    continue
+                except ValueError:  # too short for this task's needles: text fills the room instead
+                    sample = None
+            if sample is not None:
                 prompt, answer = byte_ids(sample.prompt), byte_ids(sample.target + "\n")
                 pieces = [(prompt, 1.0), (answer, self.answer_weight)]
             else:
