@@ -80,8 +80,9 @@ class QueryOnlySelector:
         if c == 0:
             return _no_blocks(layer)
         keys = layer.compressed.keys[:, :, : layer.compressed.n]
+        bias = layer.compressed.bias[:, :, : layer.compressed.n]  # marks the padding windows
         positions = torch.tensor([t], device=query.device)
-        scores = query_block_scores(query, keys, positions, c, cfg, scale)[:, :, 0]  # [B, Hk, c]
+        scores = query_block_scores(query, keys, positions, c, cfg, scale, compressed_bias=bias)[:, :, 0]  # [B,Hk,c]
         return top_blocks(scores, cfg)
 
 

@@ -336,8 +336,9 @@ class NosaLayer(CacheLayerMixin):
             return torch.full((B, Hk, K), -1, dtype=torch.long, device=self.device)
         n = self.compressed.n
         positions = torch.tensor([t], device=self.device)
-        qs = query_block_scores(query, self.compressed.keys[:, :, :n], positions, c, self.cfg, scale)
-        es = eviction_block_scores(self.compressed.bias[:, :, :n], positions, c, self.cfg)
+        keys, bias = self.compressed.keys[:, :, :n], self.compressed.bias[:, :, :n]
+        qs = query_block_scores(query, keys, positions, c, self.cfg, scale, compressed_bias=bias)
+        es = eviction_block_scores(bias, positions, c, self.cfg)
         return select_blocks(qs, es, positions // self.cfg.block_size, self.cfg)[:, :, 0]
 
     def _count_step(self, plan) -> None:

@@ -102,7 +102,8 @@ def _choose_blocks(layer, q, valid, group, start) -> torch.Tensor:
     current = lo // P
     n_windows = windows_available(lo - 1, cfg)  # windows complete before each chunk
     n_blocks = group[-1][0] // P
-    scores = quoka_score(kept, layer.compressed.keys, n_windows, n_blocks, cfg, n_valid=n_valid)
+    scores = quoka_score(kept, layer.compressed.keys, n_windows, n_blocks, cfg, n_valid=n_valid,
+                         compressed_bias=layer.compressed.bias)
     budget = min(cfg.prefill_budget_blocks, n_blocks)
     return quoka_select_blocks(scores, current, cfg, budget_blocks=budget)
 

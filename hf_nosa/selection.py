@@ -19,6 +19,23 @@ from .config import NosaConfig
 # masks cannot overflow fp32.
 MASK_VALUE = -1e30
 
+# A padding window is a compressed window that holds at least one padding token. Padding tokens are stored with
+# eviction score MASK_VALUE (``masks.padding_bias``), so such a window's mean score is at most about
+# MASK_VALUE / compress_kernel, while windows of real tokens average scores of order one. A compressed score
+# below this threshold (far from both, for any compress_kernel up to 10**5) marks a padding window. Padding
+# windows take no part in query-aware scoring (``query_block_scores``, ``quoka_scores`` and their kernels): pad
+# keys mean nothing (with one pad id they are all alike, and mixed windows average them in), so they would take
+# softmax mass from the real windows and make near-ties that different code paths break differently. They score
+# the bottom of each scale instead (probability 0; ``QUOKA_PADDING_SCORE``), so a block without a real window
+# (padding only, or fewer than compress_stride real tokens) ties at the bottom and never outranks a block that has
+# one; ties go to the most recent block as always. With padding a multiple of block_size, a padded row then scores
+# its real blocks exactly as the same row without padding.
+PADDING_WINDOW_BIAS = MASK_VALUE * 1e-6
+
+# The QUOKA score of a padding window: below every cosine similarity, above "no window" (-inf). A block whose
+# windows are all padding stays a candidate (a partly real block must remain reachable with a full budget), last.
+QUOKA_PADDING_SCORE = -2.0
+
 
 def eviction_bias(value_flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor):
     """Eviction-head score b[j, h] = A[h] * softplus(delta(v_j))[h] (design Sec. 3.1).
@@ -98,6 +115,16 @@ def windows_available(positions: torch.Tensor, cfg: NosaConfig) -> torch.Tensor:
     return n.clamp(min=0)
 
 
+def _padding_windows(compressed_bias: torch.Tensor, shape, caller: str) -> torch.Tensor:
+    """``[B, Hk, W]`` bool, True for padding windows (``PADDING_WINDOW_BIAS``); ``shape`` is the expected one."""
+    if tuple(compressed_bias.shape) != tuple(shape):
+        raise ValueError(
+            f"{caller}: compressed_bias must be [B, Hk, W] = {tuple(shape)}, like the compressed keys; "
+            f"got {tuple(compressed_bias.shape)}"
+        )
+    return compressed_bias.float() < PADDING_WINDOW_BIAS
+
+
 def query_block_scores(
     query: torch.Tensor,
     compressed_keys: torch.Tensor,
@@ -105,16 +132,24 @@ def query_block_scores(
     n_blocks: int,
     cfg: NosaConfig,
     scale: float,
+    *,
+    compressed_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Query-aware block score (Sec. 3.3).
 
     Per query head, softmax over the complete windows of ``q . k~ * scale``; summed over the heads of each GQA
     group; per block, max over the windows that overlap it. Higher means the query attends more to the block.
 
+    Padding windows (see ``PADDING_WINDOW_BIAS``: a window holding any padding token of a left-padded batch) are
+    left out of the softmax: they get probability 0 and take nothing from the real windows, so a padded row's
+    real blocks score as they would without the padding. Blocks without a real window score 0.
+
     Args:
         query: ``[B, H, Tq, D]``.
         compressed_keys: ``[B, Hk, W, D]``.
         positions: ``[Tq]`` cache index of each query token (windows complete at that token are used).
+        compressed_bias: ``[B, Hk, W]`` window means of the eviction scores (padding folded in), which mark the
+            padding windows; None when the batch has no padding.
 
     Returns:
         ``[B, Hk, Tq, N]`` float32, in ``[0, G]``.
@@ -126,6 +161,9 @@ def query_block_scores(
     logits = torch.einsum("bkgtd,bkwd->bkgtw", q, compressed_keys.float()) * scale  # [B, Hk, G, Tq, W]
     available = torch.arange(W, device=query.device) < windows_available(positions, cfg)[:, None]  # [Tq, W]
     logits = logits.masked_fill(~available, float("-inf"))
+    if compressed_bias is not None:
+        padding = _padding_windows(compressed_bias, compressed_keys.shape[:3], "query_block_scores")  # [B, Hk, W]
+        logits = logits.masked_fill(padding[:, :, None, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)  # [B, Hk, Tq, W]
     return pool_windows_to_blocks(probs, n_blocks, cfg, fill=0.0)
 
@@ -230,7 +268,8 @@ def nosa_token_mask(
     Token ``t = q_offset + i`` sees exactly the blocks that decoding token t would select.
 
     Args:
-        query: ``[B, H, Tq, D]``; keys: ``[B, Hk, T, D]`` with ``T = q_offset + Tq``; bias: ``[B, Hk, T]``.
+        query: ``[B, H, Tq, D]``; keys: ``[B, Hk, T, D]`` with ``T = q_offset + Tq``; bias: ``[B, Hk, T]`` with
+            padding folded in (``MASK_VALUE``), so padding windows leave the query-aware score as in decoding.
 
     Returns:
         ``[B, Hk, Tq, T]`` bool.
@@ -240,8 +279,11 @@ def nosa_token_mask(
     P = cfg.block_size
     positions = torch.arange(q_offset, q_offset + Tq, device=query.device)
     n_blocks = (T + P - 1) // P
-    qs = query_block_scores(query, compress_keys(keys, cfg), positions, n_blocks, cfg, scale)
-    es = eviction_block_scores(compress_keys(bias, cfg), positions, n_blocks, cfg)
+    compressed_bias = compress_keys(bias, cfg)
+    qs = query_block_scores(
+        query, compress_keys(keys, cfg), positions, n_blocks, cfg, scale, compressed_bias=compressed_bias
+    )
+    es = eviction_block_scores(compressed_bias, positions, n_blocks, cfg)
     selected = select_blocks(qs, es, positions // P, cfg)
     return blocks_to_token_mask(selected, positions, T, cfg)
 
@@ -284,6 +326,8 @@ def quoka_scores(
     n_blocks: int,
     cfg: NosaConfig,
     n_valid: torch.Tensor | None = None,
+    *,
+    compressed_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """QUOKA block score: cosine similarity between the kept queries and the compressed keys.
 
@@ -292,15 +336,22 @@ def quoka_scores(
     window, the max over kept queries; per block, the max over the windows that overlap it (as
     ``pool_windows_to_blocks``). Higher means some kept query of the group points at the block.
 
+    Padding windows (``PADDING_WINDOW_BIAS``: a window holding any padding token) score ``QUOKA_PADDING_SCORE``,
+    below every cosine: pad keys mean nothing (with one pad id they are all alike), so scored they would only
+    make near-ties between blocks of padding. A block without a real window thus ties at the bottom (ties go to
+    the most recent block).
+
     Args:
         kept_queries: ``[B, H, R, n, D]`` the kept queries of R chunks (see ``quoka_query_choice``).
         compressed_keys: ``[B, Hk, W, D]``.
         n_windows: ``[R]`` long, windows complete before each chunk; later windows are not scored.
         n_valid: ``[B, R]`` long, how many of the kept queries (the first ones) are real tokens; default all.
+        compressed_bias: ``[B, Hk, W]`` window means of the eviction scores (padding folded in), which mark the
+            padding windows; None when the batch has no padding.
 
     Returns:
-        ``[B, Hk, R, N]`` float32 in [-1, 1]; -inf for a block without a complete window (or without a real
-        kept query).
+        ``[B, Hk, R, N]`` float32 in [-1, 1], ``QUOKA_PADDING_SCORE`` for a block whose complete windows are all
+        padding windows; -inf for a block without a complete window (or without a real kept query).
     """
     B, H, R, n, D = kept_queries.shape
     Hk, W = compressed_keys.shape[1], compressed_keys.shape[2]
@@ -314,6 +365,11 @@ def quoka_scores(
     window_scores = cosine.amax(3)  # [B, Hk, R, W]
     available = torch.arange(W, device=device) < n_windows.to(device)[:, None]  # [R, W]
     window_scores = window_scores.masked_fill(~available, float("-inf"))
+    if compressed_bias is not None:
+        padding = _padding_windows(compressed_bias, compressed_keys.shape[:3], "quoka_scores")  # [B, Hk, W]
+        padding = padding[:, :, None, :].to(device)
+        # at most the padding score: -inf (no window, no real kept query) stays -inf
+        window_scores = torch.where(padding, window_scores.clamp(max=QUOKA_PADDING_SCORE), window_scores)
     return pool_windows_to_blocks(window_scores, n_blocks, cfg, fill=float("-inf"))
 
 

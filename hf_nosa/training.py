@@ -69,7 +69,8 @@ def selected_blocks(
     Args:
         query: ``[B, H, Tq, D]`` post-RoPE queries at positions ``q_offset .. q_offset + Tq - 1``.
         keys: ``[B, Hk, T, D]`` post-RoPE keys, ``T = q_offset + Tq``.
-        bias: ``[B, Hk, T]`` eviction scores (padding already folded in).
+        bias: ``[B, Hk, T]`` eviction scores (padding already folded in; windows holding padding then take no part
+            in the query-aware score, as in decoding: ``selection.PADDING_WINDOW_BIAS``).
         chunk_size: queries per chunk (default: as many as fit ``2**26`` fp32 scores).
 
     Returns:
@@ -90,7 +91,9 @@ def selected_blocks(
         hi = min(Tq, lo + chunk)
         positions = torch.arange(q_offset + lo, q_offset + hi, device=query.device)
         with no_autocast:
-            qs = query_block_scores(query[:, :, lo:hi], compressed_keys, positions, N, cfg, scale)
+            qs = query_block_scores(
+                query[:, :, lo:hi], compressed_keys, positions, N, cfg, scale, compressed_bias=compressed_bias
+            )
             es = eviction_block_scores(compressed_bias, positions, N, cfg)
             chosen = select_blocks(qs, es, positions // P, cfg)  # [B, Hk, chunk, K]
         bitmap[:, :, lo:hi].scatter_(-1, torch.where(chosen < 0, N, chosen), True)

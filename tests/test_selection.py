@@ -3,11 +3,18 @@
 import torch
 
 from hf_nosa.selection import (
+    MASK_VALUE,
+    PADDING_WINDOW_BIAS,
+    QUOKA_PADDING_SCORE,
     blocks_to_token_mask,
     compress_keys,
+    eviction_block_scores,
+    nosa_token_mask,
     num_windows,
     pool_windows_to_blocks,
     query_block_scores,
+    quoka_scores,
+    quoka_select_blocks,
     select_blocks,
     topk_recent_first,
     window_offsets,
@@ -119,3 +126,100 @@ def test_token_mask_covers_selected_blocks_and_current_prefix():
     expected[32:48] = True
     expected[48:51] = True  # current block 3 up to the token itself
     assert torch.equal(mask, expected)
+
+
+# ----- padding windows (left-padded batches) -----
+
+
+def _padded(real: torch.Tensor, pad: int, pad_value: torch.Tensor) -> torch.Tensor:
+    """``real [B, Hk, T, ...]`` with ``pad`` copies of ``pad_value`` in front (dim 2)."""
+    front = pad_value.expand(*real.shape[:2], pad, *real.shape[3:])
+    return torch.cat([front, real], 2)
+
+
+def test_padding_windows_get_no_query_score_and_leave_real_blocks_unchanged():
+    cfg = small_nosa_config()  # block 16, windows of 8 every 4: block b pools windows 4b-1 .. 4b+3
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 1, 32, 4, generator=g)  # 32 real tokens: blocks 0, 1 when alone
+    q = torch.randn(1, 2, 1, 4, generator=g)  # one KV head, group of two
+    # 16 tokens of padding in front (one block); pad keys point along the queries, so they would score high.
+    pad_key = 5 * q[0, :, 0].sum(0)
+    padded_keys = _padded(keys, 16, pad_key)
+    padded_bias = _padded(torch.zeros(1, 1, 32), 16, torch.tensor(MASK_VALUE))
+    ck, cb = compress_keys(padded_keys, cfg), compress_keys(padded_bias, cfg)  # 11 windows
+    # Windows 0..2 are all padding, window 3 (tokens 12..19) holds four pad tokens: all four are padding windows.
+    assert (cb < PADDING_WINDOW_BIAS).squeeze().tolist() == [True] * 4 + [False] * 7
+
+    scores = query_block_scores(q, ck, torch.tensor([47]), 3, cfg, 0.5, compressed_bias=cb)[0, 0, 0]
+    # By hand: per head, softmax over the real windows 4..10 only; summed over the group; block 1 (the first real
+    # block) pools windows 3..7, block 2 windows 7..10; block 0 (padding) gets 0.
+    logits = torch.einsum("hd,wd->hw", q[0, :, 0], ck[0, 0, 4:11]) * 0.5
+    probs = torch.softmax(logits, -1).sum(0)  # windows 4..10
+    expected = torch.stack([torch.tensor(0.0), probs[0:4].max(), probs[3:7].max()])
+    torch.testing.assert_close(scores, expected)
+    assert torch.allclose(probs.sum(), torch.tensor(2.0))  # no mass went to the padding
+    # The same sequence without padding scores its blocks alike.
+    alone = query_block_scores(q, compress_keys(keys, cfg), torch.tensor([31]), 2, cfg, 0.5,
+                               compressed_bias=compress_keys(torch.zeros(1, 1, 32), cfg))[0, 0, 0]
+    torch.testing.assert_close(scores[1:], alone)
+    # Without the bias the padding windows are scored and take mass from every real window.
+    unmasked = query_block_scores(q, ck, torch.tensor([47]), 3, cfg, 0.5)[0, 0, 0]
+    assert unmasked[0] > 0 and (unmasked[1:] < alone).all()
+
+
+def test_quoka_scores_put_padding_windows_below_every_cosine():
+    cfg = small_nosa_config()
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(1, 1, 32, 4, generator=g)
+    kept = torch.randn(1, 2, 1, 3, 4, generator=g)
+    padded_keys = _padded(keys, 16, kept[0, 0, 0, 0])  # pad keys point along a kept query: cosine 1 if scored
+    padded_bias = _padded(torch.zeros(1, 1, 32), 16, torch.tensor(MASK_VALUE))
+    ck, cb = compress_keys(padded_keys, cfg), compress_keys(padded_bias, cfg)
+    scores = quoka_scores(kept, ck, torch.tensor([11]), 3, cfg, compressed_bias=cb)[0, 0, 0]
+    alone = quoka_scores(kept, compress_keys(keys, cfg), torch.tensor([7]), 2, cfg)[0, 0, 0]
+    assert scores[0] == QUOKA_PADDING_SCORE < -1
+    torch.testing.assert_close(scores[1:], alone)
+    # Not complete yet stays -inf; no real kept query stays -inf too.
+    early = quoka_scores(kept, ck, torch.tensor([3]), 3, cfg, compressed_bias=cb)[0, 0, 0]
+    assert early[0] == QUOKA_PADDING_SCORE and early[1:].isneginf().all()
+    none = quoka_scores(kept, ck, torch.tensor([11]), 3, cfg, torch.tensor([[0]]), compressed_bias=cb)
+    assert none.isneginf().all()
+
+
+def test_blocks_without_a_real_window_tie_at_the_bottom_most_recent_first():
+    """30 pad tokens: block 1 holds two real tokens (30, 31) but every window over it holds padding, so it scores
+    like the padding block 0 in the query-aware rules, and ties go to the more recent block 1."""
+    cfg = small_nosa_config(sink_tokens=0, prefill_budget_tokens=64)
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randn(1, 1, 96, 4, generator=g)
+    bias = torch.randn(1, 1, 96, generator=g)
+    bias[:, :, :30] = MASK_VALUE
+    ck, cb = compress_keys(keys, cfg), compress_keys(bias, cfg)
+    q = torch.randn(1, 2, 1, 4, generator=g)
+    qs = query_block_scores(q, ck, torch.tensor([95]), 5, cfg, 0.5, compressed_bias=cb)[0, 0, 0]
+    assert qs[0] == qs[1] == 0 and (qs[2:] > 0).all()
+    scores = quoka_scores(q[:, :, None], ck, torch.tensor([19]), 5, cfg, compressed_bias=cb)  # windows before 80
+    assert scores[0, 0, 0, 0] == scores[0, 0, 0, 1] == QUOKA_PADDING_SCORE
+    # Budget 4 of the 5 blocks before block 5: the real blocks 2..4, then block 1 before block 0.
+    assert quoka_select_blocks(scores, torch.tensor([5]), cfg)[0, 0, 0].tolist()[-1] == 1
+    es = eviction_block_scores(cb, torch.tensor([95]), 5, cfg)
+    picked = select_blocks(qs[None, None, None], es, torch.tensor([5]), cfg.replace(budget_tokens=64))
+    assert sorted(picked[0, 0, 0].tolist()) == [1, 2, 3, 4]
+
+
+def test_training_rule_of_a_padded_row_is_the_rule_of_the_row_alone():
+    """nosa_token_mask and training.selected_blocks (the rule every query token applies) see a row padded by whole
+    blocks as the row alone, shifted (no sink blocks: those are absolute, padding in a padded row)."""
+    from hf_nosa.training import selected_blocks
+
+    cfg = small_nosa_config(budget_tokens=64, query_tokens=16, sink_tokens=0, local_tokens=32)
+    g = torch.Generator().manual_seed(3)
+    T, pad = 160, 32
+    q, k = torch.randn(1, 4, T, 8, generator=g), torch.randn(1, 2, T, 8, generator=g)
+    b = torch.randn(1, 2, T, generator=g)
+    pq, pk = torch.randn(1, 4, pad, 8, generator=g), torch.randn(1, 2, pad, 8, generator=g)  # garbage padding
+    padded = (torch.cat([pq, q], 2), torch.cat([pk, k], 2), torch.cat([torch.full((1, 2, pad), MASK_VALUE), b], 2))
+    mask = nosa_token_mask(*padded, 0, cfg, 0.35)
+    assert torch.equal(mask[:, :, pad:, pad:], nosa_token_mask(q, k, b, 0, cfg, 0.35))
+    bitmap = selected_blocks(*padded, cfg, 0.35)
+    assert torch.equal(bitmap[:, :, pad:, pad // 16 :], selected_blocks(q, k, b, cfg, 0.35))

@@ -5,11 +5,13 @@ Two launches per layer, no host sync (the token index is read from a device tens
 1. ``_window_logits_kernel`` (one program per (sequence, KV head, tile of windows)): optionally appends the new
    token first (ring of the last ``compress_kernel`` tokens; the window that ends at it is averaged and stored,
    keys and eviction scores alike), then ``q . k~ * scale`` for every query head of the group.
-2. ``_select_kernel`` (one program per (sequence, KV head)): softmax per query head over the complete windows,
-   summed over the GQA group, max-pooled to blocks; eviction scores max-pooled over the same windows; +inf for
-   the sink blocks and the local window; ``Q = top(query score, sink + local + query blocks)``; eviction score with
-   +inf on Q; ``top(.., K)``. A top-k is a threshold search over order-preserving integer keys (32 counting
-   passes, then ties to the most recent block), so it is exact, needs no sort, and matches ``topk_recent_first``.
+2. ``_select_kernel`` (one program per (sequence, KV head)): softmax per query head over the complete windows
+   that are not padding windows (``selection.PADDING_WINDOW_BIAS``: a window holding a padding token of a
+   left-padded batch, told by its compressed eviction score; it gets probability 0), summed over the GQA group,
+   max-pooled to blocks; eviction scores max-pooled over the same windows; +inf for the sink blocks and the local
+   window; ``Q = top(query score, sink + local + query blocks)``; eviction score with +inf on Q; ``top(.., K)``.
+   A top-k is a threshold search over order-preserving integer keys (32 counting passes, then ties to the most
+   recent block), so it is exact, needs no sort, and matches ``topk_recent_first``.
 
 Blocks are scored over a fixed capacity (``N_SORT``, from the compressed-key buffer's capacity) with masks, so the
 kernels recompile only when that buffer grows (to the next power of two of windows), not every block.
@@ -26,6 +28,7 @@ import torch
 
 from ..config import NosaConfig
 from ..selection import (
+    PADDING_WINDOW_BIAS,
     compress_keys,
     eviction_block_scores,
     num_windows,
@@ -154,7 +157,7 @@ if HAS_TRITON:
         HK: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BW: tl.constexpr, N_SORT: tl.constexpr,
         K: tl.constexpr, K_PAD: tl.constexpr, N_Q: tl.constexpr, P: tl.constexpr, KER: tl.constexpr,
         STRIDE: tl.constexpr, R: tl.constexpr, OFF0: tl.constexpr, M: tl.constexpr,
-        SINK: tl.constexpr, LOCAL: tl.constexpr, STORE_SCORES: tl.constexpr,
+        SINK: tl.constexpr, LOCAL: tl.constexpr, STORE_SCORES: tl.constexpr, PAD_BIAS: tl.constexpr,
     ):
         i_bh = tl.program_id(0)
         i_b = i_bh // HK
@@ -163,15 +166,17 @@ if HAS_TRITON:
         c = (t // P).to(tl.int32)
         n_win = tl.where(t + 1 >= KER, (t + 1 - KER) // STRIDE + 1, 0).to(tl.int32)
         p_logits = logits_ptr + (i_bh * G).to(tl.int64) * W_CAP
+        p_cb = cb_ptr + i_b.to(tl.int64) * stride_cb_b + i_h * stride_cb_h
 
-        # softmax statistics per query head over the complete windows
+        # softmax statistics per query head over the complete windows, padding windows left out
         o_g = tl.arange(0, G_PAD)
         m_g = o_g < G
         b_m = tl.full([G_PAD], float("-inf"), tl.float32)
         b_l = tl.zeros([G_PAD], tl.float32)
         for w0 in range(0, n_win, BW):
             o_w = w0 + tl.arange(0, BW)
-            x = tl.load(p_logits + o_g[:, None] * W_CAP + o_w[None, :], mask=m_g[:, None] & (o_w < n_win)[None, :],
+            m_w = (o_w < n_win) & (tl.load(p_cb + o_w, mask=o_w < n_win, other=0.0) >= PAD_BIAS)
+            x = tl.load(p_logits + o_g[:, None] * W_CAP + o_w[None, :], mask=m_g[:, None] & m_w[None, :],
                         other=float("-inf"))
             m_new = tl.maximum(b_m, tl.max(x, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -182,20 +187,21 @@ if HAS_TRITON:
 
         # pool windows to blocks: block n sees windows n * R + OFF0 .. n * R + OFF0 + M - 1
         o_n = tl.arange(0, N_SORT)
-        p_cb = cb_ptr + i_b.to(tl.int64) * stride_cb_b + i_h * stride_cb_h
         qs = tl.zeros([N_SORT], tl.float32)
         es = tl.full([N_SORT], float("-inf"), tl.float32)
         for j in tl.static_range(M):
             w = o_n * R + (OFF0 + j)
             ok = (w >= 0) & (w < n_win)
+            e = tl.load(p_cb + w, mask=ok, other=float("-inf"))
+            real = ok & (e >= PAD_BIAS)  # a padding window has probability 0
             prob = tl.zeros([N_SORT], tl.float32)
             for g in tl.static_range(G):
                 m_head = tl.sum(tl.where(o_g == g, b_m, 0.0), 0)
                 inv_head = tl.sum(tl.where(o_g == g, b_inv, 0.0), 0)
-                x = tl.load(p_logits + g * W_CAP + w, mask=ok, other=float("-inf"))
+                x = tl.load(p_logits + g * W_CAP + w, mask=real, other=float("-inf"))
                 prob += tl.exp(x - m_head) * inv_head
-            qs = tl.maximum(qs, tl.where(ok, prob, 0.0))
-            es = tl.maximum(es, tl.load(p_cb + w, mask=ok, other=float("-inf")))
+            qs = tl.maximum(qs, tl.where(real, prob, 0.0))
+            es = tl.maximum(es, e)
         if STORE_SCORES:
             tl.store(qs_ptr + i_bh * N_SORT + o_n, qs)
             tl.store(es_ptr + i_bh * N_SORT + o_n, es)
@@ -272,7 +278,7 @@ def _block_select_triton(query, ck, cb, step, cfg, scale, token, K, return_score
             W_CAP,
             HK=Hk, G=G, G_PAD=next_power_of_2(G), BW=BLOCK_W, N_SORT=N_SORT, K=K, K_PAD=next_power_of_2(K),
             N_Q=n_q, P=cfg.block_size, KER=cfg.compress_kernel, STRIDE=cfg.compress_stride, R=R, OFF0=off0, M=M,
-            SINK=cfg.sink_blocks, LOCAL=cfg.local_blocks, STORE_SCORES=return_scores,
+            SINK=cfg.sink_blocks, LOCAL=cfg.local_blocks, STORE_SCORES=return_scores, PAD_BIAS=PADDING_WINDOW_BIAS,
             num_warps=4,
         )
     if return_scores:
@@ -307,7 +313,7 @@ def block_select_ref(query, ck, cb, step, cfg: NosaConfig, scale: float, token=N
     B, Hk = ck.shape[:2]
     c, n = t // cfg.block_size, num_windows(t + 1, cfg)
     positions = torch.tensor([t], device=ck.device)
-    qs = query_block_scores(query, ck[:, :, :n], positions, c, cfg, scale)[:, :, 0]
+    qs = query_block_scores(query, ck[:, :, :n], positions, c, cfg, scale, compressed_bias=cb[:, :, :n])[:, :, 0]
     es = eviction_block_scores(cb[:, :, :n], positions, c, cfg)[:, :, 0]
     if c == 0:
         selected = torch.full((B, Hk, K), -1, dtype=torch.long, device=ck.device)
@@ -355,7 +361,8 @@ def block_select(
     Args:
         query: ``[B, H, 1, D]`` post-RoPE query of the token.
         compressed_keys: ``[B, Hk, W, D]`` (``W`` >= the windows complete at t; the rest is ignored);
-            compressed_bias: ``[B, Hk, W]`` float32.
+            compressed_bias: ``[B, Hk, W]`` float32 window means of the eviction scores, padding folded in: they
+            give the eviction score and mark the padding windows, which the query-aware score leaves out.
         step: ``[1]`` long on the device holding t (read on the device: no host sync).
         token: when given, the token is first appended (``append_token``).
         budget_blocks: K, default ``cfg.budget_blocks``.

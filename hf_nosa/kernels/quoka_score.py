@@ -3,7 +3,10 @@
 One program per (sequence, KV head, chunk, tile of blocks): it averages the L2-normalised kept queries of the
 KV head's group, then for each window offset that overlaps a block (``selection.window_offsets``) loads the
 windows' compressed keys, normalises them, takes the max cosine over kept queries and keeps the running max
-over the offsets. Nothing of size queries x windows is ever written out; the torch reference
+over the offsets. A padding window (``selection.PADDING_WINDOW_BIAS``: a window holding a padding token of a
+left-padded batch, told by its compressed eviction score) scores at most ``selection.QUOKA_PADDING_SCORE``, below
+every cosine: pad keys mean nothing (with one pad id they are all alike), so scored they would only make
+near-ties between blocks of padding. Nothing of size queries x windows is ever written out; the torch reference
 (``selection.quoka_scores``) materialises it.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..config import NosaConfig
-from ..selection import quoka_scores, window_offsets
+from ..selection import PADDING_WINDOW_BIAS, QUOKA_PADDING_SCORE, quoka_scores, window_offsets
 from .backend import HAS_TRITON, kernel_path, launcher, next_power_of_2, on_device, tl, triton
 
 if HAS_TRITON:
@@ -21,6 +24,7 @@ if HAS_TRITON:
     def _quoka_score_kernel(
         q_ptr,
         k_ptr,
+        cb_ptr,
         n_win_ptr,
         n_valid_ptr,
         out_ptr,
@@ -33,6 +37,9 @@ if HAS_TRITON:
         stride_kh,
         stride_kw,
         stride_kd,
+        stride_cbb,
+        stride_cbh,
+        stride_cbw,
         stride_vb,
         stride_vr,
         stride_ob,
@@ -47,6 +54,9 @@ if HAS_TRITON:
         PER_BLOCK: tl.constexpr,
         FIRST_OFFSET: tl.constexpr,
         N_OFFSETS: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        PAD_BIAS: tl.constexpr,
+        PAD_SCORE: tl.constexpr,
         BLOCK_Q: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -89,13 +99,18 @@ if HAS_TRITON:
             # ieee: tf32 would cost ~1e-3 on cosines, enough to reorder close blocks against the reference.
             b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_Q, BLOCK_N]
             b_s = tl.where(m_q[:, None], b_s, float("-inf"))
-            best = tl.maximum(best, tl.where(m_w, tl.max(b_s, axis=0), float("-inf")))
+            b_w = tl.max(b_s, axis=0)
+            if HAS_BIAS:  # a padding window scores at most PAD_SCORE, below every cosine
+                p_cb = cb_ptr + i_b * stride_cbb + i_h * stride_cbh + o_w * stride_cbw
+                pad = tl.load(p_cb, mask=m_w, other=0.0) < PAD_BIAS
+                b_w = tl.where(pad, tl.minimum(b_w, PAD_SCORE), b_w)
+            best = tl.maximum(best, tl.where(m_w, b_w, float("-inf")))
 
         p_o = out_ptr + i_b * stride_ob + i_h * stride_oh + i_r * stride_or + o_n * stride_on
         tl.store(p_o, best, mask=m_n)
 
 
-def _launch(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid):
+def _launch(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid, compressed_bias):
     B, H, R, NQ, D = kept_queries.shape
     Hk = compressed_keys.shape[1]
     out = torch.empty(B, Hk, R, n_blocks, dtype=torch.float32, device=kept_queries.device)
@@ -104,17 +119,22 @@ def _launch(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid):
     per_block, offsets = window_offsets(cfg)
     n_windows = n_windows.to(device=kept_queries.device, dtype=torch.int32)
     n_valid = n_valid.to(device=kept_queries.device, dtype=torch.int32)
+    has_bias = compressed_bias is not None
+    cb = compressed_bias if has_bias else n_valid  # any tensor: never read without HAS_BIAS
+    cb_strides = compressed_bias.stride() if has_bias else (0, 0, 0)
     block_n = 32
     grid = (B * Hk, R, -(-n_blocks // block_n))
     with on_device(kept_queries):
         launcher(_quoka_score_kernel)[grid](
             kept_queries,
             compressed_keys,
+            cb,
             n_windows,
             n_valid,
             out,
             *kept_queries.stride(),
             *compressed_keys.stride(),
+            *cb_strides,
             *n_valid.stride(),
             *out.stride(),
             Hk=Hk,
@@ -125,6 +145,9 @@ def _launch(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid):
             PER_BLOCK=per_block,
             FIRST_OFFSET=int(offsets[0]),
             N_OFFSETS=len(offsets),
+            HAS_BIAS=has_bias,
+            PAD_BIAS=PADDING_WINDOW_BIAS,
+            PAD_SCORE=QUOKA_PADDING_SCORE,
             BLOCK_Q=max(16, next_power_of_2(NQ)),
             BLOCK_D=max(16, next_power_of_2(D)),
             BLOCK_N=block_n,
@@ -132,9 +155,10 @@ def _launch(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid):
     return out
 
 
-def quoka_score_ref(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid=None) -> torch.Tensor:
+def quoka_score_ref(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid=None, compressed_bias=None):
     """The torch reference: ``selection.quoka_scores``."""
-    return quoka_scores(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid)
+    return quoka_scores(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid,
+                        compressed_bias=compressed_bias)
 
 
 def quoka_score(
@@ -145,6 +169,7 @@ def quoka_score(
     cfg: NosaConfig,
     *,
     n_valid: torch.Tensor | None = None,
+    compressed_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """QUOKA block scores of R chunks: Triton on CUDA, torch elsewhere (``HF_NOSA_KERNELS=torch|triton`` forces one,
     see ``backend.py``).
@@ -155,10 +180,13 @@ def quoka_score(
         n_windows: ``[R]`` integer, windows complete before each chunk.
         n_blocks: N, blocks to score.
         n_valid: ``[B, R]`` integer, how many of the kept queries are real tokens (default: all ``n``).
+        compressed_bias: ``[B, Hk, W]`` float32 window means of the eviction scores (padding folded in); they
+            mark the padding windows, which score ``selection.QUOKA_PADDING_SCORE``. None: no padding.
 
     Returns:
         ``[B, Hk, R, N]`` float32: per block the max over overlapping windows and kept queries of the group's
-        mean cosine similarity; -inf where no complete window or no real kept query exists.
+        mean cosine similarity (``QUOKA_PADDING_SCORE`` if every complete window is a padding window); -inf
+        where no complete window or no real kept query exists.
 
     Example:
         >>> from hf_nosa import NosaConfig
@@ -191,10 +219,19 @@ def quoka_score(
         raise ValueError(f"quoka_score: n_blocks must be a non-negative integer, got {n_blocks!r}")
     if n_valid is not None and tuple(n_valid.shape) != (B, R):
         raise ValueError(f"quoka_score: n_valid must have shape ({B}, {R}), got {tuple(n_valid.shape)}")
+    if compressed_bias is not None:
+        if not isinstance(compressed_bias, torch.Tensor):
+            kind = type(compressed_bias).__name__
+            raise TypeError(f"quoka_score: compressed_bias must be a tensor or None, got {kind}")
+        if tuple(compressed_bias.shape) != tuple(compressed_keys.shape[:3]) or compressed_bias.dtype != torch.float32:
+            raise ValueError(
+                f"quoka_score: compressed_bias must be float32 [B, Hk, W] = {tuple(compressed_keys.shape[:3])}, like "
+                f"the compressed keys; got {compressed_bias.dtype} {tuple(compressed_bias.shape)}"
+            )
     if n < 1:
         raise ValueError("quoka_score: at least one kept query per chunk is needed (n >= 1)")
     if kernel_path("quoka_score", kept_queries) == "torch":
-        return quoka_score_ref(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid)
+        return quoka_score_ref(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid, compressed_bias)
     if n_valid is None:
         n_valid = torch.full((B, R), n, dtype=torch.int32, device=kept_queries.device)
-    return _launch(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid)
+    return _launch(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid, compressed_bias)

@@ -13,7 +13,7 @@ import torch
 import hf_nosa.kernels.block_scores as mod
 from hf_nosa import NosaConfig
 from hf_nosa.kernels.block_scores import NewToken, append_token, append_token_ref, block_select, block_select_ref
-from hf_nosa.selection import compress_keys, num_windows, select_blocks
+from hf_nosa.selection import MASK_VALUE, compress_keys, num_windows, select_blocks
 from tests.conftest import small_nosa_config
 from tests.utils import assert_close
 
@@ -42,12 +42,15 @@ def ascending(selected: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(out == big, -1)
 
 
-def make_state(B, H, Hk, D, t, dtype, W, cfg, with_token, device="cpu", seed=0):
+def make_state(B, H, Hk, D, t, dtype, W, cfg, with_token, device="cpu", seed=0, pads=()):
     """Compressed keys of tokens 0..t-1 (or 0..t when the token is not appended) in a buffer of capacity W whose
-    unused tail is poisoned, the ring of the last compress_kernel tokens, and the query."""
+    unused tail is poisoned, the ring of the last compress_kernel tokens, and the query. Row i begins with
+    ``pads[i]`` tokens of left padding (eviction score MASK_VALUE, as the cache stores it)."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(B, Hk, t + 1, D, generator=g).to(dtype)
     bias = torch.randn(B, Hk, t + 1, generator=g)
+    for row, pad in enumerate(pads):
+        bias[row, :, :pad] = MASK_VALUE
     done = t if with_token else t + 1
     n = num_windows(done, cfg)
     ck = torch.full((B, Hk, W, D), float("nan"), dtype=dtype)
@@ -110,6 +113,33 @@ def test_matches_reference_interpreted(interpret, poison, B, H, Hk, D, t, dtype,
     check(*state, cfg, tol)
 
 
+PADDED_CASES = [  # B, H, Hk, D, t, dtype, W, cfg, append, pads
+    (3, 4, 2, 64, 200, torch.float32, 256, SMALL, True, (0, 37, 64)),  # unaligned and block-aligned padding
+    (2, 8, 1, 64, 299, torch.float32, 256, SMALL, False, (150, 290)),  # padding past the budget; nearly all
+    (2, 8, 2, 64, 123, torch.bfloat16, 256, SMALL, True, (16, 0)),
+    (1, 4, 1, 128, 1311, torch.float32, 256, PAPER, True, (700,)),
+]
+
+
+@pytest.mark.parametrize("B,H,Hk,D,t,dtype,W,cfg,append,pads", PADDED_CASES)
+def test_padding_windows_match_reference_interpreted(interpret, poison, B, H, Hk, D, t, dtype, W, cfg, append,
+                                                     pads):
+    """Left-padded rows: padding windows (selection.PADDING_WINDOW_BIAS) leave the softmax in the kernel too."""
+    state = make_state(B, H, Hk, D, t, dtype, W, cfg, append, pads=pads)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    check(*state, cfg, tol)
+    q, ck, cb, token, step = state
+    _, qs, _ = block_select(q, ck.clone(), cb.clone(), step, cfg, q.shape[-1] ** -0.5, token=clone_token(token),
+                            return_scores=True)
+    stride, c = cfg.compress_stride, t // cfg.block_size
+    for row, pad in enumerate(pads):
+        # blocks before the one where the first window without padding starts have no real window: they score 0
+        first_real = (pad + stride - 1) // stride * stride  # first token of that window
+        n_dead = min(first_real // cfg.block_size, c)
+        assert (qs[row, :, :n_dead] == 0).all()
+        assert (qs[row, :, n_dead:c] > 0).all()
+
+
 def test_ties_go_to_the_most_recent_block(interpret):
     """Equal keys everywhere: every block scores the same, so the budget is the sink plus the newest blocks."""
     cfg = SMALL
@@ -165,3 +195,12 @@ def test_matches_reference_gpu(monkeypatch, poison, B, H, Hk, D, t, dtype, W, cf
     state = make_state(B, H, Hk, D, t, dtype, W, cfg, append, device="cuda")
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     check(*state, cfg, tol)
+
+
+@pytest.mark.gpu
+def test_padding_windows_match_reference_gpu(monkeypatch, poison):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("HF_NOSA_KERNELS", raising=False)
+    state = make_state(4, 32, 8, 128, 20_031, torch.float32, 2048, PAPER, True, device="cuda",
+                       pads=(0, 5_000, 12_312, 20_000))
+    check(*state, PAPER, dict(atol=1e-5, rtol=1e-4))

@@ -9,7 +9,7 @@ import importlib
 import pytest
 import torch
 
-from hf_nosa.selection import quoka_scores
+from hf_nosa.selection import MASK_VALUE, QUOKA_PADDING_SCORE, quoka_scores
 
 from ..conftest import small_nosa_config
 from ..utils import assert_close
@@ -29,12 +29,26 @@ def _inputs(B, H, Hk, R, n, D, W, dtype, device, seed):
     return kept, keys, n_windows, n_valid
 
 
-def _check(module, shape, cfg, dtype=torch.float32, device="cpu", seed=0, with_valid=True):
+def _padded_bias(B, Hk, W, device, seed):
+    """``[B, Hk, W + 3]`` compressed eviction scores of left-padded rows: row b's first windows (a random number,
+    whole rows of them included) hold padding, so their mean score is a fraction of MASK_VALUE."""
+    g = torch.Generator(device=device).manual_seed(seed + 100)
+    bias = torch.randn(B, Hk, W + 3, generator=g, device=device)
+    n_pad = torch.randint(0, W + 4, (B,), generator=g, device=device)
+    n_pad[0] = min(W // 2, 6)
+    padding = torch.arange(W + 3, device=device) < n_pad[:, None]  # [B, W + 3]
+    return torch.where(padding[:, None], MASK_VALUE / 8 + bias, bias)
+
+
+def _check(module, shape, cfg, dtype=torch.float32, device="cpu", seed=0, with_valid=True, with_bias=False):
     B, H, Hk, R, n, D, W, N = shape
     kept, keys, n_windows, n_valid = _inputs(B, H, Hk, R, n, D, W, dtype, device, seed)
     n_valid = n_valid if with_valid else None
-    actual = module.quoka_score(kept, keys, n_windows, N, cfg, n_valid=n_valid)
-    expected = quoka_scores(kept.float(), keys.float(), n_windows, N, cfg, n_valid)
+    bias = _padded_bias(B, Hk, W, device, seed) if with_bias else None
+    actual = module.quoka_score(kept, keys, n_windows, N, cfg, n_valid=n_valid, compressed_bias=bias)
+    expected = quoka_scores(kept.float(), keys.float(), n_windows, N, cfg, n_valid, compressed_bias=bias)
+    if with_bias:
+        assert (expected == QUOKA_PADDING_SCORE).any(), "no block of padding windows alone: a weak case"
     assert actual.dtype == torch.float32 and actual.shape == (B, Hk, R, N)
     assert torch.equal(actual.isneginf(), expected.isneginf()), "blocks without a window or real query differ"
     finite = expected.isfinite()
@@ -67,6 +81,15 @@ def test_kernel_matches_reference_interpreted(interpret, case):
            with_valid=case.get("with_valid", True))
 
 
+@pytest.mark.skipif(not quoka_score_module.HAS_TRITON, reason="needs the triton package")
+@pytest.mark.parametrize("case", INTERPRETED_CASES[1:], ids=lambda case: "x".join(map(str, case["shape"])))
+def test_kernel_matches_reference_with_padding_windows_interpreted(interpret, case):
+    """Left-padded rows: padding windows score QUOKA_PADDING_SCORE (below every cosine) in the kernel too."""
+    cfg = small_nosa_config(**case.get("cfg", {}))
+    _check(quoka_score_module, case["shape"], cfg, dtype=case.get("dtype", torch.float32),
+           with_valid=case.get("with_valid", True), with_bias=True)
+
+
 def test_dispatch_follows_the_device_and_the_environment(monkeypatch):
     cfg = small_nosa_config()
     kept, keys, n_windows, n_valid = _inputs(1, 2, 1, 1, 2, 16, 9, torch.float32, "cpu", 0)
@@ -89,3 +112,4 @@ def test_kernel_matches_reference_on_gpu(dtype, D):
                             query_tokens=64, budget_tokens=256)
     _check(quoka_score_module, (3, 32, 8, 16, 16, D, 4095, 1024), cfg, dtype=dtype, device="cuda")
     _check(quoka_score_module, (2, 4, 4, 5, 1, D, 100, 26), cfg, dtype=dtype, device="cuda", seed=1)
+    _check(quoka_score_module, (4, 32, 8, 8, 16, D, 2047, 512), cfg, dtype=dtype, device="cuda", seed=2, with_bias=True)
