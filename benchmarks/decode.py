@@ -10,20 +10,17 @@ the model decodes ``--steps`` tokens one at a time. Reports tok/s and the device
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import time
 
 import torch
-import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import hf_nosa  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 
@@ -31,31 +28,6 @@ SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
                 num_key_value_heads=8, head_dim=64, vocab_size=128256)
 SHAPE_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, vocab_size=97)
-
-
-def command_line() -> str:
-    """The command that ran, with the output folder written as DIR (it is a path of the machine that ran it)."""
-    args = list(sys.argv)
-    for i, arg in enumerate(args[:-1]):
-        if arg == "--out":
-            args[i + 1] = "DIR"
-    return "PYTHONPATH=. python " + " ".join(args)
-
-
-def environment(command: str) -> dict:
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return dict(
-        gpu=gpu, torch=torch.__version__, transformers=transformers.__version__, hf_nosa=hf_nosa.__version__,
-        triton=_version("triton"), python=platform.python_version(), command=command,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    )
-
-
-def _version(name: str) -> str:
-    try:
-        return __import__(name).__version__
-    except ImportError:
-        return "absent"
 
 
 def sync(device):
@@ -140,7 +112,7 @@ def main(argv=None):
     randomize_eviction_heads(model, scale=0.1, generator=torch.Generator().manual_seed(0))
 
     rows = []
-    result = dict(environment(command_line()), shape=shape, budget_tokens=args.budget, rows=rows)
+    result = dict(environment(), shape=shape, budget_tokens=args.budget, rows=rows)
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
             for method in ("default", "nosa"):

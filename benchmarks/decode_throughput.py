@@ -40,7 +40,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.fetch_bandwidth import environment  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.host_store import HostStore  # noqa: E402
 from hf_nosa.kernels.block_scores import block_select, window_capacity_for  # noqa: E402

@@ -13,10 +13,8 @@ fetch >= 90% of the copy.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import sys
 import time
 
@@ -24,35 +22,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import hf_nosa  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
 from hf_nosa.host_store import HostStore  # noqa: E402
 from hf_nosa.kernels.fetch import SlotPool, StepCounters, fetch_step  # noqa: E402
 
 # batch, KV heads, head dim, blocks fetched per (sequence, head)
 CONFIGS = [(32, 8, 128, 64), (64, 8, 64, 64), (8, 8, 128, 64), (4, 8, 128, 16), (128, 8, 64, 8)]
 SMOKE_CONFIGS = [(2, 2, 64, 4)]
-
-
-def command_line() -> str:
-    args = ["DIR" if i and sys.argv[i - 1] == "--out" else a for i, a in enumerate(sys.argv)]
-    return "PYTHONPATH=. python " + " ".join(args)
-
-
-def environment() -> dict:
-    import transformers
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "absent"
-    return dict(
-        gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none", torch=torch.__version__,
-        triton=triton_version, transformers=transformers.__version__, hf_nosa=hf_nosa.__version__,
-        python=platform.python_version(), command=command_line(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    )
 
 
 class Timer:

@@ -20,22 +20,19 @@ the GPU, versions, command and date; the PNG plots TTFT and peak memory against 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 import warnings
 
 import torch
-import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import hf_nosa  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
 
 SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -44,31 +41,6 @@ SHAPE_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
                    num_key_value_heads=2, head_dim=16, vocab_size=97)
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # past_key_values= is the keyword 5.17 knows
-
-
-def command_line() -> str:
-    """The command that ran, with the output folder written as DIR (it is a path of the machine that ran it)."""
-    args = list(sys.argv)
-    for i, arg in enumerate(args[:-1]):
-        if arg == "--out":
-            args[i + 1] = "DIR"
-    return "PYTHONPATH=. python " + " ".join(args)
-
-
-def _version(name: str) -> str:
-    try:
-        return __import__(name).__version__
-    except ImportError:
-        return "absent"
-
-
-def environment() -> dict:
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return dict(
-        gpu=gpu, torch=torch.__version__, transformers=transformers.__version__, hf_nosa=hf_nosa.__version__,
-        triton=_version("triton"), python=platform.python_version(), command=command_line(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    )
 
 
 def sync(device):

@@ -14,22 +14,19 @@ causal attention. Weights are random: nothing is downloaded.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
-import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import hf_nosa  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 from hf_nosa.retrofit import load_recipe, lora_config  # noqa: E402
@@ -41,31 +38,6 @@ SHAPE_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
                    num_key_value_heads=2, head_dim=16, vocab_size=259, max_position_embeddings=4096)
 SMOKE_NOSA = dict(block_size=16, budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16,
                   compress_kernel=8, compress_stride=4)
-
-
-def command_line() -> str:
-    """The command that ran, with the output folder written as DIR (it is a path of the machine that ran it)."""
-    args = list(sys.argv)
-    for i, arg in enumerate(args[:-1]):
-        if arg == "--out":
-            args[i + 1] = "DIR"
-    return "PYTHONPATH=. python " + " ".join(args)
-
-
-def _version(name: str) -> str:
-    try:
-        return __import__(name).__version__
-    except ImportError:
-        return "absent"
-
-
-def environment(command: str) -> dict:
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return dict(
-        gpu=gpu, torch=torch.__version__, transformers=transformers.__version__, peft=_version("peft"),
-        triton=_version("triton"), hf_nosa=hf_nosa.__version__, python=platform.python_version(), command=command,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    )
 
 
 def _sync(device) -> None:
@@ -231,7 +203,7 @@ def main() -> int:
             parser.error("the full benchmark needs a GPU; use --smoke on the CPU")
         shape, cfg, dtype = SHAPE_1B, NosaConfig.from_dict(recipe["nosa"]), torch.bfloat16
         lengths = [int(x) for x in (args.lengths or "8192,16384").split(",")]
-    report = dict(environment(command_line()), shape=shape, nosa_config=cfg.to_dict(), lora=recipe["lora"],
+    report = dict(environment(), shape=shape, nosa_config=cfg.to_dict(), lora=recipe["lora"],
                   flex_tile=FLEX_TILE, results=[])
     for seq_len in lengths:
         for mode in ("dense", "nosa"):
