@@ -2,7 +2,8 @@
 
 Each sequence is ``seq_len + 1`` token ids (inputs and shifted labels) with a per-token loss weight: answer tokens
 weigh ``answer_weight``, everything else 1. Pieces are separated by EOS. Task samples come from the "train" split of
-the standard library (the evaluation uses the "eval" split), at lengths drawn log-uniformly.
+the standard library (the evaluation uses the "eval" split), at lengths drawn log-uniformly (many short samples,
+quick to learn from) or uniformly (as many long ones as short, for retrieval over the whole sequence).
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ class PackedStream(torch.utils.data.IterableDataset):
         min_task_len: shortest task sample (tokens); the longest is what is left of the sequence.
     """
 
-    def __init__(self, seq_len: int, *, tasks, task_share: float, min_task_len: int, answer_weight: float, seed: int):
+    def __init__(self, seq_len: int, *, tasks, task_share: float, min_task_len: int, answer_weight: float, seed: int,
+                 lengths: str = "loguniform"):
         super().__init__()
+        if lengths not in ("loguniform", "uniform"):
+            raise ValueError(f"lengths={lengths!r} is invalid; allowed values are ('loguniform', 'uniform')")
         self.seq_len, self.tasks, self.task_share = seq_len, list(tasks), task_share
-        self.min_task_len, self.answer_weight, self.seed = min_task_len, answer_weight, seed
+        self.min_task_len, self.answer_weight, self.seed, self.lengths = min_task_len, answer_weight, seed, lengths
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -51,7 +55,10 @@ class PackedStream(torch.utils.data.IterableDataset):
             sample = None
             if self.tasks and rng.random() < self.task_share and room >= self.min_task_len + 64:
                 task = rng.choice(self.tasks)
-                length = int(math.exp(rng.uniform(math.log(self.min_task_len), math.log(room - 64))))
+                if self.lengths == "uniform":
+                    length = rng.randint(self.min_task_len, room - 64)
+                else:
+                    length = int(math.exp(rng.uniform(math.log(self.min_task_len), math.log(room - 64))))
                 try:
                     sample = make_sample(task, rng, length, tokenizer, split="train", counter=counter)
                 except ValueError:  # too short for this task's needles: text fills the room instead

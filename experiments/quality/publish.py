@@ -48,6 +48,7 @@ def _scrub(results: dict) -> dict:
     """The run's folder is a path of the machine it ran on: results name it DIR."""
     env = results["environment"]
     env["command"] = re.sub(r"--out(=|\s+)\S+", "--out DIR", env["command"])
+    env["command"] = re.sub(r"--base(=|\s+)\S+", "--base BASE_DIR/base", env["command"])
     return results
 
 
@@ -86,12 +87,15 @@ def demo_section(results: dict, demo: dict) -> str:
     rows = [r for r in results.get("evaluation", []) if r.get("label") in ("full_attention", "nosa") and "passkey" in r["tasks"]]
     table = ["| length | method | pass-key accuracy | locality |", "|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["length"], r["label"])):
-        table.append(f"| {r['length']} | {NAMES.get(r['label'], r['label'])} | {r['tasks']['passkey']:.2f} | "
-                     f"{r.get('locality') if r.get('locality') is not None else '-'} |")
+        locality = f"{r['locality']:.3f}" if r.get("locality") is not None else "-"
+        table.append(f"| {r['length']} | {NAMES.get(r['label'], r['label'])} | {r['tasks']['passkey']:.2f} | {locality} |")
     accuracy = demo.get("passkey_accuracy")
     verdict = ("does not retrieve the pass key" if not accuracy else
                f"retrieves the pass key in {100 * accuracy:.0f}% of the evaluated prompts")
+    given = results["stages"].get("pretrain", {}).get("given_base")
     return "\n".join([
+        ("The base model was pretrained by an earlier run of the same preset (BASE_DIR); this run retrofitted it. "
+         if given else "") +
         f"`hf_nosa/assets/demo_model` comes from `experiments/quality/run.py --preset {results['preset']}` "
         f"({_environment(results)}). `hf-nosa demo` uses a {demo['context_tokens']}-token prompt and a "
         f"{demo['budget_tokens']}-token budget by default. With NOSA at that budget the model {verdict}.",

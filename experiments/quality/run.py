@@ -56,9 +56,11 @@ PRESETS = {
         task_share=0.6, answer_weight=4.0, min_task_len=384,
         # (sequence length, batch, share of the pretraining time)
         pretrain=dict(phases=[(2048, 32, 0.4), (4096, 16, 0.6)], share=0.35, lr=3e-3),
-        nosa=dict(block_size=64, budget_tokens=1024, sink_tokens=64, local_tokens=256, query_tokens=320,
+        # Half the budget query-aware: in short CPU retrofits the eviction head barely learned (A stayed ~0.1-0.3),
+        # so a large eviction share only kept recent blocks; the eviction head gets a higher learning rate too.
+        nosa=dict(block_size=64, budget_tokens=1024, sink_tokens=64, local_tokens=256, query_tokens=512,
                   compress_kernel=32, compress_stride=16),
-        retrofit=dict(seq_len=8192, batch=4, share=0.20, lr=2e-3, head_lr=1e-2, rank=32, alpha=64),
+        retrofit=dict(seq_len=8192, batch=4, share=0.20, lr=2e-3, head_lr=3e-2, rank=32, alpha=64),
         control=dict(share=0.10),
         # one batch per row at 8K (all 72 samples), two at 16K: dense prefill logits stay under ~40 GB
         eval=dict(lengths=[8192, 16384], budget_ratio=8, samples=8, batch={8192: 72, 16384: 36}, ppl_docs=8,
@@ -87,11 +89,11 @@ PRESETS = {
         model=dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16),
         train_tasks=["passkey"],
-        task_share=1.0, answer_weight=5.0, min_task_len=96,
+        task_share=1.0, answer_weight=5.0, min_task_len=96, task_lengths="uniform",
         pretrain=dict(phases=[(256, 32, 0.6), (512, 16, 0.4)], share=0.75, lr=5e-3),
-        nosa=dict(block_size=16, budget_tokens=128, sink_tokens=16, local_tokens=32, query_tokens=32,
+        nosa=dict(block_size=16, budget_tokens=128, sink_tokens=16, local_tokens=32, query_tokens=64,
                   compress_kernel=8, compress_stride=4),
-        retrofit=dict(seq_len=1024, batch=4, share=0.1, lr=2e-3, head_lr=1e-2, rank=16, alpha=32),
+        retrofit=dict(seq_len=1024, batch=4, share=0.1, lr=2e-3, head_lr=3e-2, rank=16, alpha=32),
         control=dict(share=0.04),
         eval=dict(lengths=[1024, 2048], budget_ratio=8, samples=8, batch={1024: 8, 2048: 8}, ppl_docs=2,
                   ppl_tokens=32, share=0.1, tasks=["passkey"], extras=False),
@@ -157,7 +159,7 @@ class PhasedBatches:
         s = self.settings
         stream = PackedStream(seq_len, tasks=s["train_tasks"], task_share=s["task_share"],
                               min_task_len=min(s["min_task_len"], seq_len // 2), answer_weight=s["answer_weight"],
-                              seed=self.seed)
+                              seed=self.seed, lengths=s.get("task_lengths", "loguniform"))
         return iter(loader(stream, batch, self.workers))
 
     def __iter__(self):
@@ -382,6 +384,7 @@ def main(argv=None) -> int:
     parser.add_argument("--training-backend", default="auto", choices=("auto", "flex", "explicit"),
                         help="NOSA training attention backend for the retrofit (auto: hf_nosa's choice)")
     parser.add_argument("--workers", type=int, help="data-loading processes (default: the preset's)")
+    parser.add_argument("--base", help="start from this saved base model (a run's DIR/base) instead of pretraining")
     args = parser.parse_args(argv)
     preset = "smoke" if args.smoke else args.preset
     settings = copy.deepcopy(PRESETS[preset])
@@ -398,16 +401,24 @@ def main(argv=None) -> int:
     layout = NosaConfig(prefill="nosa", **settings["nosa"])
     corpus_text("train")  # read once here, so that data-loading processes share it
 
-    # 1. pretrain with full attention
-    base = build_model(settings, args.seed).to(device)
-    n_params = sum(p.numel() for p in base.parameters())
-    p = settings["pretrain"]
-    seconds = run.seconds(p["share"])
-    run.log(f"pretrain: {n_params / 1e6:.2f}M parameters, phases {p['phases']}, {seconds:.0f}s")
-    info = train(base, PhasedBatches(settings, p["phases"], seconds, args.seed, workers),
-                 param_groups=[{"params": list(base.parameters()), "lr": p["lr"]}], seconds=seconds, device=device,
-                 log=run.log)
-    info["parameters"] = n_params
+    # 1. pretrain with full attention (or start from a given base)
+    if args.base:
+        from transformers import LlamaForCausalLM
+
+        base = LlamaForCausalLM.from_pretrained(args.base, attn_implementation="sdpa").to(device)
+        previous = Path(args.base).parent / "results.json"
+        info = json.loads(previous.read_text())["stages"]["pretrain"] if previous.is_file() else {}
+        info = {**info, "given_base": True}
+        run.log(f"pretrain: skipped, starting from the given base ({info.get('steps', '?')} pretraining steps)")
+    else:
+        base = build_model(settings, args.seed).to(device)
+        p = settings["pretrain"]
+        seconds = run.seconds(p["share"])
+        run.log(f"pretrain: {sum(x.numel() for x in base.parameters()) / 1e6:.2f}M parameters, phases {p['phases']}, {seconds:.0f}s")
+        info = train(base, PhasedBatches(settings, p["phases"], seconds, args.seed, workers),
+                     param_groups=[{"params": list(base.parameters()), "lr": p["lr"]}], seconds=seconds, device=device,
+                     log=run.log)
+    info["parameters"] = sum(x.numel() for x in base.parameters())
     run.stage("pretrain", info)
     base.save_pretrained(out / "base")
 
