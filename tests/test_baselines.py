@@ -104,7 +104,7 @@ def test_shadowkv_landmarks_are_block_key_means_and_outliers_are_kept():
                 assert set(outliers[b, h].tolist()) <= set(chosen[b, h].tolist())
 
 
-@pytest.mark.parametrize("name", ["quest", "shadowkv"])
+@pytest.mark.parametrize("name", sorted(BASELINES))
 def test_blocks_of_padding_are_never_selected(name):
     cfg = small_nosa_config(budget_tokens=64, sink_tokens=16, local_tokens=16, query_tokens=0)
     for _, _, _, _, chosen in _decode_layer(make_selector(name), cfg, pad=48, seed=4, steps=5):
