@@ -226,7 +226,7 @@ class NosaLayer(CacheLayerMixin):
     def _decode(self, k, v, q, b, scale) -> AttentionInputs | torch.Tensor:
         if kernel_path("decode_step", k) == "triton":
             return self._decode_fused(k, v, q, b, scale)
-        cfg, P = self.cfg, self.cfg.block_size
+        P = self.cfg.block_size
         t = self.seen
         c = t // P
         self.host.write(t, k, v, b)

@@ -14,7 +14,6 @@ import torch
 from hf_nosa import NosaConfig, to_nosa
 from hf_nosa.modeling import eviction_heads
 from hf_nosa.retrofit import (
-    RUN_FILE,
     load_adapter,
     load_base,
     load_recipe,

@@ -29,10 +29,10 @@ def family_of(model: nn.Module) -> str:
     raise TypeError(f"hf_nosa supports {supported}; got {type(model).__name__}.")
 
 
-def _convert_attention(attn: nn.Module, attention_class: type, cfg: NosaConfig) -> None:
+def _convert_attention(attn: nn.Module, attention_class: type, cfg: NosaConfig, allow_meta: bool) -> None:
     if not isinstance(attn, NosaAttentionMixin):
         weight = attn.v_proj.weight
-        if weight.device.type == "meta":
+        if weight.device.type == "meta" and not allow_meta:
             raise ValueError(
                 f"layer {attn.layer_idx}: its weights are offloaded (on the meta device); NOSA needs every attention "
                 "layer's weights on a real device. Load with a device_map that keeps attention on GPU or CPU."
@@ -44,6 +44,35 @@ def _convert_attention(attn: nn.Module, attention_class: type, cfg: NosaConfig) 
         if hasattr(attn, "_old_forward"):
             attn._old_forward = types.MethodType(attention_class.forward, attn)
     attn.nosa_config = cfg
+
+
+def check_convertible(config) -> None:
+    """The checks every conversion makes on a model config: attention implementation and full-attention layers."""
+    attn_impl = getattr(config, "_attn_implementation", None) or "eager"
+    if attn_impl not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"attn_implementation={attn_impl!r} is not supported by NOSA attention; allowed values are "
+            f"{SUPPORTED_ATTENTION}. Load the model with attn_implementation='sdpa'."
+        )
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+    if sliding:
+        raise ValueError(
+            f"layers {sliding} use {layer_types[sliding[0]]!r}; NOSA converts full-attention layers only "
+            "(set use_sliding_window=False)."
+        )
+
+
+def convert_layers(model: nn.Module, cfg: NosaConfig, *, allow_meta: bool = False) -> None:
+    """Swap every attention module of ``model`` for its family's NOSA class, with an eviction head, in place.
+
+    ``allow_meta`` lets a model being built by ``from_pretrained`` (weights still on the meta device) convert;
+    its eviction heads are then filled by the checkpoint.
+    """
+    attention_class = FAMILIES[family_of(model)].ATTENTION_CLASS
+    for layer in model.model.layers:
+        _convert_attention(layer.self_attn, attention_class, cfg, allow_meta)
+    model.config.nosa = cfg.to_dict()
 
 
 def to_nosa(model: nn.Module, nosa_config: NosaConfig | None = None) -> nn.Module:
@@ -58,25 +87,10 @@ def to_nosa(model: nn.Module, nosa_config: NosaConfig | None = None) -> nn.Modul
             accelerate), possibly already converted (then only the config is updated).
         nosa_config: defaults to the model's "nosa" config section, else ``NosaConfig()``.
     """
-    family = family_of(model)
+    family_of(model)
     cfg = NosaConfig.from_model_config(model.config, nosa_config)
-    attn_impl = getattr(model.config, "_attn_implementation", None) or "eager"
-    if attn_impl not in SUPPORTED_ATTENTION:
-        raise ValueError(
-            f"attn_implementation={attn_impl!r} is not supported by NOSA attention; allowed values are "
-            f"{SUPPORTED_ATTENTION}. Load the model with attn_implementation='sdpa'."
-        )
-    layer_types = getattr(model.config, "layer_types", None) or []
-    sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
-    if sliding:
-        raise ValueError(
-            f"layers {sliding} use {layer_types[sliding[0]]!r}; NOSA converts full-attention layers only "
-            "(set use_sliding_window=False)."
-        )
-    attention_class = FAMILIES[family].ATTENTION_CLASS
-    for layer in model.model.layers:
-        _convert_attention(layer.self_attn, attention_class, cfg)
-    model.config.nosa = cfg.to_dict()
+    check_convertible(model.config)
+    convert_layers(model, cfg)
     return model
 
 

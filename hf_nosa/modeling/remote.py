@@ -27,9 +27,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from ..attention import EvictionHead
 from ..config import NosaConfig
-from . import FAMILIES, SUPPORTED_ATTENTION, eviction_heads, to_nosa
+from . import check_convertible, convert_layers, eviction_heads, to_nosa
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +80,9 @@ class _NosaCausalLMMixin:
     """The stock causal LM with NOSA attention in every layer, built in ``__init__`` (also on the meta device).
 
     ``from_pretrained`` builds the model on the meta device before loading weights, which ``to_nosa`` refuses (it
-    converts loaded models, whose weights must be real); so this does what ``to_nosa`` does (same checks, same
-    attention classes and eviction heads) with the heads created wherever the layer's weights are, to be filled by
-    the checkpoint. A checkpoint without eviction heads gets ``A = 0`` (see
+    converts loaded models, whose weights must be real); so this runs the same checks and conversion with meta
+    weights allowed: the eviction heads are created wherever the layer's weights are, to be filled by the
+    checkpoint. A checkpoint without eviction heads gets ``A = 0`` (see
     ``initialize_weights``): the stock model's outputs, with recency deciding what the eviction head would have.
     """
 
@@ -92,29 +91,8 @@ class _NosaCausalLMMixin:
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         cfg = _validated_nosa_section(self.config)
-        attn_impl = getattr(self.config, "_attn_implementation", None) or "eager"
-        if attn_impl not in SUPPORTED_ATTENTION:
-            raise ValueError(
-                f"attn_implementation={attn_impl!r} is not supported by NOSA attention; allowed values are "
-                f"{SUPPORTED_ATTENTION}. Load the model with attn_implementation='sdpa'."
-            )
-        layer_types = getattr(self.config, "layer_types", None) or []
-        sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
-        if sliding:
-            raise ValueError(
-                f"layers {sliding} use {layer_types[sliding[0]]!r}; NOSA converts full-attention layers only "
-                "(set use_sliding_window=False)."
-            )
-        attention_class = FAMILIES[self.family].ATTENTION_CLASS
-        for layer in self.model.layers:
-            attn = layer.self_attn
-            weight = attn.v_proj.weight
-            attn.__class__ = attention_class
-            attn.eviction_head = EvictionHead(
-                self.config.num_key_value_heads, attn.head_dim, device=weight.device, dtype=weight.dtype
-            )
-            attn.nosa_config = cfg
-        self.config.nosa = cfg.to_dict()
+        check_convertible(self.config)
+        convert_layers(self, cfg, allow_meta=True)
 
     def initialize_weights(self):
         super().initialize_weights()
