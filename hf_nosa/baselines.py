@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .selection import MASK_VALUE, query_block_scores, topk_recent_first
+from .selection import MASK_VALUE, force_sink_and_local, query_block_scores, topk_recent_first
 
 # A token whose stored score is at most this is padding (cache.py stores MASK_VALUE for it).
 _PADDING = MASK_VALUE / 2
@@ -45,12 +45,11 @@ def top_blocks(scores: torch.Tensor, cfg, forced: torch.Tensor | None = None) ->
     Returns:
         ``[B, Hk, K]`` long block indices, -1 where fewer than K blocks exist; ties go to the most recent block.
     """
-    N = scores.shape[-1]
-    block = torch.arange(N, device=scores.device)
-    keep = (block < cfg.sink_blocks) | (block >= N - cfg.local_blocks)
+    current = torch.tensor([scores.shape[-1]], device=scores.device)
+    scores, _ = force_sink_and_local(scores.nan_to_num(nan=float("-inf"))[:, :, None], current, cfg)
+    scores = scores[:, :, 0]
     if forced is not None:
-        keep = keep | forced
-    scores = scores.float().nan_to_num(nan=float("-inf")).masked_fill(keep, float("inf"))
+        scores = scores.masked_fill(forced, float("inf"))
     return topk_recent_first(scores, cfg.budget_blocks)
 
 

@@ -201,6 +201,22 @@ def topk_recent_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(chosen == float("-inf"), torch.full_like(top, -1), top)
 
 
+def force_sink_and_local(scores: torch.Tensor, current_block: torch.Tensor, cfg: NosaConfig):
+    """Candidate blocks are those before ``current_block``; sink blocks and the local window among them score +inf.
+
+    Args:
+        scores: ``[..., Q, N]`` block scores of Q query tokens (or chunks); current_block: ``[Q]`` long.
+
+    Returns:
+        (scores with +inf forced and -inf for non-candidates, fp32; ``[Q, N]`` bool mask of the candidates).
+    """
+    block = torch.arange(scores.shape[-1], device=scores.device)
+    current = current_block.to(scores.device)[:, None]  # [Q, 1]
+    valid = block < current
+    forced = valid & ((block < cfg.sink_blocks) | (block >= current - cfg.local_blocks))
+    return scores.float().masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf")), valid
+
+
 def select_blocks(
     query_scores: torch.Tensor,
     eviction_scores: torch.Tensor,
@@ -225,12 +241,8 @@ def select_blocks(
     """
     K = cfg.budget_blocks if budget_blocks is None else budget_blocks
     N = query_scores.shape[-1]
-    block = torch.arange(N, device=query_scores.device)
-    current = current_block.to(query_scores.device)[:, None]  # [Tq, 1]
-    valid = block < current
-    forced = valid & ((block < cfg.sink_blocks) | (block >= current - cfg.local_blocks))
+    qs, valid = force_sink_and_local(query_scores, current_block, cfg)
     inf = float("inf")
-    qs = query_scores.float().masked_fill(forced, inf).masked_fill(~valid, -inf)
     n_q = min(cfg.sink_blocks + cfg.local_blocks + cfg.query_blocks, K)
     query_chosen = topk_recent_first(qs, n_q)  # [B, Hk, Tq, n_q]
     in_q = torch.zeros(*qs.shape[:-1], N + 1, dtype=torch.bool, device=qs.device)
@@ -390,10 +402,5 @@ def quoka_select_blocks(
         ``[B, Hk, R, K]`` long block indices, -1 where fewer than K candidates exist.
     """
     K = cfg.prefill_budget_blocks if budget_blocks is None else budget_blocks
-    N = scores.shape[-1]
-    block = torch.arange(N, device=scores.device)
-    current = current_block.to(scores.device)[:, None]  # [R, 1]
-    valid = block < current
-    forced = valid & ((block < cfg.sink_blocks) | (block >= current - cfg.local_blocks))
-    masked = scores.float().masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf"))
+    masked, _ = force_sink_and_local(scores, current_block, cfg)
     return topk_recent_first(masked, K)
