@@ -258,6 +258,7 @@ def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
     elif method == "static_compile":
         model.config._attn_implementation = "sdpa"
         cache = fill_transformers(model, StaticCache(config=cfg, max_cache_len=context + total_steps), batch, context, device, dtype)
+        torch._dynamo.reset()  # each row compiles afresh: CUDA-graph trees left by an earlier row's shapes can assert
         compiled = torch.compile(model.__call__, mode="reduce-overhead", fullgraph=False, dynamic=None)
     else:
         model.config._attn_implementation = "sdpa"
