@@ -42,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
+from hf_nosa.baselines import QueryOnlySelector  # noqa: E402
 from hf_nosa.host_store import HostStore  # noqa: E402
 from hf_nosa.kernels.block_scores import block_select, window_capacity_for  # noqa: E402
 from hf_nosa.kernels.cuda_graph import DecodeGraph  # noqa: E402
@@ -70,14 +71,10 @@ MARGIN = 1.5 * GB  # device memory kept free for activations, workspaces, graph 
 
 def query_only_selector():
     """InfLLMv2-style selection (sink + local window + query-aware top blocks, no eviction head) on the device:
-    the NOSA rule with the whole budget given to the query-aware part. Uses hf_nosa.baselines.QueryOnlySelector's
-    name and observe when that module exists; its select runs through the block_select kernel."""
-    try:
-        from hf_nosa.baselines import QueryOnlySelector as Base
-    except ImportError:
-        Base = object
+    ``hf_nosa.baselines.QueryOnlySelector`` with its select run through the block_select kernel (the NOSA rule with
+    the whole budget given to the query-aware part)."""
 
-    class KernelQueryOnlySelector(Base):
+    class KernelQueryOnlySelector(QueryOnlySelector):
         name = "query_only"
 
         def observe(self, layer, keys, bias, start):
@@ -88,7 +85,7 @@ def query_only_selector():
             cfg = cfg.replace(query_tokens=cfg.budget_tokens - cfg.sink_tokens - cfg.local_tokens)
             return block_select(query, layer.compressed.keys, layer.compressed.bias, layer.step, cfg, scale)
 
-    return KernelQueryOnlySelector(), Base is not object
+    return KernelQueryOnlySelector()
 
 
 # ----- models and caches -----
@@ -262,7 +259,7 @@ def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
         compiled = torch.compile(model.__call__, mode="reduce-overhead", fullgraph=False, dynamic=None)
     else:
         model.config._attn_implementation = "sdpa"
-        selector, from_baselines = query_only_selector() if method == "query_only" else (None, False)
+        selector = query_only_selector() if method == "query_only" else None
         if device.type == "cuda":
             HostStore.chunk_tokens = max(ncfg.block_size, HOST_CHUNK_BYTES // (batch * cfg.num_key_value_heads * cfg.head_dim * 2))
         cache = fill_nosa(model, NosaCache(cfg, ncfg, selector=selector), batch, context, total_steps, device, dtype)
@@ -321,8 +318,7 @@ def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
             locality=(after["locality"] if after["decode_steps"] else float("nan")),
             blocks_per_step=(after["blocks_loaded"] - before["blocks_loaded"]) / args.steps,
             pcie_MB_per_step=pcie / 1e6, device_kv_GB=after["device_kv_bytes"] / GB, host_GB=after["host_bytes"] / GB,
-            selector=("hf_nosa.baselines.QueryOnlySelector + block_select kernel" if method == "query_only" and from_baselines
-                      else "benchmark query-only selector on block_select" if method == "query_only" else "nosa"),
+            selector=("hf_nosa.baselines.QueryOnlySelector + block_select kernel" if method == "query_only" else "nosa"),
         )
         if graph is not None:
             row.update(graph_captures=graph.captures, graph_replays=graph.replays)

@@ -36,7 +36,7 @@ def test_device_map_over_two_gpus_matches_one_gpu(tmp_path):
     two = _load(tmp_path, split, cfg)
 
     ids = torch.randint(3, 97, (3, 80), generator=torch.Generator().manual_seed(0))
-    kwargs = dict(max_new_tokens=160, min_new_tokens=160, do_sample=False, output_logits=True,
+    kwargs = dict(max_new_tokens=200, min_new_tokens=200, do_sample=False, output_logits=True,
                   return_dict_in_generate=True)
     caches = [NosaCache(m.config, cfg) for m in (one, two)]
     ref = one.generate(input_ids=ids.to("cuda:0"), past_key_values=caches[0], **kwargs)
