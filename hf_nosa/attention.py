@@ -12,7 +12,9 @@ from .cache import NosaCache
 from .config import NosaConfig
 from .masks import additive_mask
 from .selection import eviction_bias
+from .selection_loss import selection_alignment_loss
 from .training import nosa_training_attention
+
 
 class EvictionHead(nn.Module):
     """``b = A * softplus(delta(v))``: one query-agnostic score per token and KV head (design Sec. 3.1).
@@ -75,6 +77,11 @@ def nosa_attention(
         # A plain cache keeps no eviction scores; they are a function of the values, so recompute them.
         bias = module.eviction_head(value.transpose(1, 2).flatten(2))
     cfg: NosaConfig = module.nosa_config
+    if module.training and getattr(module, "selection_loss_weight", 0.0) and q_offset == 0:
+        # an auxiliary objective for the query-aware score (selection_loss.py); the attention below is unchanged
+        module.last_selection_loss = selection_alignment_loss(
+            query, key, cfg, module.scaling, positions=module.selection_loss_positions
+        )
     if module.training or cfg.prefill == "nosa":
         # Training always uses the rule the model decodes with (design Sec. 5), whatever the prefill mode.
         return nosa_training_attention(

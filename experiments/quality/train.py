@@ -41,6 +41,7 @@ def train(
     log_every: int = 25,
     grad_clip: float = 1.0,
     step_hook=None,
+    extra_loss=None,
 ) -> dict:
     """Train until ``seconds`` of wall clock or ``max_steps`` steps, whichever comes first.
 
@@ -48,6 +49,8 @@ def train(
         batches: an iterator of ``(ids, weights)``.
         param_groups: AdamW groups, each with its own ``lr`` (the peak).
         step_hook: called as ``step_hook(step)`` before each step (curricula).
+        extra_loss: called after each forward; a tensor it returns is added to the loss (auxiliary objectives such
+            as ``hf_nosa.selection_loss.selection_loss``), None adds nothing.
 
     Returns:
         ``{"steps", "tokens", "seconds", "losses": [[step, loss], ...], "final_loss"}``.
@@ -57,7 +60,7 @@ def train(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     model.train()
     started = time.perf_counter()
-    step, tokens, losses, recent = 0, 0, [], []
+    step, tokens, losses, recent, extras = 0, 0, [], [], []
     iterator = iter(batches)
     while True:
         elapsed = time.perf_counter() - started
@@ -72,6 +75,10 @@ def train(
         ids, weights = ids.to(device, non_blocking=True), weights.to(device, non_blocking=True)
         with autocast:
             loss = weighted_loss(model, ids, weights)
+        extra = extra_loss() if extra_loss is not None else None
+        if extra is not None:
+            extras.append(extra.detach())
+            loss = loss + extra
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in param_groups for p in g["params"]], grad_clip)
         optimizer.step()
@@ -84,7 +91,9 @@ def train(
             recent.clear()
             losses.append([step, value])
             rate = tokens / (time.perf_counter() - started)
-            log(f"  step {step:5d}  loss {value:.4f}  lr {optimizer.param_groups[0]['lr']:.2e}  {rate / 1e3:.0f}K tok/s")
+            aux = f"  (auxiliary {float(torch.stack(extras).mean()):.4f})" if extras else ""
+            extras.clear()
+            log(f"  step {step:5d}  loss {value:.4f}{aux}  lr {optimizer.param_groups[0]['lr']:.2e}  {rate / 1e3:.0f}K tok/s")
     if recent:
         losses.append([step, float(torch.stack(recent).mean())])
     model.eval()
