@@ -5,6 +5,9 @@ batch, in one run:
 
 - ``dense``: the stock model prefills the whole prompt in one forward (transformers' DynamicCache);
 - ``dense_chunked``: the stock model prefills it in chunks of ``--dense-chunk`` tokens (DynamicCache);
+- ``no_attention``: the stock model with an attention that costs nothing (it returns zeros): the time of everything
+  else in the forward (projections, MLP, norms, logits, cache writes), i.e. the floor of any sparse prefill;
+  ``dense / no_attention`` is the largest TTFT speedup that cheaper attention alone can give;
 - ``quoka@C``: the NOSA-converted model (eviction heads at A = 0) prefills it in one forward into a NosaCache
   with ``prefill="quoka"``: chunks of C tokens, each attending to ``--budget`` tokens of blocks plus itself.
 
@@ -28,7 +31,7 @@ import time
 import warnings
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -63,6 +66,25 @@ def prefill_quoka(model, ids, nosa_config):
     cache = NosaCache(model.config, nosa_config)
     logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     return logits[:, -1].argmax(-1), cache
+
+
+def no_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention function (transformers' AttentionInterface) that skips the attention: zeros ``[B, T, H, D]``."""
+    B, H, T, D = query.shape
+    return query.new_zeros(B, T, H, D), None
+
+
+AttentionInterface.register("hf_nosa_bench_no_attention", no_attention)
+
+
+@torch.no_grad()
+def prefill_without_attention(model, ids):
+    """``prefill_dense`` with the attention skipped (whole prompt, one forward); restores sdpa after."""
+    model.config._attn_implementation = "hf_nosa_bench_no_attention"
+    try:
+        return prefill_dense(model, ids)
+    finally:
+        model.config._attn_implementation = "sdpa"
 
 
 def measure(run, device, warmup, repeat):
@@ -190,7 +212,7 @@ def main(argv=None):
                    peak_bytes=peak, **extra(cache))
         if method == "dense":
             first_tokens[context, batch] = token.cpu()
-        elif (context, batch) in first_tokens:
+        elif method != "no_attention" and (context, batch) in first_tokens:
             row["first_token_agrees_with_dense"] = float((token.cpu() == first_tokens[context, batch]).float().mean())
         record(row)
         del cache
@@ -202,6 +224,7 @@ def main(argv=None):
             run_method("dense", context, batch, lambda ids: prefill_dense(model, ids), dense_extra)
             run_method("dense_chunked", context, batch, lambda ids: prefill_dense(model, ids, args.dense_chunk),
                        dense_extra)
+            run_method("no_attention", context, batch, lambda ids: prefill_without_attention(model, ids), dense_extra)
     to_nosa(model, nosa_configs[chunks[0]])
     for context in contexts:
         for batch in batches:
@@ -222,6 +245,9 @@ def main(argv=None):
             for method, row in by.items():
                 if method != "dense" and "dense" in by:
                     row["speedup_vs_dense"] = by["dense"]["ttft_s"] / row["ttft_s"]
+            if "no_attention" in by:
+                for method, row in by.items():
+                    row["ttft_over_no_attention"] = row["ttft_s"] / by["no_attention"]["ttft_s"]
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "prefill.json"), "w") as f:
