@@ -63,8 +63,8 @@ PRESETS = {
         nosa=dict(block_size=64, budget_tokens=1024, sink_tokens=64, local_tokens=256, query_tokens=512,
                   compress_kernel=32, compress_stride=16),
         # selection_loss: weight of the auxiliary loss that aligns the query-aware score with where attention goes
-        # (hf_nosa.selection_loss), summed over layers. Off: in the one cpu-demo trial (weight 0.2, same base)
-        # NOSA found the pass key in 3 of 16 prompts against 8 of 16 without it. --selection-loss tries it.
+        # (hf_nosa.selection_loss), summed over layers. Off: in cpu-demo trials on the same base NOSA found the pass
+        # key in 3 (weight 0.2) and 5 (weight 1.0) of 16 prompts against 8 of 16 without it. --selection-loss W.
         retrofit=dict(seq_len=8192, batch=4, share=0.20, lr=2e-3, head_lr=3e-2, rank=32, alpha=64,
                       selection_loss=0.0, selection_positions=32),
         control=dict(share=0.08),
