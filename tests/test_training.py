@@ -24,21 +24,22 @@ def one_thread():
 SPARSE = dict(budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16)
 
 
-def _sparse_model(family, seed=0):
-    model = to_nosa(tiny_model(family, seed=seed), small_nosa_config(**SPARSE))
+def _sparse_model(family, seed=0, **windows):
+    model = to_nosa(tiny_model(family, seed=seed), small_nosa_config(**SPARSE, **windows))
     return randomize_eviction_heads(model, generator=torch.Generator().manual_seed(seed + 7))
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_training_forward_equals_incremental_nosa_decoding(family):
-    model = _sparse_model(family)
+@pytest.mark.parametrize("family,windows", [("llama", {}), ("qwen3", {}),
+                                             ("llama", {"compress_kernel": 2, "compress_stride": 1})])
+def test_training_forward_equals_incremental_nosa_decoding(family, windows):
+    model = _sparse_model(family, **windows)
     ids = torch.randint(3, 97, (2, 150), generator=torch.Generator().manual_seed(1))
     model.train()
     with torch.no_grad():
         train_logits = model(ids, use_cache=False).logits
     model.eval()
-    cache = NosaCache(model.config, small_nosa_config(**SPARSE, prefill="nosa"))
+    cache = NosaCache(model.config, small_nosa_config(**SPARSE, **windows, prefill="nosa"))
     prompt = 37  # a partly written block: prefill by the rule, then one token per step
     with torch.no_grad():
         steps = [model(ids[:, :prompt], past_key_values=cache).logits]

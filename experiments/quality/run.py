@@ -60,8 +60,10 @@ PRESETS = {
         pretrain=dict(phases=[(512, 64, 0.15), (1024, 32, 0.15), (2048, 16, 0.3), (4096, 8, 0.4)], share=0.40, lr=3e-3),
         # Half the budget query-aware: in short CPU retrofits the eviction head barely learned (A stayed ~0.1-0.3),
         # so a large eviction share only kept recent blocks; the eviction head gets a higher learning rate too.
+        # Compression windows of 2 byte tokens, not the 32/16 of BPE models: wider windows average a needle of a
+        # few bytes away (see the cpu-demo preset), and the query-aware score then cannot find it.
         nosa=dict(block_size=64, budget_tokens=1024, sink_tokens=64, local_tokens=256, query_tokens=512,
-                  compress_kernel=32, compress_stride=16),
+                  compress_kernel=2, compress_stride=1),
         # selection_loss: weight of the auxiliary loss that aligns the query-aware score with where attention goes
         # (hf_nosa.selection_loss), summed over layers. Off: in cpu-demo trials on the same base NOSA found the pass
         # key in 3 (weight 0.2) and 5 (weight 1.0) of 16 prompts against 8 of 16 without it. --selection-loss W.
@@ -98,8 +100,10 @@ PRESETS = {
         train_tasks=["passkey"],
         task_share=1.0, answer_weight=5.0, min_task_len=96, task_lengths="uniform",
         pretrain=dict(phases=[(256, 32, 0.65), (512, 16, 0.35)], share=0.5, lr=3e-3),
+        # Windows of 2 bytes: a needle is a few byte tokens, and wider windows average it away (with kernel 8 the
+        # pass-key block ranked 5th-32nd among the query-aware candidates of the retrieval layer; with 2/1, 1st-3rd).
         nosa=dict(block_size=16, budget_tokens=128, sink_tokens=16, local_tokens=32, query_tokens=64,
-                  compress_kernel=8, compress_stride=4),
+                  compress_kernel=2, compress_stride=1),
         retrofit=dict(seq_len=1024, batch=8, share=0.25, lr=1e-3, head_lr=3e-2, rank=16, alpha=32,
                       selection_loss=0.0, selection_positions=32),
         control=dict(share=0.12),

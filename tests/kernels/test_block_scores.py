@@ -19,6 +19,7 @@ from tests.utils import assert_close
 
 PAPER = NosaConfig()  # block 64, windows 32 / 16, budget 4096
 SMALL = small_nosa_config()  # block 16, windows 8 / 4, budget 8 blocks
+NARROW = small_nosa_config(compress_kernel=2, compress_stride=1)  # a window per token (byte-level models)
 
 
 @pytest.fixture
@@ -103,6 +104,7 @@ CPU_CASES = [  # B, H, Hk, D, t, dtype, W, cfg, append
     (2, 6, 2, 64, 10, torch.float32, 256, SMALL, True),  # block 0: nothing to select
     (1, 2, 2, 64, 967, torch.float32, 512, SMALL, True),  # more blocks than the budget, capacity 512
     (1, 4, 1, 128, 1311, torch.float32, 256, PAPER, True),  # the paper's geometry
+    (2, 4, 2, 64, 301, torch.float32, 512, NARROW, True),  # windows of 2 tokens, stride 1
 ]
 
 
@@ -184,6 +186,9 @@ GPU_CASES = [  # B, H, Hk, D, t, dtype, W, cfg, append
     (3, 32, 8, 64, 70_000, torch.bfloat16, 8192, PAPER, True),  # 1093 blocks: N = 2048
     (5, 28, 4, 128, 9_000, torch.float32, 1024, PAPER, True),
     (2, 16, 16, 64, 3_000, torch.bfloat16, 256, PAPER, False),
+    (3, 4, 2, 64, 9_001, torch.float32, 16384, NosaConfig(block_size=64, budget_tokens=1024, query_tokens=512,
+                                                          sink_tokens=64, local_tokens=256, compress_kernel=2,
+                                                          compress_stride=1), True),  # the quality experiment's
 ]
 
 
