@@ -66,7 +66,8 @@ PRESETS = {
                   compress_kernel=2, compress_stride=1),
         # selection_loss: weight of the auxiliary loss that aligns the query-aware score with where attention goes
         # (hf_nosa.selection_loss), summed over layers. Off: in cpu-demo trials on the same base NOSA found the pass
-        # key in 3 (weight 0.2) and 5 (weight 1.0) of 16 prompts against 8 of 16 without it. --selection-loss W.
+        # key in 3 (weight 0.2) and 5 (weight 1.0) of 16 prompts against 8 of 16 without it (8-token windows, before
+        # the 2-token windows below). --selection-loss W.
         retrofit=dict(seq_len=8192, batch=4, share=0.20, lr=2e-3, head_lr=3e-2, rank=32, alpha=64,
                       selection_loss=0.0, selection_positions=32),
         control=dict(share=0.08),
