@@ -73,17 +73,16 @@ def selection_alignment_loss(
             pad = N * P - T
             mass = torch.nn.functional.pad(probs, (0, pad)).view(B, Hk, -1, N, P).sum(-1)  # [B, Hk, S, N]
         scores = query_block_scores(q, compress_keys(k, cfg), at, N, cfg, scale)  # [B, Hk, S, N], with gradient
-        _, candidates = force_sink_and_local(scores.detach(), at // P, cfg)  # [S, N] before the current block
-        block = torch.arange(N, device=k.device)
-        current = (at // P)[:, None]
-        chosen_among = candidates & (block >= cfg.sink_blocks) & (block < current - cfg.local_blocks)  # [S, N]
+        # the shared rule marks sink and local window +inf and later blocks -inf: what stays finite is chosen among
+        # (never empty, by the choice of positions)
+        forced, _ = force_sink_and_local(scores.detach(), at // P, cfg)
+        chosen_among = forced.isfinite()  # [B, Hk, S, N]
         target = mass * chosen_among
         target = target / target.sum(-1, keepdim=True).clamp_min(EPS)
         predicted = scores * chosen_among
         predicted = predicted / predicted.sum(-1, keepdim=True).clamp_min(EPS)
         kl = (target * (target.clamp_min(EPS).log() - predicted.clamp_min(EPS).log())).sum(-1)  # [B, Hk, S]
-        has_choice = chosen_among.any(-1)  # [S]
-        return kl[..., has_choice].mean() if bool(has_choice.any()) else kl.sum() * 0.0
+        return kl.mean()
 
 
 # ----- model plumbing -----
