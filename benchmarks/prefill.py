@@ -108,6 +108,22 @@ def measure(run, device, warmup, repeat):
     return statistics.median(times), peak, result
 
 
+def kernel_profile(run, top=15) -> dict:
+    """GPU time of one ``run()`` by kernel (torch.profiler): the total and the ``top`` largest, in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        if us > 0:
+            times[event.key] = times.get(event.key, 0.0) + us / 1000
+    largest = sorted(times.items(), key=lambda kv: -kv[1])[:top]
+    return {"gpu_ms": sum(times.values()), "kernels_ms": {name[:120]: round(ms, 3) for name, ms in largest}}
+
+
 def kv_bytes_dense(cache) -> int:
     return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
 
@@ -158,6 +174,9 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU")
     parser.add_argument("--out", default=None, help="folder for prefill.json and prefill.png")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record GPU time by kernel of dense, no_attention and the first quoka chunk size at the "
+                        "longest prompt and first batch (torch.profiler, one untimed run each)")
     args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -225,6 +244,12 @@ def main(argv=None):
             run_method("dense_chunked", context, batch, lambda ids: prefill_dense(model, ids, args.dense_chunk),
                        dense_extra)
             run_method("no_attention", context, batch, lambda ids: prefill_without_attention(model, ids), dense_extra)
+    profiles = None
+    if args.profile and device.type == "cuda":
+        profile_ids = prompts[max(contexts), batches[0]].to(device)
+        profiles = result["profile"] = {"context": max(contexts), "batch": batches[0]}
+        profiles["dense"] = kernel_profile(lambda: prefill_dense(model, profile_ids))
+        profiles["no_attention"] = kernel_profile(lambda: prefill_without_attention(model, profile_ids))
     to_nosa(model, nosa_configs[chunks[0]])
     for context in contexts:
         for batch in batches:
@@ -238,6 +263,11 @@ def main(argv=None):
 
                 run_method(f"quoka@{chunk}", context, batch, lambda ids, cfg=cfg: prefill_quoka(model, ids, cfg),
                            quoka_extra)
+
+    if profiles is not None:
+        chunk, cfg = next(iter(nosa_configs.items()))
+        profiles[f"quoka@{chunk}"] = kernel_profile(lambda: prefill_quoka(model, profile_ids, cfg))
+        print(json.dumps(profiles), flush=True)
 
     for context in contexts:
         for batch in batches:
