@@ -560,3 +560,18 @@ def test_gpu_bf16_export_loads_and_decodes_identically(tmp_path, family):
     assert result["dtype"] == "torch.bfloat16" and result["device"].startswith("cuda")
     assert result["same_tokens"]
 
+
+
+def test_export_works_from_a_copy_of_the_package(tmp_path):
+    """Templates are package data: export must not depend on files outside hf_nosa/ (a symbolic link to the
+    repository broke exports run from a copied tree)."""
+    shutil.copytree(Path(hf_nosa.__file__).parent, tmp_path / "pkg" / "hf_nosa", symlinks=True)
+    script = (
+        "import hf_nosa; from hf_nosa.hub import export\n"
+        "from tests.conftest import small_nosa_config, tiny_model\n"
+        f"assert hf_nosa.__file__.startswith({str(tmp_path)!r})\n"
+        f"export(hf_nosa.to_nosa(tiny_model('llama'), small_nosa_config()), {str(tmp_path / 'out')!r})\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "pkg"), str(Path(__file__).parent.parent)])}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=tmp_path, timeout=300)
+    assert (tmp_path / "out" / "README.md").is_file()

@@ -1,4 +1,4 @@
-"""The model card (README.md) of an exported NOSA checkpoint, rendered from ``model_cards/nosa_model_card.md``.
+"""The model card (README.md) of an exported NOSA checkpoint, rendered from ``hf_nosa/templates/model_card.md``.
 
 Metadata: base_model, base_model_relation, library_name, pipeline_tag, tags and the base model's license. The body:
 NOSA in two sentences, the usage snippet, the NosaConfig table, the retrofit recipe and an evaluation table.

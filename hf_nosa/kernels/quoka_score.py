@@ -89,7 +89,7 @@ if HAS_TRITON:
         b_q = b_q / G
 
         best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-        for j in tl.static_range(N_OFFSETS):
+        for j in range(N_OFFSETS):  # not unrolled: see block_scores._select_kernel (narrow windows)
             o_w = o_n * PER_BLOCK + (FIRST_OFFSET + j)
             m_w = m_n & (o_w >= 0) & (o_w < n_win)
             p_k = k_ptr + i_b * stride_kb + i_h * stride_kh + o_w[:, None] * stride_kw + o_d[None, :] * stride_kd
