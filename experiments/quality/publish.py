@@ -2,6 +2,7 @@
 
     python experiments/quality/publish.py DIR                 # a GPU run: GPU section + demo model
     python experiments/quality/publish.py DIR --demo-only     # a CPU run: only the demo model and its section
+    python experiments/quality/publish.py DIR --results-only  # a GPU run: only the GPU section; the demo stays
 
 Writes docs/results/quality-<preset>.json (+ the two plots), rewrites the marked sections of docs/results.md, and
 replaces hf_nosa/assets/demo_model with DIR/demo_model.
@@ -106,29 +107,40 @@ def demo_section(results: dict, demo: dict) -> str:
     ])
 
 
+def _publish_results(results: dict) -> str:
+    """Write docs/results/quality-<preset>.json and its plots; return the GPU section of docs/results.md."""
+    stem = f"quality-{results['preset']}"
+    out = ROOT / "docs" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
+    for path in plots(results, out):
+        path.rename(out / f"{stem}-{path.name}")
+    return gpu_section(results, stem)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir")
-    parser.add_argument("--demo-only", action="store_true", help="install the demo model and its section only")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--demo-only", action="store_true", help="install the demo model and its section only")
+    which.add_argument("--results-only", action="store_true", help="write the GPU section only; keep the demo model")
     args = parser.parse_args(argv)
     run = Path(args.run_dir)
     results = _scrub(json.loads((run / "results.json").read_text()))
+    doc_path = ROOT / "docs" / "results.md"
+    doc = doc_path.read_text()
+    if args.results_only:
+        doc_path.write_text(_replace_section(doc, "gpu-results", _publish_results(results)))
+        print(f"updated {doc_path.relative_to(ROOT)} and docs/results/quality-{results['preset']}*")
+        return 0
     demo_dir = run / "demo_model"
     if not (demo_dir / "config.json").is_file():
         raise SystemExit(f"{demo_dir} holds no exported model")
     size = sum(f.stat().st_size for f in demo_dir.rglob("*") if f.is_file())
     if size > MAX_ASSET_BYTES:
         raise SystemExit(f"{demo_dir} is {size / 2**20:.1f} MiB; the package keeps its demo model under 16 MiB")
-    doc_path = ROOT / "docs" / "results.md"
-    doc = doc_path.read_text()
     if not args.demo_only:
-        stem = f"quality-{results['preset']}"
-        out = ROOT / "docs" / "results"
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
-        for path in plots(results, out):
-            path.rename(out / f"{stem}-{path.name}")
-        doc = _replace_section(doc, "gpu-results", gpu_section(results, stem))
+        doc = _replace_section(doc, "gpu-results", _publish_results(results))
     demo = json.loads((demo_dir / "demo.json").read_text())
     doc = _replace_section(doc, "demo-model", demo_section(results, demo))
     doc_path.write_text(doc)

@@ -41,6 +41,7 @@ from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.eval import TASKS, evaluate  # noqa: E402
 from hf_nosa.eval.corpus import corpus_text  # noqa: E402
 from hf_nosa.eval.runner import environment, format_row  # noqa: E402
+from hf_nosa.hub import export  # noqa: E402
 from hf_nosa.selection_loss import enable_selection_loss, selection_loss  # noqa: E402
 from hf_nosa.tokenizer import VOCAB_SIZE, build_tokenizer  # noqa: E402
 
@@ -364,23 +365,7 @@ def export_demo(run: Run, model, tokenizer, settings, out: Path, passkey_accurac
     model = copy.deepcopy(model).to(device="cpu", dtype=torch.bfloat16)
     e = settings["eval"]
     to_nosa(model, NosaConfig.from_dict(settings["nosa"], prefill="nosa"))  # the checkpoint states its training rule
-    try:
-        from hf_nosa.hub import export
-
-        export(model, out, tokenizer=tokenizer, overwrite=True, repo_id="hf-nosa/demo-tiny-llama",
-               license="apache-2.0")
-        how = "hf_nosa.hub.export"
-    except Exception as error:  # the checkpoint must land either way; the results say how it was written
-        run.log(f"hf_nosa.hub.export failed ({error!r}); saving with save_pretrained and the 'nosa' section")
-        run.results["notes"].append(f"export fell back to save_pretrained: {error!r}")
-        if out.exists():
-            import shutil
-
-            shutil.rmtree(out)
-        out.mkdir(parents=True)
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-        how = "save_pretrained"
+    export(model, out, tokenizer=tokenizer, overwrite=True, repo_id="hf-nosa/demo-tiny-llama", license="apache-2.0")
     demo = {
         "context_tokens": e["lengths"][0],
         "budget_tokens": e["lengths"][0] // e["budget_ratio"],
@@ -391,8 +376,8 @@ def export_demo(run: Run, model, tokenizer, settings, out: Path, passkey_accurac
     }
     (out / "demo.json").write_text(json.dumps(demo, indent=2))
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    run.stage("export", {"folder": out.name, "how": how, "bytes": size, "demo": demo})
-    run.log(f"exported the retrofitted model to {out} ({size / 1e6:.1f} MB, {how})")
+    run.stage("export", {"folder": out.name, "bytes": size, "demo": demo})
+    run.log(f"exported the retrofitted model to {out} ({size / 1e6:.1f} MB)")
 
 
 def main(argv=None) -> int:
@@ -490,13 +475,13 @@ def main(argv=None) -> int:
     first = settings["eval"]["lengths"][0]
     nosa_rows = [r for r in run.results["evaluation"] if r["label"] == "nosa" and r["length"] == first]
     passkey = nosa_rows[0]["tasks"].get("passkey") if nosa_rows else None
-    export_demo(run, retrofit, tokenizer, settings, out / "demo_model", passkey)
     try:
         from report import write_report
 
         write_report(out)
     except Exception as error:  # the results are already on disk
         run.log(f"report failed: {error!r}\n{traceback.format_exc()}")
+    export_demo(run, retrofit, tokenizer, settings, out / "demo_model", passkey)
     run.results["finished"] = True
     run.save()
     run.log(f"done in {time.perf_counter() - run.started:.0f}s; results in {out / 'results.json'}")
