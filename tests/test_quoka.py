@@ -314,3 +314,28 @@ def test_quoka_on_gpu_equals_dense_with_full_budget_and_the_torch_path_with_a_sm
     monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
     torch_logits, _ = prefill(**small)
     torch.testing.assert_close(triton_logits[real], torch_logits[real], atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
+def test_quoka_with_interpreted_kernels_equals_the_torch_path(monkeypatch):
+    """Both chunk-attention call sites (one forward; a continuing call that reads earlier blocks from the host store)
+    through the Triton kernels in the interpreter, against the torch references, with a budget smaller than the
+    prompt (so selected blocks come first in every chunk's key list)."""
+    model = _model("llama", seed=5)
+    ids, mask = _prompt(2, 150, seed=6, left_pad=(0, 21))
+    config = small_nosa_config(prefill="quoka", prefill_budget_tokens=48, prefill_chunk_size=32)
+
+    def run():
+        cache = NosaCache(model.config, config)
+        with torch.no_grad():
+            first = model(ids[:, :97], attention_mask=mask[:, :97], past_key_values=cache).logits
+            second = model(ids[:, 97:], attention_mask=mask, past_key_values=cache).logits
+        return torch.cat([first, second], 1)
+
+    monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
+    expected = run()
+    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    actual = run()
+    real = mask.bool()
+    torch.testing.assert_close(actual[real], expected[real], atol=1e-4, rtol=1e-4)

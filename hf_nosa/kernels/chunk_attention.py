@@ -6,6 +6,10 @@ copy. Query row t of chunk r sees key row k when ``0 <= k <= t + shift[r]`` (cau
 which precede the chunk, always). One program serves a tile of query rows for all G query heads of a KV head,
 so each key is loaded once per KV head; key tiles no query of the tile can see are skipped. bf16/fp16 in, fp32
 accumulation; the bias is added after the scaling, as in ``attend``.
+
+Tried and measured slower: a separate loop over the selected blocks without the causal test and the skip branch
+(so that its loads could be pipelined) took 2.57 ms against 2.26 ms for one 16-chunk group of a 64K-token layer on
+an H200 (1B shape, bf16; about 130 TFLOP/s here against ~445 for cuDNN's dense flash attention).
 """
 
 from __future__ import annotations
