@@ -41,6 +41,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
+from benchmarks.profiling import gpu_ms_by_kernel  # noqa: E402
 from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.baselines import QueryOnlySelector  # noqa: E402
 from hf_nosa.host_store import HostStore  # noqa: E402
@@ -227,20 +228,18 @@ PHASES = {"_window_logits_kernel": "selection", "_select_kernel": "selection", "
 
 def kernel_breakdown(step_fn, steps) -> dict:
     """GPU ms per step of each NOSA phase and of all kernels, from torch.profiler over eager steps."""
-    from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    def run():
         for _ in range(steps):
             step_fn()
-        torch.cuda.synchronize()
+
     totals = defaultdict(float)
-    for event in prof.key_averages():
-        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
-        phase = next((p for name, p in PHASES.items() if name in event.key), None)
+    for kernel, ms in gpu_ms_by_kernel(run).items():
+        phase = next((p for name, p in PHASES.items() if name in kernel), None)
         if phase:
-            totals[phase] += us
-        totals["gpu_total"] += us
-    return {k: totals[k] / steps / 1000 for k in ("selection", "fetch", "attention", "gpu_total")}
+            totals[phase] += ms
+        totals["gpu_total"] += ms
+    return {k: totals[k] / steps for k in ("selection", "fetch", "attention", "gpu_total")}
 
 
 @torch.no_grad()

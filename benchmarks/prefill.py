@@ -36,6 +36,7 @@ from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaFor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
+from benchmarks.profiling import gpu_ms_by_kernel  # noqa: E402
 from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
 
 SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -109,17 +110,8 @@ def measure(run, device, warmup, repeat):
 
 
 def kernel_profile(run, top=15) -> dict:
-    """GPU time of one ``run()`` by kernel (torch.profiler): the total and the ``top`` largest, in ms."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    times = {}
-    for event in prof.key_averages():
-        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
-        if us > 0:
-            times[event.key] = times.get(event.key, 0.0) + us / 1000
+    """GPU time of one ``run()`` by kernel: the total and the ``top`` largest, in ms."""
+    times = gpu_ms_by_kernel(run)
     largest = sorted(times.items(), key=lambda kv: -kv[1])[:top]
     return {"gpu_ms": sum(times.values()), "kernels_ms": {name[:120]: round(ms, 3) for name, ms in largest}}
 

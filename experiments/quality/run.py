@@ -69,8 +69,8 @@ PRESETS = {
                   compress_kernel=16, compress_stride=8),
         # selection_loss: weight of the auxiliary loss that aligns the query-aware score with where attention goes
         # (hf_nosa.selection_loss), summed over layers. Off: in cpu-demo trials on the same base NOSA found the pass
-        # key in 3 (weight 0.2) and 5 (weight 1.0) of 16 prompts against 8 of 16 without it (8-token windows, before
-        # the 2-token windows below). --selection-loss W.
+        # key in 3 (weight 0.2) and 5 (weight 1.0) of 16 prompts against 8 of 16 without it (8-token windows).
+        # --selection-loss W.
         retrofit=dict(seq_len=8192, batch=4, share=0.20, lr=2e-3, head_lr=3e-2, rank=32, alpha=64,
                       selection_loss=0.0, selection_positions=32),
         control=dict(share=0.08),
@@ -96,8 +96,8 @@ PRESETS = {
         workers=0,
         minutes=1.6,
     ),
-    # The model shipped in hf_nosa/assets until a GPU-trained one replaces it: passkey retrieval, trained on CPU
-    # (two cores, ~25 minutes).
+    # The demo model shipped in hf_nosa/assets before the GPU-trained one replaced it: passkey retrieval, trained on
+    # CPU (two cores, ~25 minutes).
     "cpu-demo": dict(
         model=dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=32),
