@@ -394,6 +394,8 @@ def main(argv=None) -> int:
                         help="NOSA training attention backend for the retrofit (auto: hf_nosa's choice)")
     parser.add_argument("--workers", type=int, help="data-loading processes (default: the preset's)")
     parser.add_argument("--base", help="start from this saved base model (a run's DIR/base) instead of pretraining")
+    parser.add_argument("--pretrain-only", action="store_true",
+                        help="stop after pretraining (DIR/base, for later runs with --base)")
     parser.add_argument("--selection-loss", type=float, help="weight of the selection alignment loss in the retrofit "
                         "(default: the preset's; 0 turns it off)")
     args = parser.parse_args(argv)
@@ -434,6 +436,11 @@ def main(argv=None) -> int:
     info["parameters"] = sum(x.numel() for x in base.parameters())
     run.stage("pretrain", info)
     base.save_pretrained(out / "base")
+    if args.pretrain_only:
+        run.results["finished"] = True
+        run.save()
+        run.log(f"pretrain only: base saved to {out / 'base'}")
+        return 0
 
     # 2. NOSA retrofit (LoRA + eviction heads, NOSA training attention)
     backend = use_training_backend(args.training_backend)
