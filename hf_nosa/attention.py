@@ -12,7 +12,7 @@ from .cache import NosaCache
 from .config import NosaConfig
 from .masks import additive_mask
 from .selection import eviction_bias
-from .selection_loss import selection_alignment_loss
+from .selection_loss import alignment_enabled, layer_alignment_loss
 from .training import nosa_training_attention
 
 
@@ -77,11 +77,9 @@ def nosa_attention(
         # A plain cache keeps no eviction scores; they are a function of the values, so recompute them.
         bias = module.eviction_head(value.transpose(1, 2).flatten(2))
     cfg: NosaConfig = module.nosa_config
-    if module.training and getattr(module, "selection_loss_weight", 0.0) and q_offset == 0:
-        # an auxiliary objective for the query-aware score (selection_loss.py); the attention below is unchanged
-        module.last_selection_loss = selection_alignment_loss(
-            query, key, cfg, module.scaling, positions=module.selection_loss_positions
-        )
+    if module.training and alignment_enabled(module) and q_offset == 0:
+        # auxiliary objectives for the two selection scores (selection_loss.py); the attention below is unchanged
+        module.last_selection_loss = layer_alignment_loss(module, query, key, value_flat, cfg, module.scaling)
     if module.training or cfg.prefill == "nosa":
         # Training always uses the rule the model decodes with (design Sec. 5), whatever the prefill mode.
         return nosa_training_attention(

@@ -15,8 +15,18 @@ the compressed keys, so LoRA on ``q_proj``/``k_proj`` learns to rank the blocks 
 changes no attention: the model still trains with exactly the rule it decodes with. (DeepSeek's sparse attention
 trains its block indexer against the dense attention distribution the same way.)
 
-Turn it on with ``enable_selection_loss(model, weight)``; in training mode every NOSA layer then leaves its loss
-on the module and ``selection_loss(model)`` sums them, weighted, for the training step to add. Packed sequences
+The eviction head gets the same kind of signal (``eviction_alignment_loss``). Through the attention bias alone its
+gradient is proportional to ``A``, which starts at 0, and the bias only shifts logits the keys already set: in the
+first GPU retrofit (524 steps) every ``A`` stayed within 0.04 of 0, so the query-agnostic part of the budget was
+ranked by an untrained ``delta``. The eviction loss compares the same full-attention block mass with a softmax over
+the eviction block scores (``selection.eviction_block_scores``: max over windows of the mean b), over the same
+candidate blocks. The scores are query-agnostic, so they learn the blocks later queries keep coming back to (a
+needle, once its question is read), which is what the query-agnostic share of the budget is for. Its gradient
+reaches ``A`` and ``delta`` only: the values are detached, so the head learns to read them and the values do not
+bend towards the head.
+
+Turn them on with ``enable_selection_loss(model, weight, eviction_weight=...)``; in training mode every NOSA layer
+then leaves its loss on the module and ``selection_loss(model)`` sums them, weighted, for the training step to add. Packed sequences
 only (no padding); gradient checkpointing is refused, because a recomputed layer would not hand back the loss.
 
 Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, S sampled positions, T tokens, N blocks, D head dim.
@@ -28,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from .config import NosaConfig
-from .selection import compress_keys, force_sink_and_local, query_block_scores
+from .selection import compress_keys, eviction_block_scores, force_sink_and_local, query_block_scores
 
 EPS = 1e-8
 
@@ -39,6 +49,35 @@ def sampled_positions(n_tokens: int, cfg: NosaConfig, positions: int) -> torch.T
     if n_tokens <= first:
         return torch.empty(0, dtype=torch.long)
     return torch.linspace(first, n_tokens - 1, min(positions, n_tokens - first)).round().long().unique()
+
+
+def _attention_mass(q: torch.Tensor, k: torch.Tensor, at: torch.Tensor, n_blocks: int, cfg: NosaConfig, scale: float):
+    """Full causal attention mass per block of the queries at ``at``, summed over each GQA group (no gradient).
+
+    ``q``: ``[B, H, S, D]`` fp32, ``k``: ``[B, Hk, T, D]`` fp32. Returns ``[B, Hk, S, N]``.
+    """
+    B, H, S, D = q.shape
+    Hk, T = k.shape[1], k.shape[2]
+    with torch.no_grad():
+        logits = torch.einsum("bkgsd,bktd->bkgst", q.view(B, Hk, H // Hk, S, D), k) * scale  # [B, Hk, G, S, T]
+        logits = logits.masked_fill(torch.arange(T, device=k.device) > at[:, None], float("-inf"))
+        probs = torch.softmax(logits, -1).sum(2)  # [B, Hk, S, T]
+        pad = n_blocks * cfg.block_size - T
+        return torch.nn.functional.pad(probs, (0, pad)).view(B, Hk, S, n_blocks, cfg.block_size).sum(-1)
+
+
+def _candidates(scores: torch.Tensor, at: torch.Tensor, cfg: NosaConfig) -> torch.Tensor:
+    """``[..., S, N]`` bool: the blocks a selection part chooses among (before the token's block, neither sink nor
+    local window); never empty, by the choice of positions."""
+    forced, _ = force_sink_and_local(scores.detach(), at // cfg.block_size, cfg)
+    return forced.isfinite()
+
+
+def _kl(mass: torch.Tensor, log_predicted: torch.Tensor, among: torch.Tensor) -> torch.Tensor:
+    target = mass * among
+    target = target / target.sum(-1, keepdim=True).clamp_min(EPS)
+    log_target = target.clamp_min(EPS).log()
+    return torch.where(among, target * (log_target - log_predicted), 0.0).sum(-1).mean()  # mean over [B, Hk, S]
 
 
 def selection_alignment_loss(
@@ -56,33 +95,48 @@ def selection_alignment_loss(
     """
     if positions < 1:
         raise ValueError(f"positions={positions} is invalid: it must be at least 1")
-    B, H, T, D = query.shape
-    Hk = key.shape[1]
-    G, P = H // Hk, cfg.block_size
-    N = (T + P - 1) // P
+    T = query.shape[2]
+    N = (T + cfg.block_size - 1) // cfg.block_size
     at = sampled_positions(T, cfg, positions).to(query.device)  # [S]
     if at.numel() == 0:
         return query.new_zeros((), dtype=torch.float32)
     with torch.autocast(query.device.type, enabled=False):
-        q = query[:, :, at].float()  # [B, H, S, D]
-        k = key.float()
-        with torch.no_grad():
-            logits = torch.einsum("bkgsd,bktd->bkgst", q.view(B, Hk, G, -1, D), k) * scale  # [B, Hk, G, S, T]
-            logits = logits.masked_fill(torch.arange(T, device=k.device) > at[:, None], float("-inf"))
-            probs = torch.softmax(logits, -1).sum(2)  # [B, Hk, S, T]
-            pad = N * P - T
-            mass = torch.nn.functional.pad(probs, (0, pad)).view(B, Hk, -1, N, P).sum(-1)  # [B, Hk, S, N]
+        q, k = query[:, :, at].float(), key.float()  # [B, H, S, D], [B, Hk, T, D]
+        mass = _attention_mass(q, k, at, N, cfg, scale)  # [B, Hk, S, N]
         scores = query_block_scores(q, compress_keys(k, cfg), at, N, cfg, scale)  # [B, Hk, S, N], with gradient
-        # the shared rule marks sink and local window +inf and later blocks -inf: what stays finite is chosen among
-        # (never empty, by the choice of positions)
-        forced, _ = force_sink_and_local(scores.detach(), at // P, cfg)
-        chosen_among = forced.isfinite()  # [B, Hk, S, N]
-        target = mass * chosen_among
-        target = target / target.sum(-1, keepdim=True).clamp_min(EPS)
-        predicted = scores * chosen_among
+        among = _candidates(scores, at, cfg)
+        predicted = scores * among
         predicted = predicted / predicted.sum(-1, keepdim=True).clamp_min(EPS)
-        kl = (target * (target.clamp_min(EPS).log() - predicted.clamp_min(EPS).log())).sum(-1)  # [B, Hk, S]
-        return kl.mean()
+        return _kl(mass, predicted.clamp_min(EPS).log(), among)
+
+
+def eviction_alignment_loss(
+    query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor, cfg: NosaConfig, scale: float, *, positions: int = 32
+) -> torch.Tensor:
+    """KL(full-attention block mass || softmax of the eviction block scores) over the candidate blocks; a scalar.
+
+    Args:
+        query: ``[B, H, T, D]``, key: ``[B, Hk, T, D]`` post-RoPE, of positions ``0 .. T-1``.
+        bias: ``[B, Hk, T]`` eviction-head scores b (with gradient).
+        positions: how many query positions to sample per sequence.
+
+    Returns:
+        fp32 scalar, >= 0 (0 when no position has a candidate block).
+    """
+    if positions < 1:
+        raise ValueError(f"positions={positions} is invalid: it must be at least 1")
+    T = query.shape[2]
+    N = (T + cfg.block_size - 1) // cfg.block_size
+    at = sampled_positions(T, cfg, positions).to(query.device)  # [S]
+    if at.numel() == 0:
+        return query.new_zeros((), dtype=torch.float32)
+    with torch.autocast(query.device.type, enabled=False):
+        mass = _attention_mass(query[:, :, at].float(), key.float(), at, N, cfg, scale)  # [B, Hk, S, N]
+        scores = eviction_block_scores(compress_keys(bias.float(), cfg), at, N, cfg)  # [B, Hk, S, N], with gradient
+        among = _candidates(scores, at, cfg) & scores.isfinite()
+        # finite fill: a row without candidates stays finite (and carries no weight) instead of turning NaN
+        log_predicted = torch.log_softmax(scores.masked_fill(~among, -1e30), -1)
+        return _kl(mass, log_predicted, among)
 
 
 # ----- model plumbing -----
@@ -102,39 +156,64 @@ def _checkpointing(model: nn.Module) -> bool:
     return False
 
 
-def enable_selection_loss(model: nn.Module, weight: float, *, positions: int = 32) -> nn.Module:
-    """Make every NOSA attention layer of ``model`` compute the selection alignment loss in training mode.
+def enable_selection_loss(model: nn.Module, weight: float, *, positions: int = 32, eviction_weight: float = 0.0) -> nn.Module:
+    """Make every NOSA attention layer of ``model`` compute the alignment losses in training mode.
 
-    ``weight`` 0 turns it off. Raises if the model has no NOSA layers or trains with gradient checkpointing.
+    ``weight`` scales the selection (query-aware) loss, ``eviction_weight`` the eviction loss; 0 turns one off.
+    Raises if the model has no NOSA layers or trains with gradient checkpointing.
     """
-    if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight < 0:
-        raise ValueError(f"weight={weight!r} is invalid: it must be a number >= 0 (0 turns the loss off)")
+    for name, value in (("weight", weight), ("eviction_weight", eviction_weight)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name}={value!r} is invalid: it must be a number >= 0 (0 turns the loss off)")
     if positions < 1:
         raise ValueError(f"positions={positions} is invalid: it must be at least 1")
     layers = _nosa_layers(model)
     if not layers:
         raise ValueError("enable_selection_loss needs a NOSA model (hf_nosa.to_nosa); this one has no eviction heads")
-    if weight and _checkpointing(model):
+    if (weight or eviction_weight) and _checkpointing(model):
         raise ValueError(
             "the selection loss cannot be combined with gradient checkpointing (a recomputed layer does not hand "
-            "its loss back); call model.gradient_checkpointing_disable() or set weight=0"
+            "its loss back); call model.gradient_checkpointing_disable() or set both weights to 0"
         )
     for layer in layers:
         layer.selection_loss_weight = float(weight)
+        layer.eviction_loss_weight = float(eviction_weight)
         layer.selection_loss_positions = positions
         layer.last_selection_loss = None
     return model
 
 
+def alignment_enabled(module: nn.Module) -> bool:
+    """Whether ``module`` (a NOSA attention layer) computes an alignment loss in training mode."""
+    return bool(getattr(module, "selection_loss_weight", 0.0) or getattr(module, "eviction_loss_weight", 0.0))
+
+
+def layer_alignment_loss(module: nn.Module, query, key, value_flat, cfg: NosaConfig, scale: float) -> torch.Tensor:
+    """One layer's weighted alignment losses for a training forward.
+
+    ``query`` / ``key``: post-RoPE, as in ``eviction_alignment_loss``; ``value_flat``: ``[B, T, Hk * D]``, the
+    input of the layer's eviction head (detached here).
+    """
+    positions = module.selection_loss_positions
+    total = query.new_zeros((), dtype=torch.float32)
+    if module.selection_loss_weight:
+        total = total + module.selection_loss_weight * selection_alignment_loss(query, key, cfg, scale, positions=positions)
+    if getattr(module, "eviction_loss_weight", 0.0):
+        bias = module.eviction_head(value_flat.detach())  # [B, Hk, T]
+        total = total + module.eviction_loss_weight * eviction_alignment_loss(
+            query, key, bias, cfg, scale, positions=positions
+        )
+    return total
+
+
 def selection_loss(model: nn.Module) -> torch.Tensor | None:
-    """The weighted sum of the losses the NOSA layers left in the last training forward (then cleared); None when
-    the loss is off or no layer computed one."""
+    """The sum of the weighted losses the NOSA layers left in the last training forward (then cleared); None when
+    the losses are off or no layer computed one."""
     total = None
     for layer in _nosa_layers(model):
         loss = getattr(layer, "last_selection_loss", None)
         if loss is None:
             continue
-        weighted = layer.selection_loss_weight * loss
-        total = weighted if total is None else total + weighted
+        total = loss if total is None else total + loss
         layer.last_selection_loss = None
     return total

@@ -212,6 +212,21 @@ def lora_model(model, settings: dict, *, with_heads: bool):
     return peft_model, groups
 
 
+def stretch_rope(model, factor: float, *, original: int) -> None:
+    """YaRN RoPE scaling by ``factor`` over the ``original`` pretraining length, for the long fine-tunes.
+
+    The base never saw positions past ``original``; YaRN keeps the high-frequency dimensions (local order) and
+    interpolates the slow ones, so that twice the fine-tuning length still maps into angles pretraining saw.
+    """
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = model.config
+    theta = config.rope_parameters["rope_theta"]
+    config.rope_parameters = {"rope_type": "yarn", "rope_theta": theta, "factor": float(factor),
+                              "original_max_position_embeddings": original}
+    model.model.rotary_emb = LlamaRotaryEmbedding(config).to(next(model.parameters()).device)
+
+
 def use_training_backend(backend: str) -> str:
     """Pin the NOSA training attention's backend for this process ("auto" leaves hf_nosa's choice)."""
     import hf_nosa.attention as attention_module
@@ -227,21 +242,24 @@ def fine_tune(run: Run, name: str, base, settings, *, nosa: NosaConfig | None, s
               seed: int, workers: int):
     """LoRA (+ eviction heads when ``nosa``) fine-tune of a copy of ``base`` at the long length; merged result."""
     model = copy.deepcopy(base)
+    if settings.get("rope_factor"):
+        stretch_rope(model, settings["rope_factor"], original=settings["pretrain"]["phases"][-1][0])
     if nosa is not None:
         to_nosa(model, nosa)
     peft_model, groups = lora_model(model, settings, with_heads=nosa is not None)
     extra_loss = None
-    weight = settings["retrofit"].get("selection_loss", 0.0)
-    if nosa is not None and weight:
-        enable_selection_loss(peft_model, weight, positions=settings["retrofit"].get("selection_positions", 32))
-        extra_loss = functools.partial(selection_loss, peft_model)
     r = settings["retrofit"]
+    weight, eviction_weight = r.get("selection_loss", 0.0), r.get("eviction_loss", 0.0)
+    if nosa is not None and (weight or eviction_weight):
+        enable_selection_loss(peft_model, weight, positions=r.get("selection_positions", 32), eviction_weight=eviction_weight)
+        extra_loss = functools.partial(selection_loss, peft_model)
     batches = PhasedBatches(settings, [(r["seq_len"], r["batch"], 1.0)], seconds, seed + 1, workers)
     run.log(f"{name}: {sum(p.numel() for g in groups for p in g['params']) / 1e3:.0f}K trainable parameters, "
             f"seq {r['seq_len']} x batch {r['batch']}, up to {seconds:.0f}s" + (f" / {max_steps} steps" if max_steps else ""))
     info = train(peft_model, batches, param_groups=groups, seconds=seconds, max_steps=max_steps, device=device,
                  log=run.log, log_every=10, extra_loss=extra_loss)
     info["selection_loss_weight"] = weight if nosa is not None else 0.0
+    info["eviction_loss_weight"] = eviction_weight if nosa is not None else 0.0
     merged = peft_model.merge_and_unload()
     merged.eval()
     if nosa is not None:
@@ -396,6 +414,11 @@ def main(argv=None) -> int:
     parser.add_argument("--base", help="start from this saved base model (a run's DIR/base) instead of pretraining")
     parser.add_argument("--pretrain-only", action="store_true",
                         help="stop after pretraining (DIR/base, for later runs with --base)")
+    parser.add_argument("--eviction-loss", type=float, help="weight of the eviction alignment loss in the retrofit "
+                        "(default: the preset's; 0 turns it off)")
+    parser.add_argument("--query-tokens", type=int, help="query-aware share of the budget in tokens (default: the preset's)")
+    parser.add_argument("--rope-factor", type=float, help="YaRN RoPE scaling of the long fine-tunes (retrofit and control) "
+                        "by this factor over the pretraining length (default: none)")
     parser.add_argument("--selection-loss", type=float, help="weight of the selection alignment loss in the retrofit "
                         "(default: the preset's; 0 turns it off)")
     args = parser.parse_args(argv)
@@ -404,6 +427,14 @@ def main(argv=None) -> int:
     minutes = args.minutes or settings["minutes"]
     if args.selection_loss is not None:
         settings["retrofit"]["selection_loss"] = args.selection_loss
+    if args.eviction_loss is not None:
+        settings["retrofit"]["eviction_loss"] = args.eviction_loss
+    if args.query_tokens is not None:
+        settings["nosa"]["query_tokens"] = args.query_tokens
+    if args.rope_factor is not None:
+        if args.rope_factor <= 1:
+            parser.error(f"--rope-factor={args.rope_factor} is invalid: it must be above 1")
+        settings["rope_factor"] = args.rope_factor
     workers = settings["workers"] if args.workers is None else args.workers
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda":
