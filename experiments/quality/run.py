@@ -224,6 +224,7 @@ def stretch_rope(model, factor: float, *, original: int) -> None:
     theta = config.rope_parameters["rope_theta"]
     config.rope_parameters = {"rope_type": "yarn", "rope_theta": theta, "factor": float(factor),
                               "original_max_position_embeddings": original}
+    config.max_position_embeddings = int(original * factor)  # what transformers checks the factor against
     model.model.rotary_emb = LlamaRotaryEmbedding(config).to(next(model.parameters()).device)
 
 
