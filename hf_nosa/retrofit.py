@@ -32,6 +32,7 @@ from torch import nn
 from .config import NosaConfig
 from .modeling import FAMILIES, eviction_heads, family_of, to_nosa
 from .retrofit_data import DATA_SUFFIXES, data_files, pack_data  # noqa: F401  (part of this module's API)
+from .selection_loss import enable_selection_loss, selection_loss
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ RECIPE_MODEL = "recipe:model"  # base_model of a run whose base was built from t
 REQUIRED = ("model", "nosa", "lora", "seq_len", "lr_eviction", "lr_lora", "steps", "batch_size", "grad_accum",
             "device_memory_gb")
 DEFAULTS = dict(description="", tokenizer=None, text_field="text", warmup_steps=0, weight_decay=0.0,
-                max_grad_norm=1.0, seed=0, save_every=0, keep_checkpoints=2, gradient_checkpointing=True)
+                max_grad_norm=1.0, seed=0, save_every=0, keep_checkpoints=2, gradient_checkpointing=True,
+                selection_loss=0.0, eviction_loss=0.0)
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
 MODEL_CONFIG_KEYS = ("config", "family", "seed")
 
@@ -125,6 +127,11 @@ def load_recipe(recipe: str | Path | dict) -> dict:
         _number(out, name, int, 0, inclusive=True)
     _number(out, "keep_checkpoints", int, 0)
     _number(out, "weight_decay", float, 0, inclusive=True)
+    for name in ("selection_loss", "eviction_loss"):  # weights of hf_nosa.selection_loss's auxiliary losses
+        _number(out, name, float, 0, inclusive=True)
+    if (out["selection_loss"] or out["eviction_loss"]) and out["gradient_checkpointing"]:
+        raise ValueError("recipe selection_loss / eviction_loss need gradient_checkpointing: false (a recomputed layer "
+                         "does not hand its loss back)")
     if out["max_grad_norm"] is not None:
         _number(out, "max_grad_norm", float, 0)
     if out["seq_len"] % cfg.block_size:
@@ -300,6 +307,8 @@ def _build_model(recipe: dict, base, dtype: torch.dtype):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         model = get_peft_model(model, lora_config(recipe))
+        if recipe["selection_loss"] or recipe["eviction_loss"]:
+            enable_selection_loss(model, recipe["selection_loss"], eviction_weight=recipe["eviction_loss"])
     return model, family, cfg
 
 
@@ -401,7 +410,8 @@ def retrofit(recipe, data, output_dir, *, base_model=None, resume: bool = False,
             sync = micro == recipe["grad_accum"] - 1
             with contextlib.nullcontext() if sync else accelerator.no_sync(model):
                 loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-                accelerator.backward(loss / recipe["grad_accum"])
+                aux = selection_loss(model)  # None unless the recipe weights an alignment loss
+                accelerator.backward((loss if aux is None else loss + aux) / recipe["grad_accum"])
             total += loss.detach().float()
         if recipe["max_grad_norm"] is not None:
             accelerator.clip_grad_norm_(model.parameters(), recipe["max_grad_norm"])

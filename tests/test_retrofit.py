@@ -146,6 +146,24 @@ def test_local_folder_base_with_token_ids_and_two_learning_rates(tmp_path):
     assert lrs == sorted([(recipe["lr_eviction"], 3 * layers), (recipe["lr_lora"], 2 * targets * layers)])
 
 
+def test_alignment_loss_weights_reach_the_training_step(data, tmp_path):
+    recipe = {**load_recipe("tiny"), "steps": 3, "gradient_checkpointing": False}
+    plain = retrofit(recipe, data, tmp_path / "plain")
+    aligned = retrofit({**recipe, "eviction_loss": 1.0}, data, tmp_path / "aligned")
+    assert read_run(tmp_path / "aligned")["recipe"]["eviction_loss"] == 1.0
+    # same seed, data and steps: only the eviction loss differs, and it moves the eviction heads differently
+    def scales(result):
+        return torch.cat([m.eviction_head.A.detach().flatten() for m in result.model.modules() if hasattr(m, "eviction_head")])
+
+    assert not torch.allclose(scales(plain), scales(aligned))
+    again = retrofit(recipe, data, tmp_path / "again")  # the difference is not run-to-run noise
+    torch.testing.assert_close(scales(plain), scales(again))
+    with pytest.raises(ValueError, match="eviction_loss=-1.0 is invalid"):
+        load_recipe({**recipe, "eviction_loss": -1.0})
+    with pytest.raises(ValueError, match="need gradient_checkpointing: false"):
+        load_recipe({**recipe, "selection_loss": 0.5, "gradient_checkpointing": True})
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

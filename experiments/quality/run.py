@@ -366,6 +366,9 @@ def write_recipe(run: Run, settings: dict, layout: NosaConfig, steps: int) -> No
         "grad_accum": 1,
         "device_memory_gb": 40,
     }
+    if r.get("selection_loss") or r.get("eviction_loss"):
+        recipe.update(selection_loss=r.get("selection_loss", 0.0), eviction_loss=r.get("eviction_loss", 0.0),
+                      gradient_checkpointing=False)
     try:
         from hf_nosa.retrofit import load_recipe
 
