@@ -66,6 +66,14 @@ def _attention_mass(q: torch.Tensor, k: torch.Tensor, at: torch.Tensor, n_blocks
         return torch.nn.functional.pad(probs, (0, pad)).view(B, Hk, S, n_blocks, cfg.block_size).sum(-1)
 
 
+def _positions_and_blocks(query: torch.Tensor, cfg: NosaConfig, positions: int) -> tuple[torch.Tensor, int]:
+    """The sampled query positions (``[S]`` long, on the query's device) and the number of blocks of ``T`` tokens."""
+    if positions < 1:
+        raise ValueError(f"positions={positions} is invalid: it must be at least 1")
+    T = query.shape[2]
+    return sampled_positions(T, cfg, positions).to(query.device), (T + cfg.block_size - 1) // cfg.block_size
+
+
 def _candidates(scores: torch.Tensor, at: torch.Tensor, cfg: NosaConfig) -> torch.Tensor:
     """``[..., S, N]`` bool: the blocks a selection part chooses among (before the token's block, neither sink nor
     local window); never empty, by the choice of positions."""
@@ -93,11 +101,7 @@ def selection_alignment_loss(
     Returns:
         fp32 scalar, >= 0 (0 when no position has a candidate block).
     """
-    if positions < 1:
-        raise ValueError(f"positions={positions} is invalid: it must be at least 1")
-    T = query.shape[2]
-    N = (T + cfg.block_size - 1) // cfg.block_size
-    at = sampled_positions(T, cfg, positions).to(query.device)  # [S]
+    at, N = _positions_and_blocks(query, cfg, positions)  # [S], blocks
     if at.numel() == 0:
         return query.new_zeros((), dtype=torch.float32)
     with torch.autocast(query.device.type, enabled=False):
@@ -123,11 +127,7 @@ def eviction_alignment_loss(
     Returns:
         fp32 scalar, >= 0 (0 when no position has a candidate block).
     """
-    if positions < 1:
-        raise ValueError(f"positions={positions} is invalid: it must be at least 1")
-    T = query.shape[2]
-    N = (T + cfg.block_size - 1) // cfg.block_size
-    at = sampled_positions(T, cfg, positions).to(query.device)  # [S]
+    at, N = _positions_and_blocks(query, cfg, positions)  # [S], blocks
     if at.numel() == 0:
         return query.new_zeros((), dtype=torch.float32)
     with torch.autocast(query.device.type, enabled=False):
