@@ -271,3 +271,15 @@ def test_tiny_recipe_on_gpu_bf16_with_flex_attention(data, tmp_path):
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         a, b = reloaded(input_ids=ids).logits.float(), result.model(input_ids=ids).logits.float()
     torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.gpu
+def test_tiny_recipe_on_gpu_bf16_with_the_eviction_loss(data, tmp_path):
+    pytest.importorskip("datasets")
+    recipe = {**load_recipe("tiny"), "gradient_checkpointing": False, "eviction_loss": 0.5}
+    result = retrofit(recipe, data, tmp_path / "gpu")
+    assert next(result.model.parameters()).is_cuda
+    assert all(loss == loss for loss in result.losses)  # bf16 autocast, flex attention and the loss: no NaN
+    assert sum(result.losses[-5:]) / 5 < sum(result.losses[:5]) / 5 - 0.3, result.losses
+    scales = torch.cat([m.eviction_head.A.detach().flatten() for m in result.model.modules() if hasattr(m, "eviction_head")])
+    assert scales.abs().max() > 0.05  # the heads left A = 0
