@@ -1,4 +1,4 @@
-"""Selection alignment: an auxiliary training loss that teaches the query-aware score where attention goes.
+"""Selection alignment: auxiliary training losses that teach both selection scores where attention goes.
 
 The selection is a discrete choice and carries no gradient, so training with the NOSA attention alone only
 reinforces blocks that were already selected: a needle block the compressed-key score misses gets no signal to be
@@ -17,17 +17,18 @@ trains its block indexer against the dense attention distribution the same way.)
 
 The eviction head gets the same kind of signal (``eviction_alignment_loss``). Through the attention bias alone its
 gradient is proportional to ``A``, which starts at 0, and the bias only shifts logits the keys already set: in the
-first GPU retrofit (524 steps) every ``A`` stayed within 0.04 of 0, so the query-agnostic part of the budget was
-ranked by an untrained ``delta``. The eviction loss compares the same full-attention block mass with a softmax over
+GPU retrofits (524 and 1,212 steps) every ``A`` stayed within 0.06 of 0, so the query-agnostic part of the budget
+was ranked by an untrained ``delta``; with this loss (weight 0.1) ``A`` reached 0.6-1.1. The eviction loss compares the same full-attention block mass with a softmax over
 the eviction block scores (``selection.eviction_block_scores``: max over windows of the mean b), over the same
 candidate blocks. The scores are query-agnostic, so they learn the blocks later queries keep coming back to (a
 needle, once its question is read), which is what the query-agnostic share of the budget is for. Its gradient
 reaches ``A`` and ``delta`` only: the values are detached, so the head learns to read them and the values do not
 bend towards the head.
 
-Turn them on with ``enable_selection_loss(model, weight, eviction_weight=...)``; in training mode every NOSA layer
-then leaves its loss on the module and ``selection_loss(model)`` sums them, weighted, for the training step to add. Packed sequences
-only (no padding); gradient checkpointing is refused, because a recomputed layer would not hand back the loss.
+Turn them on with ``enable_selection_loss(model, weight, eviction_weight=...)`` (recipes: ``selection_loss``,
+``eviction_loss``); in training mode every NOSA layer then leaves its weighted loss on the module and
+``selection_loss(model)`` sums them for the training step to add. Packed sequences only (no padding); gradient
+checkpointing is refused, because a recomputed layer would not hand back the loss.
 
 Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, S sampled positions, T tokens, N blocks, D head dim.
 """
