@@ -435,6 +435,9 @@ def main(argv=None) -> int:
     minutes = args.minutes or settings["minutes"]
     if args.selection_loss is not None:
         settings["retrofit"]["selection_loss"] = args.selection_loss
+    for flag, value in (("--selection-loss", args.selection_loss), ("--eviction-loss", args.eviction_loss)):
+        if value is not None and value < 0:
+            parser.error(f"{flag}={value} is invalid: it must be >= 0 (0 turns the loss off)")
     if args.eviction_loss is not None:
         settings["retrofit"]["eviction_loss"] = args.eviction_loss
     if args.query_tokens is not None:
