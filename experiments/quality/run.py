@@ -59,20 +59,20 @@ PRESETS = {
         # induction-style phase change after a few hundred steps in CPU probes) and does not carry over to twice
         # the trained length, so each phase doubles the length and re-adapts it.
         pretrain=dict(phases=[(512, 64, 0.15), (1024, 32, 0.15), (2048, 16, 0.3), (4096, 8, 0.4)], share=0.40, lr=3e-3),
-        # The layout of GPU round 2's best retrofit (docs/results.md), with 4-token windows. One query-aware block:
-        # the eviction head, trained by the eviction loss, picks 10 of the 16 blocks, which keeps locality at ~0.96.
-        # Windows: 2/1 let training-free selection see every needle (first GPU run: query-only matched NOSA); 16/8
-        # average byte-level number needles away (round 2: the retrofit learned to answer without them); the 16/8
-        # retrofit evaluated with 4/2 windows got the numbers back (suite 0.751 against 0.432). Not yet run as is.
-        nosa=dict(block_size=64, budget_tokens=1024, sink_tokens=64, local_tokens=256, query_tokens=64,
+        # GPU round 3's best at 8K (docs/results.md, run N): 4-token windows, 256 query-aware tokens, selection loss
+        # 0.03. NOSA 0.865 against 0.922 for full attention and 0.710 for Quest, but locality 0.90 (64 query-aware
+        # tokens keep it at ~0.96 and score 0.38-0.43) and collapsed at 16K (0.09; without the selection loss 0.39).
+        # Windows: 2/1 let training-free selection see every needle; 16/8 average byte-level number needles away
+        # (round 2: the retrofit learned to answer without them).
+        nosa=dict(block_size=64, budget_tokens=1024, sink_tokens=64, local_tokens=256, query_tokens=256,
                   compress_kernel=4, compress_stride=2),
         # eviction_loss: weight of hf_nosa.selection_loss.eviction_alignment_loss, summed over layers. Without it
-        # every A stayed within 0.06 of 0 in 1,200 steps (round 2, run A); with 0.1 it reached 0.6-1.1.
-        # selection_loss: its query-aware counterpart; off (in cpu-demo trials on one base NOSA found the pass key
-        # in 3 (weight 0.2) and 5 (weight 1.0) of 16 prompts against 8 of 16 without it). --eviction-loss W,
-        # --selection-loss W.
+        # every A stayed within 0.06 of 0 in 1,200 steps (round 2, run A); with 0.1 it reached 0.6-1.1; 0.3 scored
+        # lower (round 3, run G). selection_loss: its query-aware counterpart. 0.03-0.1 raised NOSA at 8K in all four
+        # round-3 pairs (0.45 -> 0.56 at q128, 0.53 -> 0.82-0.87 at q256) and broke 16K in all four; 0.5 wrecked the
+        # model (runs J, L: 0.01-0.10 with full attention too). --eviction-loss W, --selection-loss W.
         retrofit=dict(seq_len=8192, batch=4, share=0.20, lr=2e-3, head_lr=3e-2, rank=32, alpha=64,
-                      selection_loss=0.0, eviction_loss=0.1, selection_positions=32),
+                      selection_loss=0.03, eviction_loss=0.1, selection_positions=32),
         # YaRN x4 over the 4K pretraining length in the long fine-tunes (retrofit and control): without it every model
         # scored ~0 at 16K; with it full attention scores 0.57 there and 0.92 at 8K (round 2, run D). --rope-factor.
         rope_factor=4.0,
