@@ -40,7 +40,7 @@ import hf_nosa  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.eval import TASKS, evaluate  # noqa: E402
 from hf_nosa.eval.corpus import corpus_text  # noqa: E402
-from hf_nosa.eval.runner import environment, format_row  # noqa: E402
+from hf_nosa.eval.runner import budget_for, environment, format_row, nosa_layout  # noqa: E402
 from hf_nosa.hub import export  # noqa: E402
 from hf_nosa.selection_loss import enable_selection_loss, selection_loss  # noqa: E402
 from hf_nosa.tokenizer import VOCAB_SIZE, build_tokenizer  # noqa: E402
@@ -452,6 +452,12 @@ def main(argv=None) -> int:
             parser.error(f"--windows={args.windows!r} is invalid: give KERNEL/STRIDE in tokens, e.g. 16/8")
         settings["nosa"].update(compress_kernel=int(kernel), compress_stride=int(stride))
     NosaConfig(**settings["nosa"])  # a bad layout fails here, naming the field, before any work
+    for length in settings["eval"]["lengths"]:  # and so does one the evaluation's smaller budgets cannot hold
+        budget = budget_for(settings["nosa"], length, None, settings["eval"]["budget_ratio"])
+        try:
+            nosa_layout(settings["nosa"], budget)
+        except ValueError as error:
+            parser.error(f"the evaluation at {length} tokens has a budget of {budget} tokens, too small for this layout: {error}")
     workers = settings["workers"] if args.workers is None else args.workers
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if device.type == "cuda":
