@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ RUN = ROOT / "experiments" / "quality" / "run.py"
 
 
 def run_experiment(*args: str) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, str(RUN), *args], capture_output=True, text=True, env=env, timeout=600)
 
 
