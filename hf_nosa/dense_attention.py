@@ -1,0 +1,176 @@
+"""Dense attention with the eviction bias on the fast kernels: ``softmax(q . k * scale + b) . v`` through sdpa.
+
+The bias of key ``j`` is folded into the dot product by extra head dimensions (design Sec. 4): the queries get
+columns of ones and key ``j`` gets ``b_j / scale`` in those columns, so that
+``q' . k'_j * scale = q . k_j * scale + b_j`` exactly, and any softmax attention (FlashAttention, cuDNN,
+memory-efficient, the CPU flash kernel) computes the biased softmax with its own causal masking and no
+materialised bias. The logits stay in the kernel's log domain, so the bias has no range limit: ``|b|`` of 80 and
+``MASK_VALUE`` (-1e30, "never attend") are as exact as small biases. In bf16/fp16 one column would round ``b``
+to 8/11 bits; ``b / scale`` is split into three columns (``hi + mid + lo``, each the rounding error of the
+previous ones) that the kernel sums in its fp32 accumulator, which keeps ``b`` to about fp32 precision. fp16
+cannot hold ``MASK_VALUE``: its columns are clamped to +-65504 (a logit offset of at least 65504 * scale, which
+hides a key as surely as -1e30). The head dimension is padded to a multiple of 8 (the fast kernels' alignment;
+they also need q, k and v to share it, so v gets zero columns that are cut from the output): 64 -> 72.
+
+The other identity, ``A(q, k, v e^(b - m)) / A(q, k, e^(b - m))``, keeps the dot product as it is but needs
+``e^(b - m)`` within the value dtype's range over every row's visible keys; with ``|b|`` up to 80 and causal rows
+that see only low-bias keys, it underflows (0/0). The columns above have no such limit and cost the same padding.
+
+With an all-zero bias (a freshly converted model, ``A == 0``) and no mask, this is plain sdpa on the original
+head dimension. ``attend.attend`` is the torch reference (``biased_attention_ref``).
+
+Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, Tq queries, S keys, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from .attend import AttentionInputs
+from .attend import attend as biased_attention_ref
+from .selection import MASK_VALUE
+
+__all__ = ["biased_attention", "biased_attention_ref", "bias_columns"]
+
+_ALIGN = 8  # head-dim multiple the fused sdpa kernels need
+_FP16_LIMIT = 65504.0
+
+
+def bias_columns(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold a per-key bias into extra head dimensions: ``q' . k'_j * scale == q . k_j * scale + bias_j``.
+
+    Differentiable in ``bias`` (the split's lower columns carry no gradient; their sum's gradient is one).
+
+    Args:
+        query: ``[B, H, Tq, D]``; keys, values: ``[B, Hk, S, D]`` in the query's dtype.
+        bias: ``[B, Hk, S]`` float32 added to every query's logit of key ``j`` (after the scaling).
+
+    Returns:
+        ``q' [B, H, Tq, D']``, ``k' [B, Hk, S, D']``, ``v' [B, Hk, S, D']`` with ``D'`` the next multiple of 8 at
+        least ``D + 1`` (fp32) or ``D + 3`` (bf16/fp16); v's extra columns are zero.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
+        >>> b = torch.randn(1, 1, 5)
+        >>> q2, k2, v2 = bias_columns(q, k, v, b, 0.5)
+        >>> torch.allclose(q2 @ k2.transpose(-1, -2) * 0.5, q @ k.transpose(-1, -2) * 0.5 + b[:, :, None], atol=1e-5)
+        True
+    """
+    dtype = query.dtype
+    x = bias.float() / scale
+    if dtype == torch.float32 or dtype == torch.float64:
+        cols = [x.to(dtype)]
+    else:
+        if dtype == torch.float16:
+            x = x.clamp(-_FP16_LIMIT, _FP16_LIMIT)
+        hi = x.to(dtype)
+        mid = (x - hi.float()).to(dtype)
+        lo = (x - hi.float() - mid.float()).to(dtype)
+        cols = [hi, mid, lo]
+    D, n = query.shape[-1], len(cols)
+    width = -(-(D + n) // _ALIGN) * _ALIGN
+    B, H, Tq, _ = query.shape
+    ones = query.new_ones(1, 1, 1, n).expand(B, H, Tq, n)
+    q2 = F.pad(torch.cat([query, ones], -1), (0, width - D - n))
+    k2 = F.pad(torch.cat([keys, torch.stack(cols, -1)], -1), (0, width - D - n))
+    v2 = F.pad(values, (0, width - D))
+    return q2, k2, v2
+
+
+def _mask_floor(dtype: torch.dtype) -> float:
+    return max(MASK_VALUE, torch.finfo(dtype).min)
+
+
+def _causal(Tq: int, S: int, q_offset: int, device, dtype) -> torch.Tensor:
+    """``[1, 1, Tq, S]`` additive mask in ``dtype``: query ``i`` sees keys ``j <= q_offset + i``."""
+    allowed = torch.arange(S, device=device)[None, :] <= torch.arange(q_offset, q_offset + Tq, device=device)[:, None]
+    return torch.where(allowed, 0.0, _mask_floor(dtype)).to(dtype)[None, None]
+
+
+def _sdpa(q, k, v, mask, is_causal: bool, scale: float) -> torch.Tensor:
+    """sdpa with GQA: ``q [B, H, Tq, D']``, ``k/v [B, Hk, S, D']``; mask None, a ``CausalBias`` or a tensor
+    ``[B or 1, 1 or Hk, Tq, S]``."""
+    H, Hk = q.shape[1], k.shape[1]
+    G = H // Hk
+    if G == 1:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
+    B, _, Tq, Dp = q.shape
+    if isinstance(mask, torch.Tensor) and mask.shape[1] > 1:
+        # A mask per KV head: one call per member of the GQA group, each with H = Hk (no mask copy).
+        qg = q.view(B, Hk, G, Tq, Dp)
+        outs = [F.scaled_dot_product_attention(qg[:, :, g], k, v, attn_mask=mask, scale=scale) for g in range(G)]
+        return torch.stack(outs, 2).view(B, H, Tq, v.shape[-1])
+    if q.device.type == "cpu":
+        # The CPU flash kernel takes GQA with a mask; CUDA's masked kernels do not (sdpa would fall back to math).
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def biased_attention(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.Tensor:
+    """``softmax(q . k * scale + key_bias [+ attn_mask | causal]) . v`` with GQA, through sdpa's fused kernels.
+
+    Computes what ``attend.attend`` computes (its reference), on the fast kernels: the bias rides in extra head
+    dimensions (module docstring). An all-zero bias without a mask is plain sdpa. Deciding that reads the bias on
+    the host (one sync); under ``torch.compile`` the bias is always folded in instead.
+
+    Args:
+        query: ``[B, H, Tq, D]``.
+        inputs: an ``AttentionInputs`` (its other fields are ignored): keys/values ``[B, Hk, S, D]``, key_bias
+            ``[B, Hk, S]`` (``MASK_VALUE`` hides a key), attn_mask additive ``[B or 1, 1 or Hk, Tq, S]`` or None,
+            q_offset and causal (used when attn_mask is None: query ``i`` sees keys ``j <= q_offset + i``).
+        scale: the logit scaling, applied before the bias.
+
+    Returns:
+        ``[B, H, Tq, D]`` in the query's dtype. Rows that see no key (every key masked) are arbitrary, as in the
+        reference.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+        >>> inputs = AttentionInputs(k, v, torch.randn(1, 2, 6), None, 0, causal=True)
+        >>> out = biased_attention(q, inputs, 0.25)
+        >>> torch.allclose(out, biased_attention_ref(q, inputs, 0.25), atol=1e-5)
+        True
+    """
+    keys, values, bias, attn_mask = inputs.keys, inputs.values, inputs.key_bias, inputs.attn_mask
+    if query.dim() != 4 or keys.dim() != 4 or keys.shape != values.shape:
+        raise ValueError(
+            f"query must be [B, H, Tq, D] and keys/values [B, Hk, S, D]; got {tuple(query.shape)}, "
+            f"{tuple(keys.shape)} and {tuple(values.shape)}"
+        )
+    B, H, Tq, D = query.shape
+    Hk, S = keys.shape[1], keys.shape[2]
+    if keys.shape[0] != B or keys.shape[3] != D or H % Hk:
+        raise ValueError(f"keys {tuple(keys.shape)} do not fit query {tuple(query.shape)}: need [B, Hk, S, D] with H % Hk == 0")
+    if tuple(bias.shape) != (B, Hk, S):
+        raise ValueError(f"key_bias has shape {tuple(bias.shape)}; expected [B, Hk, S] = {(B, Hk, S)}")
+    if attn_mask is not None and (
+        attn_mask.dim() != 4 or attn_mask.shape[0] not in (1, B) or attn_mask.shape[1] not in (1, Hk)
+        or tuple(attn_mask.shape[2:]) != (Tq, S)
+    ):
+        raise ValueError(f"attn_mask has shape {tuple(attn_mask.shape)}; expected [B or 1, 1 or Hk, Tq, S] for "
+                         f"B={B}, Hk={Hk}, Tq={Tq}, S={S}")
+    dtype = query.dtype
+    q, k, v = query, keys.to(dtype), values.to(dtype)
+    if torch.compiler.is_compiling() or bool(bias.any()):
+        q, k, v = bias_columns(q, k, v, bias, scale)
+
+    mask, is_causal = None, False
+    if attn_mask is not None:
+        mask = attn_mask.clamp(min=_mask_floor(dtype)).to(dtype)
+    elif inputs.causal and inputs.q_offset < S - 1:  # (from q_offset = S - 1 on, every query sees every key)
+        if inputs.q_offset == 0 and Tq == S:
+            is_causal = True
+        elif inputs.q_offset + Tq == S:
+            # The queries are the last Tq keys: sdpa's lower-right causal variant (FlashAttention on CUDA).
+            mask = causal_lower_right(Tq, S)
+        else:
+            mask = _causal(Tq, S, inputs.q_offset, query.device, dtype)
+    out = _sdpa(q, k, v, mask, is_causal, scale)
+    return out[..., :D] if out.shape[-1] != D else out

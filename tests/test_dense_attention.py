@@ -1,0 +1,165 @@
+"""Biased dense attention on sdpa (``dense_attention.biased_attention``) against the torch reference ``attend``."""
+
+import doctest
+
+import pytest
+import torch
+
+from hf_nosa import dense_attention
+from hf_nosa.attend import AttentionInputs, attend
+from hf_nosa.dense_attention import bias_columns, biased_attention
+from hf_nosa.masks import additive_mask
+from hf_nosa.selection import MASK_VALUE
+
+from .utils import assert_close
+
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+}
+DTYPES = list(TOL)
+
+
+def _inputs(B, H, Hk, Tq, S, D, dtype, seed, *, bias_scale=1.0, masked_share=0.1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Tq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hk, S, D, generator=g).to(dtype)
+    v = torch.randn(B, Hk, S, D, generator=g).to(dtype)
+    bias = bias_scale * torch.randn(B, Hk, S, generator=g)
+    bias[torch.rand(B, Hk, S, generator=g) < masked_share] = MASK_VALUE
+    return q, k, v, bias
+
+
+def _live(inputs: AttentionInputs, B, H, Tq) -> torch.Tensor:
+    """``[B, H, Tq]``: rows that see at least one key (rows that see none are arbitrary in every implementation)."""
+    S = inputs.keys.shape[2]
+    if inputs.attn_mask is not None:
+        allowed = inputs.attn_mask > MASK_VALUE / 2
+    elif inputs.causal:
+        allowed = additive_mask(None, Tq, S, inputs.q_offset, "cpu") == 0
+    else:
+        allowed = torch.ones(1, 1, Tq, S, dtype=torch.bool)
+    allowed = allowed & (inputs.key_bias > MASK_VALUE / 2)[:, :, None, :]
+    Hk = inputs.keys.shape[1]
+    return allowed.any(-1).expand(B, Hk, Tq).repeat_interleave(H // Hk, 1)
+
+
+def _check(q, inputs, scale, dtype):
+    B, H, Tq, D = q.shape
+    expected = attend(q.float(), inputs._replace(keys=inputs.keys.float(), values=inputs.values.float()), scale)
+    actual = biased_attention(q, inputs, scale)
+    assert actual.shape == q.shape and actual.dtype == dtype
+    live = _live(inputs, B, H, Tq)
+    assert bool(live.any())
+    assert torch.isfinite(actual[live].float()).all()
+    assert_close(actual[live], expected[live], **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("G", [1, 4])
+@pytest.mark.parametrize(
+    "Tq,S,q_offset,causal",
+    [
+        (1, 77, 76, True),  # decode over every key so far
+        (1, 130, 0, False),  # decode over slots (bias hides the empty ones)
+        (70, 70, 0, True),  # a whole prompt
+        (33, 100, 67, True),  # a chunk after earlier chunks (lower-right causal)
+        (20, 90, 30, True),  # a causal window that is neither (explicit mask)
+        (40, 65, 0, False),  # non-causal
+    ],
+)
+def test_matches_attend(dtype, G, Tq, S, q_offset, causal):
+    Hk = 2
+    q, k, v, bias = _inputs(2, Hk * G, Hk, Tq, S, 64, dtype, seed=Tq * 1000 + S + G, bias_scale=3.0)
+    _check(q, AttentionInputs(k, v, bias, None, q_offset, causal), 64**-0.5, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("G", [1, 4])
+def test_extreme_biases(dtype, G):
+    """|b| up to 80 and the e^(b - m) form's worst case: causal rows that see only keys 160 below the row max."""
+    Hk, S = 2, 96
+    q, k, v, _ = _inputs(1, Hk * G, Hk, S, S, 64, dtype, seed=7)
+    ramp = torch.linspace(-80.0, 80.0, S)
+    bias = torch.stack([ramp, -ramp])[None].clone()
+    bias[0, 0, 5] = MASK_VALUE
+    _check(q, AttentionInputs(k, v, bias, None, 0, True), 64**-0.5, dtype)
+    g = torch.Generator().manual_seed(8)
+    uniform = (torch.rand(1, Hk, S, generator=g) * 160 - 80)
+    _check(q, AttentionInputs(k, v, uniform, None, 0, True), 64**-0.5, dtype)
+    _check(q[:, :, -1:], AttentionInputs(k, v, uniform, None, S - 1, True), 64**-0.5, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("G", [1, 4])
+def test_padding_masks(dtype, G):
+    """Left padding as the model's mask gives it ([B, 1, Tq, S], causal inside) and a per-KV-head rule mask."""
+    B, Hk, Tq, S = 3, 2, 24, 56
+    q, k, v, bias = _inputs(B, Hk * G, Hk, Tq, S, 64, dtype, seed=11, bias_scale=5.0, masked_share=0.0)
+    pads = torch.tensor([0, 5, 40])
+    real = torch.arange(S)[None, :] >= pads[:, None]  # [B, S]
+    causal = torch.arange(S)[None, :] <= torch.arange(S - Tq, S)[:, None]  # [Tq, S]
+    model_mask = causal[None, None] & real[:, None, None, :]
+    mask = additive_mask(model_mask, Tq, S, S - Tq, "cpu")
+    bias = bias + torch.where(real, 0.0, MASK_VALUE)[:, None, :]
+    _check(q, AttentionInputs(k, v, bias, mask, S - Tq, False), 0.125, dtype)
+    g = torch.Generator().manual_seed(12)
+    rule = torch.where(torch.rand(B, Hk, Tq, S, generator=g) < 0.5, 0.0, MASK_VALUE)
+    _check(q, AttentionInputs(k, v, bias, mask + rule, S - Tq, False), 0.125, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_bias_is_plain_sdpa(dtype, monkeypatch):
+    """A == 0 and no mask: sdpa on the original head dimension, no bias columns."""
+    q, k, v, _ = _inputs(1, 8, 2, 30, 30, 64, dtype, seed=3)
+    zero = torch.zeros(1, 2, 30)
+
+    def no_columns(*args, **kwargs):
+        raise AssertionError("bias columns built for an all-zero bias")
+
+    monkeypatch.setattr(dense_attention, "bias_columns", no_columns)
+    _check(q, AttentionInputs(k, v, zero, None, 0, True), 0.125, dtype)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125, enable_gqa=True)
+    assert torch.equal(biased_attention(q, AttentionInputs(k, v, zero, None, 0, True), 0.125), expected)
+
+
+def test_gradients_match_attend():
+    """Training reads the bias through the columns: gradients of q, k, v and the bias match the reference."""
+    B, Hk, G, T, D = 2, 2, 2, 40, 16
+    q, k, v, bias = _inputs(B, Hk * G, Hk, T, T, D, torch.float32, seed=5, bias_scale=2.0, masked_share=0.0)
+    grad = torch.randn(B, Hk * G, T, D, generator=torch.Generator().manual_seed(6))
+    results = []
+    for fn in (attend, biased_attention):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out = fn(leaves[0], AttentionInputs(leaves[1], leaves[2], leaves[3], None, 0, True), D**-0.5)
+        out.backward(grad)
+        results.append([out] + [t.grad for t in leaves])
+    for actual, expected in zip(results[1], results[0]):
+        assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_columns_keep_the_bias(dtype):
+    """The split columns carry b to about fp32 precision through a fp32 dot product, MASK_VALUE included."""
+    q, k, v, bias = _inputs(1, 2, 1, 3, 50, 16, dtype, seed=9, bias_scale=40.0)
+    q2, k2, v2 = bias_columns(q, k, v, bias, 0.25)
+    assert q2.shape[-1] % 8 == 0 and torch.equal(v2[..., 16:], torch.zeros_like(v2[..., 16:]))
+    logits = (q2[..., 16:].float() @ k2[..., 16:].float().transpose(-1, -2)) * 0.25  # the bias part alone
+    real = bias > MASK_VALUE / 2
+    assert_close(logits[:, :, :, real[0, 0]], bias[:, :, None, real[0, 0]].expand(1, 2, 3, -1), atol=1e-4, rtol=1e-6)
+    assert bool((logits[:, :, :, ~real[0, 0]] < -8000).all())
+
+
+def test_bad_shapes_raise():
+    q, k, v, bias = _inputs(1, 4, 2, 5, 9, 16, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="key_bias"):
+        biased_attention(q, AttentionInputs(k, v, bias[:, :1], None, 0, True), 0.25)
+    with pytest.raises(ValueError, match="attn_mask"):
+        biased_attention(q, AttentionInputs(k, v, bias, torch.zeros(1, 1, 5, 8), 0, False), 0.25)
+    with pytest.raises(ValueError, match="H % Hk"):
+        biased_attention(q[:, :3], AttentionInputs(k, v, bias, None, 0, True), 0.25)
+
+
+def test_docstring_examples():
+    assert doctest.testmod(dense_attention).failed == 0
