@@ -7,9 +7,11 @@ import logging
 import torch
 from torch import nn
 
-from .attend import AttentionInputs, attend
+from .attend import AttentionInputs
 from .cache import NosaCache
+from .cache_attention import attend_cache_inputs
 from .config import NosaConfig
+from .dense_attention import biased_attention
 from .masks import additive_mask
 from .selection import eviction_bias
 from .selection_loss import alignment_enabled, layer_alignment_loss
@@ -66,9 +68,7 @@ def nosa_attention(
         inputs = cache.update(
             key, value, module.layer_idx, query=query, bias=bias, attention_mask=attention_mask, scaling=module.scaling
         )
-        if isinstance(inputs, torch.Tensor):  # a QUOKA prefill: the cache attended chunk by chunk itself
-            return inputs
-        return attend(query, inputs, module.scaling)
+        return attend_cache_inputs(query, inputs, module.scaling)
 
     q_offset = 0
     if cache is not None:
@@ -88,5 +88,6 @@ def nosa_attention(
     Tq, T = query.shape[2], key.shape[2]
     if cfg.prefill == "quoka" and Tq > 1 and not _warned_quoka:
         _warn_quoka_without_nosa_cache()
-    mask = additive_mask(attention_mask, Tq, T, q_offset, query.device)
-    return attend(query, AttentionInputs(key, value, bias, mask, q_offset, causal=False), module.scaling)
+    mask = additive_mask(attention_mask, Tq, T, q_offset, query.device) if attention_mask is not None else None
+    inputs = AttentionInputs(key, value, bias, mask, q_offset, causal=mask is None)
+    return biased_attention(query, inputs, module.scaling)

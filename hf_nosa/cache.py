@@ -1,9 +1,15 @@
 """NosaCache: a transformers ``Cache`` whose KV lives in host memory and whose device holds a fixed block budget.
 
 Per layer and sequence: every token's K, V and eviction score go to the host store; the device keeps the
-compressed keys of the whole sequence and a pool of ``K + 1`` slots of ``block_size`` tokens (the selected
-blocks and the block being written). A decode step selects blocks (``selection.py``), fetches the missing ones
-(``kernels/fetch.py``) and hands the attention the slot pool.
+compressed keys of the whole sequence and a pool of slots of ``block_size`` tokens (the selected blocks and the
+block being written). Every update hands the attention what to attend to (``AttentionInputs``):
+
+- a decode token: the slot pool after selection (``selection.py``) and the fetch of missing blocks
+  (``kernels/fetch.py``);
+- a prefill chunk (the prompt arrives chunk by chunk, ``modeling/chunked.py``): by ``NosaConfig.prefill``, every
+  earlier token ("dense", "nosa") or QUOKA's blocks in the slot pool ("quoka", ``prefill.py``), then the chunk;
+- several tokens after a prompt (assisted decoding, prompt lookup): every earlier token, masked by the decode rule
+  token by token, so they see what one-token decoding would.
 """
 
 from __future__ import annotations
@@ -15,80 +21,28 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .attend import AttentionInputs
+from .compressed_keys import CompressedKeys
 from .config import NosaConfig
-from .host_store import HostStore
+from .host_store import HostStore, check_host_memory
 from .kernels.backend import kernel_path
-from .kernels.block_scores import NewToken, append_token, block_select, window_capacity_for
-from .kernels.decode_attention import decode_attention
-from .kernels.fetch import SlotPool, StepCounters, fetch_blocks, fetch_step, plan_fetch
+from .kernels.block_scores import NewToken, append_token, block_select
+from .kernels.fetch import SlotPool, StepCounters, count_share, fetch_blocks, fetch_selection, fetch_step, plan_fetch
 from .masks import additive_mask, padding_bias
-from .prefill import quoka_prefill
+from .prefill import quoka_select, write_to_host
+from .selection import MASK_VALUE, nosa_token_mask, num_windows, query_block_scores, eviction_block_scores, select_blocks
 from .selectors import BlockSelector
-from .selection import (
-    MASK_VALUE,
-    compress_keys,
-    eviction_block_scores,
-    nosa_token_mask,
-    num_windows,
-    query_block_scores,
-    select_blocks,
-)
 
 logger = logging.getLogger(__name__)
 
 
-class CompressedKeys:
-    """Window means of keys and eviction scores for the whole sequence, kept on the device.
+class CacheState:
+    """What every layer of one NosaCache shares: the planned length, the prefill under way, the workspace."""
 
-    ``keys [B, Hk, W, D]``, ``bias [B, Hk, W]``; the last ``compress_kernel`` tokens sit in a ring so that a
-    window is finished the moment its last token arrives.
-    """
-
-    grow_windows = 256
-
-    def __init__(self, cfg: NosaConfig, like_k: torch.Tensor):
-        B, Hk, _, D = like_k.shape
-        self.cfg = cfg
-        self.keys = like_k.new_zeros(B, Hk, self.grow_windows, D)
-        self.bias = torch.zeros(B, Hk, self.grow_windows, dtype=torch.float32, device=like_k.device)
-        self.ring_k = like_k.new_zeros(B, Hk, cfg.compress_kernel, D)
-        self.ring_b = torch.zeros(B, Hk, cfg.compress_kernel, dtype=torch.float32, device=like_k.device)
-        self.n = 0
-
-    def _reserve(self, n: int) -> None:
-        if n <= self.keys.shape[2]:
-            return
-        extra = max(self.grow_windows, n - self.keys.shape[2])
-        self.keys = torch.cat([self.keys, self.keys.new_zeros(*self.keys.shape[:2], extra, self.keys.shape[3])], 2)
-        self.bias = torch.cat([self.bias, self.bias.new_zeros(*self.bias.shape[:2], extra)], 2)
-
-    def rebuild(self, keys: torch.Tensor, bias: torch.Tensor) -> None:
-        """From the full ``keys [B, Hk, T, D]`` and ``bias [B, Hk, T]`` of the sequence."""
-        T, kernel = keys.shape[2], self.cfg.compress_kernel
-        self.n = num_windows(T, self.cfg)
-        self._reserve(self.n)
-        self.keys[:, :, : self.n] = compress_keys(keys, self.cfg)
-        self.bias[:, :, : self.n] = compress_keys(bias, self.cfg)
-        recent = torch.arange(max(0, T - kernel), T, device=keys.device)
-        self.ring_k[:, :, recent % kernel] = keys[:, :, recent]
-        self.ring_b[:, :, recent % kernel] = bias[:, :, recent]
-
-    def append(self, k: torch.Tensor, b: torch.Tensor, t: int) -> None:
-        """Token ``t`` (``k [B, Hk, 1, D]``, ``b [B, Hk, 1]``) arrives; finish a window if it ends here."""
-        kernel = self.cfg.compress_kernel
-        self.ring_k[:, :, t % kernel] = k[:, :, 0]
-        self.ring_b[:, :, t % kernel] = b[:, :, 0]
-        if num_windows(t + 1, self.cfg) == self.n:
-            return
-        order = torch.arange(t + 1 - kernel, t + 1, device=k.device) % kernel
-        self._reserve(self.n + 1)
-        self.keys[:, :, self.n] = compress_keys(self.ring_k[:, :, order], self.cfg)[:, :, 0]
-        self.bias[:, :, self.n] = compress_keys(self.ring_b[:, :, order], self.cfg)[:, :, 0]
-        self.n += 1
-
-    def index_batch(self, index: torch.Tensor) -> None:
-        for name in ("keys", "bias", "ring_k", "ring_b"):
-            setattr(self, name, getattr(self, name).index_select(0, index.to(self.keys.device)))
+    def __init__(self, max_tokens: int | None = None):
+        self.max_tokens = max_tokens  # longest sequence this cache will hold, when known (generate knows it)
+        self.prefill_end: int | None = None  # sequence length at the end of the prefill being chunked
+        self.workspace = None  # a DeviceWorkspace shared across generate calls, or None
+        self.n_layers = 0
 
 
 class NosaLayer(CacheLayerMixin):
@@ -98,47 +52,125 @@ class NosaLayer(CacheLayerMixin):
     is_croppable = True
     is_sliding = False
 
-    def __init__(self, nosa_config: NosaConfig, selector: BlockSelector | None = None):
+    def __init__(self, nosa_config: NosaConfig, selector: BlockSelector | None = None, *, layer_idx: int = 0,
+                 state: CacheState | None = None):
         super().__init__()
-        self.cfg = nosa_config
+        self.base_cfg = self.cfg = nosa_config
         self.selector = selector
+        self.layer_idx = layer_idx
+        self.state = state if state is not None else CacheState()
         self.selector_state: dict[str, torch.Tensor] = {}
         self.seen = 0
-        self._reset_counters()
-
-    def _reset_counters(self) -> None:
-        self.blocks_loaded = 0  # int or device tensor: accumulated without host syncs
-        self.bytes_to_device = 0
-        self.locality_sum = 0
-        self.locality_steps = 0
-        self.decode_steps = 0
+        self.staging: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.peak_device_tokens = 0
+        self.decode_steps = 0
         self.warm = False
+        self._writer = None
+
+    # ----- the cache-layer protocol's K/V: the whole sequence, read from the host store -----
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """All keys ``[B, Hk, T, D]`` on the layer's device: a copy read from the host store on every access."""
+        return self._read_all(0)
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("NosaLayer.keys is read from the host store and cannot be assigned")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """All values ``[B, Hk, T, D]`` on the layer's device: a copy read from the host store on every access."""
+        return self._read_all(1)
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("NosaLayer.values is read from the host store and cannot be assigned")
+
+    def _read_all(self, which: int) -> torch.Tensor | None:
+        if not self.is_initialized:
+            return None
+        self._wait_writer()
+        return self.host.read(0, self.seen, self.device)[which]
+
+    # ----- set-up -----
+
+    def _buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        workspace = self.state.workspace
+        if workspace is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        return workspace.take((self.layer_idx, name), shape, dtype, self.device)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        B, Hk, _, D = key_states.shape
-        cfg = self.cfg
+        B, Hk, T, D = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch, self.kv_heads, self.head_dim = B, Hk, D
-        pin = self.device.type == "cuda" and cfg.offload
-        self.host = HostStore(B, Hk, D, key_states.dtype, cfg.block_size, pin=pin)
-        self.compressed = CompressedKeys(cfg, key_states)
-        S, P = cfg.budget_blocks + 1, cfg.block_size
-        self.slot_k = key_states.new_zeros(B, Hk, S + 1, P, D)
-        self.slot_v = value_states.new_zeros(B, Hk, S + 1, P, D)
-        self.slot_b = torch.zeros(B, Hk, S + 1, P, dtype=torch.float32, device=self.device)
-        self.slot_block = torch.full((B, Hk, S), -1, dtype=torch.long, device=self.device)
-        self.tail_slot = torch.zeros(B, Hk, dtype=torch.long, device=self.device)
-        # Device-kernel decode path: the index of the token being decoded lives on the device (advanced by the
-        # fetch kernel), so a step needs no host value and can be replayed from a CUDA graph.
-        self.step = torch.zeros(1, dtype=torch.long, device=self.device)
+        planned = max(self.state.max_tokens or 0, self.state.prefill_end or 0, T)
+        self.cfg = self.base_cfg.sized_for(planned)
+        pin = self.device.type == "cuda" and self.cfg.offload
+        self.host = HostStore(B, Hk, D, key_states.dtype, self.cfg.block_size, pin=pin)
+        if self.state.max_tokens is not None or self.state.prefill_end is not None:
+            self.host.reserve(planned)
+            if self.layer_idx == 0:  # the whole cache's host memory, before any layer allocates
+                total = self.state.n_layers * B * -(-planned // self.cfg.block_size) * self.cfg.block_size
+                check_host_memory(total * self.host.token_bytes(), batch=B, tokens=planned, pin=pin)
+        self.compressed = CompressedKeys(self.cfg, key_states, tokens=planned, allocate=self._allocate)
+        self._allocate_slots()
+        self.step = self._buffer("step", (1,), torch.long).zero_()
         self._step_value = 0  # what `step` holds once the queued work has run
-        self.counters = StepCounters.zeros(self.device)
+        self.counters = StepCounters(self._buffer("counts", (5,), torch.int64).zero_(),
+                                     self._buffer("locality", (2,), torch.float32).zero_())
         self.is_initialized = True
+
+    def _allocate(self, name, shape, dtype, device) -> torch.Tensor:
+        return self._buffer(name, shape, dtype)
+
+    def _allocate_slots(self) -> None:
+        """The slot pool: ``n_slots`` slots (selected blocks + the block being written) and a scratch slot."""
+        B, Hk, D, P = self.batch, self.kv_heads, self.head_dim, self.cfg.block_size
+        S = self.n_slots
+        self.slot_k = self._buffer("slot_k", (B, Hk, S + 1, P, D), self.dtype).zero_()
+        self.slot_v = self._buffer("slot_v", (B, Hk, S + 1, P, D), self.dtype).zero_()
+        self.slot_b = self._buffer("slot_b", (B, Hk, S + 1, P), torch.float32).fill_(MASK_VALUE)
+        self.slot_block = self._buffer("slot_block", (B, Hk, S), torch.long).fill_(-1)
+        self.tail_slot = self._buffer("tail_slot", (B, Hk), torch.long).zero_()
 
     @property
     def n_slots(self) -> int:
-        return self.cfg.budget_blocks + 1
+        return max(self.cfg.budget_blocks, self.cfg.prefill_budget_blocks) + 1
+
+    def _grow_layout(self, n_tokens: int) -> None:
+        """A cache of unknown length outgrew its cut budget: widen the slot pool (its blocks stay in place)."""
+        if self.cfg is self.base_cfg or n_tokens // self.cfg.block_size < self.cfg.budget_blocks:
+            return
+        old = (self.slot_k, self.slot_v, self.slot_b, self.slot_block)
+        S_old = self.n_slots
+        self.cfg = self.base_cfg.sized_for(max(2 * n_tokens, n_tokens + self.cfg.block_size))
+        self.compressed.cfg = self.cfg
+        self._allocate_slots()
+        for new, previous in zip((self.slot_k, self.slot_v, self.slot_b, self.slot_block), old):
+            new[:, :, :S_old] = previous[:, :, :S_old]
+
+    def _check_input(self, key_states: torch.Tensor, query, bias) -> None:
+        if query is None or bias is None:
+            raise TypeError(
+                "NosaCache.update needs the query states and eviction scores: use it with a model converted by "
+                "hf_nosa.to_nosa (or a NOSA checkpoint), not with stock attention."
+            )
+        if not self.is_initialized:
+            return
+        B, Hk, _, D = key_states.shape
+        for what, mine, theirs in (("batch size", self.batch, B), ("KV heads", self.kv_heads, Hk),
+                                   ("head dim", self.head_dim, D), ("dtype", self.dtype, key_states.dtype)):
+            if mine != theirs:
+                raise ValueError(
+                    f"NosaCache layer {self.layer_idx} holds a sequence with {what} {mine}, but this update has "
+                    f"{what} {theirs}: a cache belongs to one model and batch. Use a new NosaCache (or reset() it)."
+                )
+
+    # ----- update -----
 
     def update(
         self,
@@ -150,97 +182,165 @@ class NosaLayer(CacheLayerMixin):
         attention_mask: torch.Tensor | None = None,
         scaling: float | None = None,
         **kwargs,
-    ) -> AttentionInputs | torch.Tensor:
-        """Store new tokens and return what the attention reads, or, for a QUOKA prefill, the attention output.
+    ) -> AttentionInputs:
+        """Store new tokens and return what the attention reads.
 
         Args:
             key_states, value_states: ``[B, Hk, Tq, D]`` post-RoPE keys and values.
             query: ``[B, H, Tq, D]`` post-RoPE queries (for query-aware selection).
             bias: ``[B, Hk, Tq]`` eviction-head scores of the new tokens.
-
-        Returns:
-            AttentionInputs, or ``[B, H, Tq, D]`` when the update runs the chunked QUOKA prefill (the cache attends
-            chunk by chunk itself, so the prompt's KV never has to be on the device at once).
+            attention_mask: the model's mask for this forward (padding), or None.
         """
-        if query is None or bias is None:
-            raise TypeError(
-                "NosaCache.update needs the query states and eviction scores: use it with a model converted by "
-                "hf_nosa.to_nosa (or a NOSA checkpoint), not with stock attention."
-            )
+        self._check_input(key_states, query, bias)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         scale = scaling if scaling is not None else key_states.shape[-1] ** -0.5
         bias = bias.float()
-        if key_states.shape[2] == 1 and self.seen > 0:
+        prefilling = self.state.prefill_end is not None or self.seen == 0
+        if key_states.shape[2] == 1 and not prefilling:
             return self._decode(key_states, value_states, query, bias, scale)
-        if self.cfg.prefill_mode(self.seen + key_states.shape[2]) == "quoka":
-            return quoka_prefill(self, key_states, value_states, query, bias, attention_mask, scale)
-        return self._prefill(key_states, value_states, query, bias, attention_mask, scale)
+        if prefilling:
+            return self._prefill(key_states, value_states, query, bias, attention_mask, scale)
+        return self._extend_by_decode_rule(key_states, value_states, query, bias, attention_mask, scale)
 
-    # ----- prefill: any update of several tokens (prompt, chunk, assisted-decoding candidates) -----
+    def _wait_writer(self) -> None:
+        """Later work reads the host store: make the current stream wait for the side-stream writes."""
+        if self._writer is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._writer)
+            self._writer = None
+
+    def _store(self, start, k, v, b) -> None:
+        self._writer = write_to_host(self.host, start, k, v, b) or self._writer
+        self.compressed.extend(k, b, start)
+        if self.selector is not None:
+            self.selector.observe(self, k, b, start)
+        self.seen = start + k.shape[2]
+
+    # ----- prefill: the prompt, one chunk per update -----
 
     def _prefill(self, k, v, q, b, attention_mask, scale) -> AttentionInputs:
+        start, Tq = self.seen, k.shape[2]
+        end = start + Tq
+        target = max(self.state.prefill_end or 0, end)
+        self._grow_layout(target)
+        mode = self.cfg.prefill_mode(target)
+        pad = padding_bias(attention_mask, start, Tq)
+        if pad is not None:
+            b = b + pad.to(b.device)
+        self._wait_writer()
+        if mode == "quoka":
+            inputs = self._quoka_inputs(k, v, q, b, None if pad is None else pad[:, 0] == 0, start)
+            self._store(start, k, v, b)
+        else:
+            self._store(start, k, v, b)
+            keys, values, key_bias = self._staged(k, v, b, start, target)
+            mask = additive_mask(attention_mask, Tq, end, start, self.device) if attention_mask is not None else None
+            if mode == "nosa":
+                rule = torch.where(nosa_token_mask(q, keys, key_bias, start, self.cfg, scale), 0.0, MASK_VALUE)
+                mask = rule if mask is None else mask + rule
+            inputs = AttentionInputs(keys, values, key_bias, mask, start, causal=mask is None)
+            self.peak_device_tokens = max(self.peak_device_tokens, end)
+        if end >= target:
+            self._finish_prefill(k, v, b, start)
+        return inputs
+
+    def _staged(self, k, v, b, start, target):
+        """Every key up to this chunk's end, on the device ("dense"/"nosa" keep the prompt's KV there while it
+        is prefilled; a one-update prompt is its own staging)."""
+        end = start + k.shape[2]
+        if start == 0 and end >= target:
+            return k, v, b
+        if self.staging is None and start == 0:
+            B, Hk, D = self.batch, self.kv_heads, self.head_dim
+            self.staging = (k.new_empty(B, Hk, target, D), v.new_empty(B, Hk, target, D),
+                            b.new_empty(B, Hk, target))
+        if self.staging is None:  # a prefill continued past its planned end: earlier keys come from the host
+            hk, hv, hb = self._read_counted(0, start)
+            return torch.cat([hk, k], 2), torch.cat([hv, v], 2), torch.cat([hb, b], 2)
+        for buffer, new in zip(self.staging, (k, v, b)):
+            buffer[:, :, start:end] = new
+        return tuple(buffer[:, :, :end] for buffer in self.staging)
+
+    def _quoka_inputs(self, k, v, q, b, valid, start) -> AttentionInputs:
+        selected = quoka_select(self, q, valid, start)  # [B, Hk, K]
+        n_selected = selected.shape[-1]
+        self.peak_device_tokens = max(self.peak_device_tokens, n_selected * self.cfg.block_size + k.shape[2])
+        if n_selected == 0:
+            return AttentionInputs(k, v, b, None, 0, causal=True)
+        pool = SlotPool(self.slot_k, self.slot_v, self.slot_b, self.slot_block, self.tail_slot)
+        fetch_selection(selected, pool, self.host, self.counters)
+        S = self.n_slots
+        keys = torch.cat([self.slot_k[:, :, :S].flatten(2, 3), k], 2)
+        values = torch.cat([self.slot_v[:, :, :S].flatten(2, 3), v], 2)
+        key_bias = torch.cat([self.slot_b[:, :, :S].flatten(2), b], 2)
+        return AttentionInputs(keys, values, key_bias, None, S * self.cfg.block_size, causal=True)
+
+    def _finish_prefill(self, k, v, b, start) -> None:
+        """The prompt is in: drop the staging, and leave the slot pool empty but for the partly written block."""
+        self.staging = None
+        end, P = self.seen, self.cfg.block_size
+        tail = end - end % P
+        if tail >= start:
+            self._reset_slots(k[:, :, tail - start :], v[:, :, tail - start :], b[:, :, tail - start :])
+        else:
+            self._wait_writer()
+            self._reset_slots(*self.host.read(tail, end, self.device))
+
+    def _read_counted(self, start: int, end: int):
+        self._wait_writer()
+        hk, hv, hb = self.host.read(start, end, self.device)
+        self.counters.counts[1].add_(sum(t.numel() * t.element_size() for t in (hk, hv, hb)))
+        return hk, hv, hb
+
+    def _extend_by_decode_rule(self, k, v, q, b, attention_mask, scale) -> AttentionInputs:
+        """Several tokens after a prompt: each attends to what decoding it alone would select."""
         start, Tq = self.seen, k.shape[2]
         pad = padding_bias(attention_mask, start, Tq)
         if pad is not None:
             b = b + pad.to(b.device)
-        self.host.write(start, k, v, b)
-        if start == 0:
-            keys, values, key_bias = k, v, b
-        else:
-            hk, hv, hb = self.host.read(0, start, self.device)
-            self.bytes_to_device += sum(t.numel() * t.element_size() for t in (hk, hv, hb))
-            keys, values, key_bias = torch.cat([hk, k], 2), torch.cat([hv, v], 2), torch.cat([hb, b], 2)
-        self.seen = T = start + Tq
-        self.peak_device_tokens = max(self.peak_device_tokens, T)
-        self.compressed.rebuild(keys, key_bias)
-        self._reset_slots(keys, values, key_bias)
-        if self.selector is not None:
-            self.selector.observe(self, keys, key_bias, 0)
+        hk, hv, hb = self._read_counted(0, start)
+        self._grow_layout(start + Tq)
+        self._store(start, k, v, b)
+        keys, values, key_bias = torch.cat([hk, k], 2), torch.cat([hv, v], 2), torch.cat([hb, b], 2)
+        self.peak_device_tokens = max(self.peak_device_tokens, self.seen)
+        mask = torch.where(nosa_token_mask(q, keys, key_bias, start, self.cfg, scale), 0.0, MASK_VALUE)
+        if attention_mask is not None:
+            mask = mask + additive_mask(attention_mask, Tq, self.seen, start, self.device)
+        tail = self.seen - self.seen % self.cfg.block_size
+        self._reset_slots(keys[:, :, tail:], values[:, :, tail:], key_bias[:, :, tail:])
+        return AttentionInputs(keys, values, key_bias, mask, start, causal=False)
 
-        mask = additive_mask(attention_mask, Tq, T, start, self.device) if attention_mask is not None else None
-        if self.cfg.prefill == "nosa":
-            allowed = nosa_token_mask(q, keys, key_bias, start, self.cfg, scale)  # [B, Hk, Tq, T]
-            rule = torch.where(allowed, 0.0, MASK_VALUE)
-            mask = rule if mask is None else mask + rule
-        return AttentionInputs(keys, values, key_bias, mask, start, causal=mask is None)
-
-    def _reset_slots(self, keys, values, key_bias) -> None:
-        """Empty the slot pool but for the partly written last block, which becomes the tail (slot 0)."""
+    def _reset_slots(self, tail_k, tail_v, tail_b) -> None:
+        """Empty the slot pool but for the partly written last block (its tokens given), which becomes slot 0."""
         P, T = self.cfg.block_size, self.seen
         self.slot_block.fill_(-1)
+        self.slot_b.fill_(MASK_VALUE)
         self.tail_slot.zero_()
         self.warm = False
         n_tail = T % P
         if n_tail:
-            c = T // P
-            start = T - n_tail
-            offset = T - keys.shape[2]  # keys may hold only the end of the sequence
-            self.slot_k[:, :, 0, :n_tail] = keys[:, :, start - offset : T - offset]
-            self.slot_v[:, :, 0, :n_tail] = values[:, :, start - offset : T - offset]
-            self.slot_b[:, :, 0, :n_tail] = key_bias[:, :, start - offset : T - offset]
-            self.slot_block[:, :, 0] = c
+            self.slot_k[:, :, 0, :n_tail] = tail_k[:, :, -n_tail:]
+            self.slot_v[:, :, 0, :n_tail] = tail_v[:, :, -n_tail:]
+            self.slot_b[:, :, 0, :n_tail] = tail_b[:, :, -n_tail:]
+            self.slot_block[:, :, 0] = T // P
 
     # ----- decode: one new token -----
 
-    def _decode(self, k, v, q, b, scale) -> AttentionInputs | torch.Tensor:
+    def _decode(self, k, v, q, b, scale) -> AttentionInputs:
+        self._wait_writer()
         if kernel_path("decode_step", k) == "triton":
             return self._decode_fused(k, v, q, b, scale)
         P = self.cfg.block_size
         t = self.seen
-        c = t // P
+        self._grow_layout(t + 1)
         self.host.write(t, k, v, b)
-        self.seen = t + 1
-        self.compressed.append(k, b, t)
-        if self.selector is not None:
-            self.selector.observe(self, k, b, t)
-
+        self._store_token(k, b, t)
         selected = self.select(q, t, scale)  # [B, Hk, K]
-        plan = plan_fetch(selected, self.slot_block, self.tail_slot, new_block=t % P == 0, current_block=c)
+        plan = plan_fetch(selected, self.slot_block, self.tail_slot, new_block=t % P == 0, current_block=t // P)
         fetch_blocks(plan, selected, self.host, self.slot_k, self.slot_v, self.slot_b)
-        self.slot_block, self.tail_slot = plan.slot_block, plan.tail_slot
+        self.slot_block.copy_(plan.slot_block)
+        self.tail_slot.copy_(plan.tail_slot)
 
-        # Write the new token into the tail slot.
         B, Hk = self.batch, self.kv_heads
         bi = torch.arange(B, device=self.device)[:, None]
         hi = torch.arange(Hk, device=self.device)[None, :]
@@ -248,22 +348,34 @@ class NosaLayer(CacheLayerMixin):
         self.slot_v[bi, hi, self.tail_slot, t % P] = v[:, :, 0]
         self.slot_b[bi, hi, self.tail_slot, t % P] = b[:, :, 0]
 
-        self._count_step(plan)
+        counts, locality = self.counters
+        loaded = plan.missing.sum()
+        counts[0].add_(loaded)
+        counts[1].add_(loaded * P * (2 * self.head_dim * self.slot_k.element_size() + 4))
+        if self.warm:
+            count_share(locality, plan.n_resident.sum(), plan.n_selected.sum())
+        self.warm = True
+        self.decode_steps += 1
         S = self.n_slots
         pos = self.slot_block[..., None] * P + torch.arange(P, device=self.device)  # [B, Hk, S, P]
         valid = (self.slot_block[..., None] >= 0) & (pos <= t)
         key_bias = torch.where(valid, self.slot_b[:, :, :S], MASK_VALUE).flatten(2)
-        keys = self.slot_k[:, :, :S].flatten(2, 3)
-        values = self.slot_v[:, :, :S].flatten(2, 3)
-        return AttentionInputs(keys, values, key_bias, None, 0, causal=False)
+        return AttentionInputs(self.slot_k[:, :, :S].flatten(2, 3), self.slot_v[:, :, :S].flatten(2, 3), key_bias,
+                               None, 0, causal=False)
 
-    def _decode_fused(self, k, v, q, b, scale) -> torch.Tensor:
-        """The decode step on device kernels; returns the attention output ``[B, H, 1, D]``.
+    def _store_token(self, k, b, t) -> None:
+        self.seen = t + 1
+        self.compressed.append(k, b, t)
+        if self.selector is not None:
+            self.selector.observe(self, k, b, t)
 
-        Three launches per layer (selection: two; fetch + tail write + host write + counters: one) and the
-        attention (one, plus a merge when it splits the slots). No host sync: the token index is ``self.step`` on
-        the device. Python-side bookkeeping sits in ``prepare_fused_step`` / ``finish_fused_step``, which are
-        skipped while a CUDA graph is being captured (``kernels.cuda_graph`` runs them around each replay).
+    def _decode_fused(self, k, v, q, b, scale) -> AttentionInputs:
+        """The decode step on device kernels; the attention then reads the whole slot pool.
+
+        Three launches per layer (selection: two; fetch + tail write + host write + counters: one). No host sync:
+        the token index is ``self.step`` on the device. Python-side bookkeeping sits in ``prepare_fused_step`` /
+        ``finish_fused_step``, which are skipped while a CUDA graph is being captured (``kernels.cuda_graph`` runs
+        them around each replay).
         """
         t = self.seen
         capturing = k.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -282,32 +394,22 @@ class NosaLayer(CacheLayerMixin):
         if not capturing:
             self.finish_fused_step(t)
         S = self.n_slots
-        keys, values = self.slot_k[:, :, :S].flatten(2, 3), self.slot_v[:, :, :S].flatten(2, 3)
-        return decode_attention(q, keys, values, self.slot_b[:, :, :S].flatten(2), scale)
+        return AttentionInputs(self.slot_k[:, :, :S].flatten(2, 3), self.slot_v[:, :, :S].flatten(2, 3),
+                               self.slot_b[:, :, :S].flatten(2), None, 0, causal=False)
 
     def prepare_fused_step(self, t: int) -> None:
-        """Host-side work before decoding token ``t`` on the device path: room in the host store and the
-        compressed keys (grown to a power of two of windows), and ``step`` set if the cache changed under it."""
+        """Host-side work before decoding token ``t`` on the device path: room in the host store, the compressed
+        keys and the slot pool (all sized up front when the cache knows its length), and ``step`` set if the
+        cache changed under it."""
+        self._wait_writer()
         self.host.ensure_capacity(t + 1)
+        self._grow_layout(t + 1)
         n = num_windows(t + 1, self.cfg)
-        if self.compressed.keys.shape[2] < n:
-            self.compressed._reserve(window_capacity_for(n))
+        self.compressed.reserve(n)
         self.compressed.n = n
         if self._step_value != t:
             self.step.fill_(t)
             self._step_value = t
-        # The counters live on the device; point the attributes stats() reads at them, carrying over what the
-        # prefill (or a torch-path step) counted so far.
-        counts, locality = self.counters
-        for name, view in (("blocks_loaded", counts[0]), ("bytes_to_device", counts[1]), ("locality_sum", locality[0])):
-            current = getattr(self, name)
-            if isinstance(current, torch.Tensor) and current.data_ptr() == view.data_ptr():
-                continue
-            if isinstance(current, torch.Tensor):
-                view.copy_(current)
-            else:
-                view.fill_(current)
-            setattr(self, name, view)
 
     def finish_fused_step(self, t: int) -> None:
         """Host-side bookkeeping after token ``t`` was decoded on the device path (no host sync)."""
@@ -315,15 +417,13 @@ class NosaLayer(CacheLayerMixin):
         self._step_value = t + 1
         self.host.mark_device_written(t + 1, self.device)
         self.decode_steps += 1
-        if self.warm:
-            self.locality_steps += 1
         self.warm = True
 
     def fused_graph_key(self) -> tuple:
         """Addresses and sizes a captured decode step depends on; a CUDA graph must be recaptured when they change."""
         tensors = (self.slot_k, self.slot_v, self.slot_b, self.slot_block, self.tail_slot, self.step,
                    self.compressed.keys, self.compressed.bias, self.compressed.ring_k, self.compressed.ring_b,
-                   self.host.pointer_table(self.device), *self.counters)
+                   self.host.block_table(self.device), *self.counters)
         return tuple((x.data_ptr(), tuple(x.shape)) for x in tensors) + (self.warm,)
 
     def select(self, query: torch.Tensor, t: int, scale: float) -> torch.Tensor:
@@ -340,19 +440,6 @@ class NosaLayer(CacheLayerMixin):
         qs = query_block_scores(query, keys, positions, c, self.cfg, scale, compressed_bias=bias)
         es = eviction_block_scores(bias, positions, c, self.cfg)
         return select_blocks(qs, es, positions // self.cfg.block_size, self.cfg)[:, :, 0]
-
-    def _count_step(self, plan) -> None:
-        P, D = self.cfg.block_size, self.head_dim
-        loaded = plan.missing.sum()
-        block_bytes = P * (2 * D * self.slot_k.element_size() + 4)
-        self.blocks_loaded = self.blocks_loaded + loaded
-        self.bytes_to_device = self.bytes_to_device + loaded * block_bytes
-        self.decode_steps += 1
-        if self.warm:
-            share = plan.n_resident.sum().float() / plan.n_selected.sum().clamp(min=1).float()
-            self.locality_sum = self.locality_sum + share
-            self.locality_steps += 1
-        self.warm = True
 
     def device_tokens(self) -> int:
         """Largest number of KV tokens on the device for one (sequence, KV head) in the slot pool right now."""
@@ -378,9 +465,14 @@ class NosaLayer(CacheLayerMixin):
         """Forget every token; the next update starts a new sequence."""
         self.is_initialized = False
         self.seen = 0
-        self._reset_counters()
+        self.peak_device_tokens = 0
+        self.decode_steps = 0
+        self.warm = False
+        self.staging = None
+        self._writer = None
         self.selector_state = {}
-        for name in ("host", "compressed", "slot_k", "slot_v", "slot_b", "slot_block", "tail_slot"):
+        self.cfg = self.base_cfg
+        for name in ("host", "compressed", "slot_k", "slot_v", "slot_b", "slot_block", "tail_slot", "counters"):
             self.__dict__.pop(name, None)
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -393,21 +485,27 @@ class NosaLayer(CacheLayerMixin):
         if new_length == self.seen:
             return
         self.seen = self.host.length = new_length
-        keys, values, bias = self.host.read(0, new_length, self.device)
-        self.bytes_to_device += sum(x.numel() * x.element_size() for x in (keys, values, bias))
+        keys, values, bias = self._read_counted(0, new_length)
         self.compressed.rebuild(keys, bias)
-        self._reset_slots(keys, values, bias)
+        tail = new_length - new_length % self.cfg.block_size
+        self._reset_slots(keys[:, :, tail:], values[:, :, tail:], bias[:, :, tail:])
         if self.selector is not None:
             self.selector.observe(self, keys, bias, 0)
 
     def _index_batch(self, index: torch.Tensor) -> None:
         if not self.is_initialized:
             return
+        self._wait_writer()
         index = index.to(self.device)
+        same_size = index.numel() == self.batch
         self.host.index_batch(index)
         self.compressed.index_batch(index)
         for name in ("slot_k", "slot_v", "slot_b", "slot_block", "tail_slot"):
-            setattr(self, name, getattr(self, name).index_select(0, index))
+            current = getattr(self, name)
+            if same_size:  # in place: a captured decode graph stays valid through beam reorders
+                current.copy_(current.index_select(0, index))
+            else:
+                setattr(self, name, current.index_select(0, index))
         for name, value in self.selector_state.items():
             self.selector_state[name] = value.index_select(0, index.to(value.device))
         self.batch = index.numel()
@@ -432,61 +530,99 @@ class NosaCache(Cache):
         config: the model's config (``PretrainedConfig``); its "nosa" section is the default NosaConfig.
         nosa_config: overrides the model's NosaConfig for this cache (budget, prefill mode, ...).
         selector: another block-selection rule on the same engine (see ``selectors.py``); default NOSA.
+        max_cache_len: the longest sequence (prompt + new tokens) the cache will hold, if known. The host store,
+            compressed keys and slot pool are then sized once for it (``generate`` passes it by itself).
 
     Example:
         >>> cache = NosaCache(model.config, NosaConfig(budget_tokens=2048))  # doctest: +SKIP
-        >>> out = model.generate(**inputs, past_key_values=cache)  # doctest: +SKIP
+        >>> out = model.generate(**inputs, cache=cache)  # doctest: +SKIP
         >>> cache.stats()["locality"]  # doctest: +SKIP
     """
 
     def __init__(
-        self, config: Any = None, nosa_config: NosaConfig | None = None, *, selector: BlockSelector | None = None, **kwargs
+        self, config: Any = None, nosa_config: NosaConfig | None = None, *, selector: BlockSelector | None = None,
+        max_cache_len: int | None = None, **kwargs
     ):
         if kwargs:
             raise TypeError(
-                f"NosaCache got unexpected arguments {sorted(kwargs)}; expected config, nosa_config and selector"
+                f"NosaCache got unexpected arguments {sorted(kwargs)}; expected config, nosa_config, selector and "
+                "max_cache_len"
             )
         if config is None and nosa_config is None:
             raise TypeError("NosaCache needs the model config (or at least a NosaConfig)")
+        if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                          or max_cache_len < 1):
+            raise ValueError(f"NosaCache max_cache_len={max_cache_len!r} is invalid: it must be a positive int or None")
         self.nosa_config = NosaConfig.from_model_config(config, nosa_config)
+        self.state = CacheState(max_cache_len)
+        self.workspace_lost = False
         text_config = config.get_text_config(decoder=True) if config is not None else None
         n_layers = getattr(text_config, "num_hidden_layers", None)
         if n_layers is not None:
-            super().__init__(layers=[NosaLayer(self.nosa_config, selector) for _ in range(n_layers)])
+            self.state.n_layers = n_layers
+            super().__init__(layers=[self._new_layer(selector, i) for i in range(n_layers)])
         else:
-            super().__init__(layer_class_to_replicate=lambda: NosaLayer(self.nosa_config, selector))
+            super().__init__(layer_class_to_replicate=lambda: self._new_layer(selector, len(self.layers)))
+
+    def _new_layer(self, selector, layer_idx: int) -> NosaLayer:
+        return NosaLayer(self.nosa_config, selector, layer_idx=layer_idx, state=self.state)
+
+    def reserve(self, max_tokens: int) -> None:
+        """Say that sequences will grow to ``max_tokens`` tokens, before the first update, so every buffer is sized
+        once (no growth, no kernel recompilation while decoding). Ignored once the cache holds tokens."""
+        if self.get_seq_length() == 0:
+            self.state.max_tokens = int(max_tokens)
+
+    def begin_prefill(self, end: int) -> None:
+        """A prompt is about to arrive in several updates and will end at ``end`` tokens (``modeling.chunked``)."""
+        self.state.prefill_end = int(end)
+
+    def end_prefill(self) -> None:
+        self.state.prefill_end = None
+
+    def attach_workspace(self, workspace) -> None:
+        """Draw device buffers from ``workspace`` (shared by a model's generate calls, so graphs are reused)."""
+        if self.get_seq_length() == 0:
+            self.state.workspace = workspace
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs) -> AttentionInputs:
+        if self.workspace_lost:
+            raise RuntimeError(
+                "This NosaCache's device buffers were taken over by a later generate(cache_implementation='nosa') "
+                "call on the same model. To keep a cache across calls, pass your own hf_nosa.NosaCache(model.config)."
+            )
         if self.layer_class_to_replicate is not None:
             while len(self.layers) <= layer_idx:
                 self.layers.append(self.layer_class_to_replicate())
-        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        elif layer_idx >= len(self.layers):
+            raise ValueError(
+                f"NosaCache was built for {len(self.layers)} layers, but layer {layer_idx} updated it: a cache belongs "
+                "to one model. Build it from this model's config: NosaCache(model.config)."
+            )
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized and layer_idx == 0 and self.state.workspace is not None:
+            self.state.workspace.claim(self)
+        return layer.update(key_states, value_states, *args, **kwargs)
 
     def stats(self) -> dict[str, float | int]:
-        """Counters of what the cache holds and moved (one host sync).
-
-        seen_tokens: tokens seen per sequence; host_tokens: tokens in the host store per sequence;
-        device_tokens: most KV tokens ever resident on the device for one (sequence, layer, KV head), the block
-        being written included; blocks_loaded / bytes_to_device: host-to-device traffic; locality: mean over
-        decode steps (after the first one following a prefill) of the share of selected blocks already resident.
-        """
+        """Counters of what the cache holds and moved (one host sync); the README lists every key."""
         layers = [layer for layer in self.layers if layer.is_initialized]
         if not layers:
             return dict(seen_tokens=0, host_tokens=0, device_tokens=0, blocks_loaded=0, bytes_to_device=0,
                         locality=float("nan"), decode_steps=0, host_bytes=0, full_kv_bytes=0, device_kv_bytes=0)
         for layer in layers:
             layer.peak_device_tokens = max(layer.peak_device_tokens, layer.device_tokens())
-        steps = sum(layer.locality_steps for layer in layers)
-        locality = float(sum(torch.as_tensor(layer.locality_sum).item() for layer in layers) / steps) if steps else float("nan")
+        counts = torch.stack([layer.counters.counts[:2].cpu() for layer in layers]).sum(0)
+        locality = torch.stack([layer.counters.locality.double().cpu() for layer in layers]).sum(0)
         first = layers[0]
         token_bytes = 2 * first.head_dim * first.slot_k.element_size() * first.kv_heads * first.batch
         return dict(
             seen_tokens=first.seen,
             host_tokens=first.host.length,
             device_tokens=max(layer.peak_device_tokens for layer in layers),
-            blocks_loaded=int(sum(torch.as_tensor(layer.blocks_loaded).item() for layer in layers)),
-            bytes_to_device=int(sum(torch.as_tensor(layer.bytes_to_device).item() for layer in layers)),
-            locality=locality,
+            blocks_loaded=int(counts[0]),
+            bytes_to_device=int(counts[1]),
+            locality=float(locality[0] / locality[1]) if locality[1] > 0 else float("nan"),
             decode_steps=first.decode_steps,
             host_bytes=sum(layer.host.nbytes() for layer in layers),
             full_kv_bytes=token_bytes * first.seen * len(layers),

@@ -137,6 +137,27 @@ class NosaConfig:
             return self.prefill
         return "dense" if n_tokens <= self.prefill_budget_blocks * self.block_size else "quoka"
 
+    def sized_for(self, max_tokens: int) -> "NosaConfig":
+        """This rule with the budgets cut to what a sequence of at most ``max_tokens`` tokens can use.
+
+        While the budget covers every complete block, selection takes them all whatever the split, so the cut
+        config selects exactly what this one does; it only keeps the device slot pool from outgrowing the
+        sequence (``budget_tokens=1<<30`` on a 40-token prompt holds one block, not a billion tokens).
+        """
+        P = self.block_size
+        cap = max(P, -(-int(max_tokens) // P) * P)
+        if cap >= max(self.budget_tokens, self.prefill_budget_blocks * P):
+            return self
+        budget = min(self.budget_tokens, cap)
+        sink = min(self.sink_tokens, budget)
+        local = min(self.local_tokens, budget - sink)
+        query = min(self.query_tokens, budget - sink - local)
+        prefill_budget = self.prefill_budget_tokens
+        if prefill_budget is not None:
+            prefill_budget = max(min(prefill_budget, cap), sink + local)
+        return self.replace(budget_tokens=budget, sink_tokens=sink, local_tokens=local, query_tokens=query,
+                            prefill_budget_tokens=prefill_budget)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -19,6 +19,7 @@ from transformers.generation import configuration_utils
 
 from .cache import NosaCache
 from .config import NosaConfig
+from .workspace import workspace_of
 
 CACHE_IMPLEMENTATION = "nosa"
 MIN_TRANSFORMERS, MAX_TRANSFORMERS = Version("5.17.0"), Version("6.0.0")
@@ -65,7 +66,11 @@ def _prepare_cache_wrapper(original):
     @functools.wraps(original)
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         if generation_config.cache_implementation != CACHE_IMPLEMENTATION:
-            return original(self, generation_config, model_kwargs, *args, **kwargs)
+            result = original(self, generation_config, model_kwargs, *args, **kwargs)
+            for key in _CACHE_KWARGS:  # a NosaCache the user passed: size it for this call before it fills
+                if isinstance(model_kwargs.get(key), NosaCache):
+                    model_kwargs[key].reserve(generation_config.max_length)
+            return result
         nosa_config = nosa_config_for(self, generation_config.cache_config)
         if not hasattr(self.model.layers[0].self_attn, "eviction_head"):
             raise ValueError(
@@ -78,7 +83,10 @@ def _prepare_cache_wrapper(original):
             generation_config.cache_implementation = CACHE_IMPLEMENTATION
         for key in _CACHE_KWARGS:
             if type(model_kwargs.get(key)) is DynamicCache:
-                model_kwargs[key] = NosaCache(self.config, nosa_config)
+                cache = NosaCache(self.config, nosa_config, max_cache_len=generation_config.max_length)
+                if self.device.type == "cuda":  # buffers shared across calls keep the captured decode graph valid
+                    cache.attach_workspace(workspace_of(self))
+                model_kwargs[key] = cache
         return None
 
     _prepare_cache_for_generation._hf_nosa_wrapped = True

@@ -1,72 +1,137 @@
 """HostStore: the full K, V and eviction scores of every token, in host memory.
 
-Grown in fixed chunks of tokens, so appending never re-copies what is stored; pinned when the model runs on
-CUDA, so blocks can be read straight from the device (UVA) and written back asynchronously.
+Tokens live in chunks of whole blocks, appended as the sequence grows, so appending never re-copies what is
+stored. The first chunk covers what the caller reserved (``reserve``: generate knows the prompt length and
+``max_new_tokens``); later chunks add at least a tenth of what is held, so the store never holds more than
+1.1x the tokens it stores plus one block. Pinned when the model runs on CUDA, so blocks can be read straight from
+the device (UVA) through a per-block address table, and written back asynchronously.
 """
 
 from __future__ import annotations
 
+import bisect
+import os
+
 import torch
+
+GROWTH = 0.1  # a chunk added past the reservation holds at least this share of the tokens already held
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory the OS can still hand out (``MemAvailable``), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_memory(nbytes: int, *, batch: int, tokens: int, pin: bool, what: str = "NosaCache host store") -> None:
+    """Raise a MemoryError naming batch, context and bytes when ``nbytes`` exceed the available host memory."""
+    available = available_host_memory()
+    if available is None or nbytes <= available:
+        return
+    kind = "pinned host" if pin else "host"
+    raise MemoryError(
+        f"{what}: batch {batch} x context {tokens} tokens needs {nbytes / 2**30:.2f} GiB of {kind} memory, but only "
+        f"{available / 2**30:.2f} GiB is available. Lower the batch size or the context (prompt length + "
+        "max_new_tokens), or free host memory."
+    )
 
 
 class HostStore:
-    """``k_chunks[i]``, ``v_chunks[i]``: ``[B, Hk, C, D]``; ``b_chunks[i]``: ``[B, Hk, C]`` fp32; C = chunk_tokens."""
+    """``k_chunks[i]``, ``v_chunks[i]``: ``[B, Hk, C_i, D]``; ``b_chunks[i]``: ``[B, Hk, C_i]`` fp32.
 
-    chunk_tokens = 8192
+    Chunk i holds tokens ``starts[i] .. starts[i] + C_i - 1``; every ``C_i`` is a multiple of ``block_size``.
+    ``chunk_tokens`` caps the tokens of one chunk (None: no cap), so no single pinned allocation grows unbounded.
+    """
 
-    def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int, pin: bool):
+    chunk_tokens: int | None = 1 << 16
+
+    def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int, pin: bool,
+                 *, table: torch.Tensor | None = None):
         self.batch, self.kv_heads, self.head_dim, self.dtype = batch, kv_heads, head_dim, dtype
         self.block_size = block_size
-        self.chunk = max(block_size, (self.chunk_tokens // block_size) * block_size)
         self.pin = pin
         self.k_chunks: list[torch.Tensor] = []
         self.v_chunks: list[torch.Tensor] = []
         self.b_chunks: list[torch.Tensor] = []
+        self.starts: list[int] = []
         self.length = 0
+        self.reserved = 0
         self._pending: torch.cuda.Event | None = None
         self._device_writer: torch.device | None = None  # a device whose kernels write the store directly
         self._version = 0  # bumped whenever a chunk is added or replaced
-        self._table: torch.Tensor | None = None
+        self._table = table  # [4, n] int64 on a device: per block, K/V/b addresses and the chunk's row length
         self._table_version = -1
 
     @property
     def capacity(self) -> int:
-        return len(self.k_chunks) * self.chunk
+        return self.starts[-1] + self.k_chunks[-1].shape[2] if self.k_chunks else 0
 
-    @property
-    def blocks_per_chunk(self) -> int:
-        return self.chunk // self.block_size
+    def token_bytes(self) -> int:
+        """Bytes one token of one sequence takes in the store (K, V of every KV head and their scores)."""
+        return self.kv_heads * (2 * self.head_dim * torch.empty(0, dtype=self.dtype).element_size() + 4)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k_chunks, *self.v_chunks, *self.b_chunks))
+
+    def reserve(self, n_tokens: int) -> None:
+        """Say that tokens ``0 .. n_tokens - 1`` will be stored: the next allocation covers them in one go."""
+        self.reserved = max(self.reserved, int(n_tokens))
 
     def _empty(self, *shape, dtype):
         return torch.empty(*shape, dtype=dtype, pin_memory=self.pin)
 
     def _grow(self, n_tokens: int) -> None:
+        P = self.block_size
+        capacity = self.capacity
+        if capacity >= n_tokens:
+            return
+        want = max(n_tokens, self.reserved if self.reserved > capacity else 0, capacity + int(capacity * GROWTH))
+        want = -(-want // P) * P
         B, Hk, D = self.batch, self.kv_heads, self.head_dim
-        while self.capacity < n_tokens:
-            self.k_chunks.append(self._empty(B, Hk, self.chunk, D, dtype=self.dtype))
-            self.v_chunks.append(self._empty(B, Hk, self.chunk, D, dtype=self.dtype))
-            self.b_chunks.append(self._empty(B, Hk, self.chunk, dtype=torch.float32))
+        check_host_memory(B * (want - capacity) * self.token_bytes(), batch=B, tokens=want, pin=self.pin)
+        while capacity < want:
+            size = want - capacity
+            if self.chunk_tokens:
+                size = min(size, max(P, self.chunk_tokens // P * P))
+            self.k_chunks.append(self._empty(B, Hk, size, D, dtype=self.dtype))
+            self.v_chunks.append(self._empty(B, Hk, size, D, dtype=self.dtype))
+            self.b_chunks.append(self._empty(B, Hk, size, dtype=torch.float32))
+            self.starts.append(capacity)
+            capacity += size
             self._version += 1
 
     def ensure_capacity(self, n_tokens: int) -> None:
         """Allocate chunks so that tokens ``0 .. n_tokens - 1`` have a place (before a kernel writes them)."""
         self._grow(n_tokens)
 
-    def pointer_table(self, device: torch.device) -> torch.Tensor:
-        """``[3, n]`` int64 on ``device``: the addresses of the K, V and b chunks, for kernels that read and write
-        the pinned store directly (UVA). Updated in place when chunks are added, so its own address stays fixed."""
-        n = max(64, len(self.k_chunks))
-        if self._table is None or self._table.device != device or self._table.shape[1] < n:
-            self._table = torch.zeros(3, 1 << (n - 1).bit_length(), dtype=torch.int64, device=device)
+    def block_table(self, device: torch.device) -> torch.Tensor:
+        """``[4, n]`` int64 on ``device``, per block j: the addresses of token ``j * P`` of sequence 0, KV head 0 in
+        the K, V and b chunks, and the row length (tokens per (sequence, KV head)) of its chunk. Kernels read and
+        write the pinned store through it (UVA). Updated in place when chunks are added, so its address stays
+        fixed until the store outgrows it."""
+        P = self.block_size
+        n_blocks = self.capacity // P
+        if self._table is None or self._table.device != torch.device(device) or self._table.shape[1] < n_blocks:
+            size = 1 << max(6, (max(n_blocks, 1) - 1).bit_length())
+            self._table = torch.zeros(4, size, dtype=torch.int64, device=device)
             self._table_version = -1
         if self._table_version != self._version:
-            rows = [[t.data_ptr() for t in chunks] for chunks in (self.k_chunks, self.v_chunks, self.b_chunks)]
             host = torch.zeros(self._table.shape, dtype=torch.int64)
-            if rows[0]:
-                host[:, : len(rows[0])] = torch.tensor(rows, dtype=torch.int64)
+            kv_size = torch.empty(0, dtype=self.dtype).element_size()
+            for start, k, v, b in zip(self.starts, self.k_chunks, self.v_chunks, self.b_chunks):
+                rows = k.shape[2]
+                first, n = start // P, rows // P
+                offsets = torch.arange(n, dtype=torch.int64) * P
+                host[0, first : first + n] = k.data_ptr() + offsets * self.head_dim * kv_size
+                host[1, first : first + n] = v.data_ptr() + offsets * self.head_dim * kv_size
+                host[2, first : first + n] = b.data_ptr() + offsets * 4
+                host[3, first : first + n] = rows
             self._table.copy_(host, non_blocking=True)
             self._table_version = self._version
         return self._table
@@ -81,8 +146,9 @@ class HostStore:
         """(chunk index, offset in chunk, offset in the source, length) for tokens start .. end - 1."""
         pos = start
         while pos < end:
-            i, off = divmod(pos, self.chunk)
-            n = min(self.chunk - off, end - pos)
+            i = bisect.bisect_right(self.starts, pos) - 1
+            off = pos - self.starts[i]
+            n = min(self.k_chunks[i].shape[2] - off, end - pos)
             yield i, off, pos - start, n
             pos += n
 
@@ -132,11 +198,12 @@ class HostStore:
         k = torch.empty(n, P, self.head_dim, dtype=self.dtype, pin_memory=self.pin)
         v = torch.empty_like(k)
         b = torch.empty(n, P, dtype=torch.float32, pin_memory=self.pin)
-        chunk_of = block_idx // self.blocks_per_chunk
-        local = block_idx % self.blocks_per_chunk
+        first_block = torch.tensor(self.starts, dtype=torch.long) // P
+        chunk_of = torch.searchsorted(first_block, block_idx, right=True) - 1
+        local = block_idx - first_block[chunk_of]
         for i in torch.unique(chunk_of).tolist():
             rows = (chunk_of == i).nonzero(as_tuple=True)[0]
-            shape = (self.batch, self.kv_heads, self.blocks_per_chunk, P)
+            shape = (self.batch, self.kv_heads, self.k_chunks[i].shape[2] // P, P)
             k[rows] = self.k_chunks[i].view(*shape, -1)[b_idx[rows], h_idx[rows], local[rows]]
             v[rows] = self.v_chunks[i].view(*shape, -1)[b_idx[rows], h_idx[rows], local[rows]]
             b[rows] = self.b_chunks[i].view(*shape)[b_idx[rows], h_idx[rows], local[rows]]

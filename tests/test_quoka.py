@@ -89,21 +89,21 @@ def test_layer_state_after_quoka_prefill_is_the_dense_state():
             torch.testing.assert_close(a, b)
 
 
-def test_prefill_over_several_calls_reads_earlier_blocks_from_the_host_store():
-    """A prompt fed in two unaligned pieces (a caller's own chunking) equals one dense prefill."""
+def test_tokens_after_the_prompt_attend_by_the_decode_rule():
+    """A second call of several tokens after a prompt (a new turn, assisted-decoding candidates) sees, token by
+    token, exactly what decoding each token alone would select."""
     model = _model("qwen3", seed=4)
     ids, mask = _prompt(2, 150, seed=3, left_pad=(0, 30))
-    dense = NosaCache(model.config, small_nosa_config(prefill="dense"))
-    quoka_config = small_nosa_config(prefill="quoka", prefill_budget_tokens=256, prefill_chunk_size=32)
-    quoka = NosaCache(model.config, quoka_config)
+    config = small_nosa_config(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=32)
+    together, one_by_one = NosaCache(model.config, config), NosaCache(model.config, config)
     with torch.no_grad():
-        expected = model(ids, attention_mask=mask, past_key_values=dense).logits
-        first = model(ids[:, :69], attention_mask=mask[:, :69], past_key_values=quoka).logits
-        second = model(ids[:, 69:], attention_mask=mask, past_key_values=quoka).logits
-    real = mask.bool()
-    torch.testing.assert_close(torch.cat([first, second], 1)[real], expected[real], atol=1e-4, rtol=1e-4)
-    assert quoka.stats()["bytes_to_device"] > 0  # earlier blocks came back from the host store
-
+        model(ids[:, :69], attention_mask=mask[:, :69], past_key_values=together)
+        second = model(ids[:, 69:], attention_mask=mask, past_key_values=together).logits
+        model(ids[:, :69], attention_mask=mask[:, :69], past_key_values=one_by_one)
+        steps = [model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=one_by_one).logits
+                 for t in range(69, 150)]
+    torch.testing.assert_close(second, torch.cat(steps, 1), atol=1e-4, rtol=1e-4)
+    assert together.get_seq_length() == one_by_one.get_seq_length() == 150
 
 def test_query_choice_keeps_the_lowest_cosine_queries_hand_checked():
     # Head 0: mean (1.5, 1/3); cosines 0.976 (x3), 0.217, -0.976, 0.844 -> keep tokens 4, 3.

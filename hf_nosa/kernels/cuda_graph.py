@@ -14,7 +14,32 @@ so kernels are compiled outside it (the first two steps after a prefill run eage
 
 from __future__ import annotations
 
+import inspect
+from contextvars import ContextVar
+
 import torch
+
+_STOCK_FORWARD: ContextVar[bool] = ContextVar("hf_nosa_stock_forward", default=False)
+
+
+class stock_forward:
+    """Inside this context a NOSA model's forward is the stock one (``modeling.chunked`` steps aside), so a graph
+    captures the plain decode forward rather than a replay of itself."""
+
+    def __enter__(self):
+        self._token = _STOCK_FORWARD.set(True)
+
+    def __exit__(self, *exc):
+        _STOCK_FORWARD.reset(self._token)
+
+
+def in_stock_forward() -> bool:
+    return _STOCK_FORWARD.get()
+
+
+def cache_keyword(module: torch.nn.Module) -> str:
+    """The name this transformers version gives the cache argument of ``module.forward``."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
 class DecodeGraph:
@@ -66,7 +91,9 @@ class DecodeGraph:
         return self.static_logits
 
     def _forward(self, input_ids, position_ids):
-        out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=self.cache, use_cache=True)
+        with stock_forward():
+            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                             **{cache_keyword(self.model): self.cache})
         return out.logits[:, -1]
 
     def _capture(self, input_ids, position_ids, key) -> None:
@@ -101,6 +128,8 @@ def greedy_decode(model, cache, next_ids: torch.Tensor, steps: int, *, use_graph
         if step is not None:
             logits = step(ids, pos)
         else:
-            logits = model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+            with stock_forward():
+                out = model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_keyword(model): cache})
+            logits = out.logits[:, -1]
         ids = logits.argmax(-1, keepdim=True)
     return torch.cat(fed, 1)

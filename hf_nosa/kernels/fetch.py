@@ -14,7 +14,7 @@ Two levels:
 - ``fetch_step``: one whole decode step of the slot pool in one launch per layer (Triton on CUDA). Per (sequence,
   KV head) one program computes the ``plan_fetch`` set difference, copies the missing K, V and b blocks by
   reading the pinned host store directly through its device address (UVA: a pinned tensor's address is valid on
-  the GPU; the kernel gets an int64 table of chunk addresses), writes the new token into the tail slot and into
+  the GPU; the kernel gets an int64 table of block addresses), writes the new token into the tail slot and into
   the host store, keeps ``slot_b == MASK_VALUE`` at every position that holds no token (so the attention can read
   the pool with no extra mask), counts what moved, and advances the step counter. No host sync.
 """
@@ -128,8 +128,9 @@ class StepCounters(NamedTuple):
     """Device counters a decode step advances without a host sync.
 
     ``counts`` int64 ``[5]``: blocks loaded, bytes moved to the device, then three scratch entries the kernel
-    returns to zero (resident and selected blocks of the step, programs finished); ``locality`` float32 ``[1]``:
-    sum over counted steps of the share of selected blocks that were already resident.
+    returns to zero (resident and selected blocks of the step, programs finished); ``locality`` float32 ``[2]``:
+    the sum over counted steps of the share of selected blocks that were already resident, and the number of
+    counted steps (those that selected at least one block).
     """
 
     counts: torch.Tensor
@@ -137,7 +138,15 @@ class StepCounters(NamedTuple):
 
     @classmethod
     def zeros(cls, device) -> "StepCounters":
-        return cls(torch.zeros(5, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.float32, device=device))
+        return cls(torch.zeros(5, dtype=torch.int64, device=device), torch.zeros(2, dtype=torch.float32, device=device))
+
+
+def count_share(locality: torch.Tensor, resident: torch.Tensor, selected: torch.Tensor) -> None:
+    """Add one step's share of selected blocks already resident to ``locality`` ``[2]`` (sum, steps), on the
+    device; a step that selected nothing is not counted (nothing could have been resident)."""
+    counted = selected > 0
+    locality[0].add_(torch.where(counted, resident.float() / selected.clamp(min=1).float(), 0.0))
+    locality[1].add_(counted.float())
 
 
 if HAS_TRITON:
@@ -151,8 +160,8 @@ if HAS_TRITON:
         stride_kn_b, stride_kn_h, stride_vn_b, stride_vn_h, stride_bn_b, stride_bn_h,
         table_stride, block_bytes, count_locality, n_programs,
         HK: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
-        P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr, NB: tl.constexpr,
-        MASK: tl.constexpr, WRITE_HOST: tl.constexpr,
+        P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NB: tl.constexpr,
+        MASK: tl.constexpr, WRITE_HOST: tl.constexpr, DECODE: tl.constexpr,
     ):
         i_bh = tl.program_id(0)
         i_b = i_bh // HK
@@ -160,7 +169,7 @@ if HAS_TRITON:
         t = tl.load(step_ptr)
         pos = (t % P).to(tl.int32)
         c = (t // P).to(tl.int32)
-        new_block = pos == 0
+        new_block = (pos == 0) & DECODE  # a QUOKA prefill fetch (not DECODE) writes no token and has no tail
 
         # ---- plan: plan_fetch's set difference and slot assignment ----
         o_k = tl.arange(0, K_PAD)
@@ -172,7 +181,7 @@ if HAS_TRITON:
         tail = tl.load(tail_ptr + i_b * stride_tail_b + i_h * stride_tail_h).to(tl.int32)
         is_sel = b_sel >= 0
         match = (b_sel[:, None] == b_sb[None, :]) & is_sel[:, None] & m_s[None, :]  # [K_PAD, S_PAD]
-        keep = (tl.max(match.to(tl.int32), 0) > 0) | ((o_s == tail) & (pos != 0))
+        keep = (tl.max(match.to(tl.int32), 0) > 0) | ((o_s == tail) & (pos != 0) & DECODE)
         keep = keep & m_s
         missing = is_sel & (tl.max(match.to(tl.int32), 1) == 0)
         free = (keep == 0) & m_s
@@ -197,7 +206,7 @@ if HAS_TRITON:
         o_p = tl.arange(0, P)
         o_d = tl.arange(0, D_PAD)
         m_d = o_d < D
-        bh_row = (i_b * HK + i_h).to(tl.int64) * CHUNK  # first token row of this (sequence, head) in a chunk
+        i_row = (i_b * HK + i_h).to(tl.int64)  # this (sequence, head)'s row in a host chunk
         p_k_slots = slot_k_ptr + i_b.to(tl.int64) * stride_k_b + i_h * stride_k_h
         p_v_slots = slot_v_ptr + i_b.to(tl.int64) * stride_v_b + i_h * stride_v_h
         p_b_slots = slot_b_ptr + i_b.to(tl.int64) * stride_b_b + i_h * stride_b_h
@@ -207,14 +216,14 @@ if HAS_TRITON:
             m_n = rank < n_missing
             blk = tl.sum(tl.where(pick, b_sel[None, :], 0), 1)
             dst = tl.sum(tl.where(pick, dst_of[None, :], 0), 1)
-            chunk = blk // (CHUNK // P)
-            row = bh_row + (blk % (CHUNK // P)).to(tl.int64) * P  # [NB] token row inside the chunk
-            tok = row[:, None] + o_p[None, :]  # [NB, P]
+            # The block table gives the block's first token in row 0 of its chunk and the chunk's row length.
+            row_len = tl.load(table_ptr + 3 * table_stride + blk, mask=m_n, other=0)
+            tok = (i_row * row_len)[:, None] + o_p[None, :]  # [NB, P] token offset from the block's address
             m_nd = m_n[:, None, None] & m_d[None, None, :]
             # Chunk addresses are page-aligned pinned allocations: saying so lets the loads be vectorised.
-            host_k = tl.multiple_of(tl.load(table_ptr + chunk, mask=m_n, other=0), 16).to(slot_k_ptr.dtype)
-            host_v = tl.multiple_of(tl.load(table_ptr + table_stride + chunk, mask=m_n, other=0), 16).to(slot_v_ptr.dtype)
-            host_b = tl.multiple_of(tl.load(table_ptr + 2 * table_stride + chunk, mask=m_n, other=0), 16).to(slot_b_ptr.dtype)
+            host_k = tl.multiple_of(tl.load(table_ptr + blk, mask=m_n, other=0), 16).to(slot_k_ptr.dtype)
+            host_v = tl.multiple_of(tl.load(table_ptr + table_stride + blk, mask=m_n, other=0), 16).to(slot_v_ptr.dtype)
+            host_b = tl.multiple_of(tl.load(table_ptr + 2 * table_stride + blk, mask=m_n, other=0), 16).to(slot_b_ptr.dtype)
             kv_off = tok[:, :, None] * D + o_d[None, None, :]  # [NB, P, D_PAD]
             b_k = tl.load(host_k[:, None, None] + kv_off, mask=m_nd)
             b_v = tl.load(host_v[:, None, None] + kv_off, mask=m_nd)
@@ -230,20 +239,21 @@ if HAS_TRITON:
         if tl.sum(empty.to(tl.int32), 0) > 0:
             p_empty = p_b_slots + o_s[:, None] * stride_b_s + o_p[None, :]
             tl.store(p_empty, tl.full([S_PAD, P], MASK, tl.float32), mask=empty[:, None])
-        b_new = tl.load(b_new_ptr + i_b * stride_bn_b + i_h * stride_bn_h)
-        p_tail_b = p_b_slots + new_tail * stride_b_s + o_p
-        old = tl.load(p_tail_b)
-        tl.store(p_tail_b, tl.where(o_p < pos, old, tl.where(o_p == pos, b_new, MASK)))
-        k_new = tl.load(k_new_ptr + i_b * stride_kn_b + i_h * stride_kn_h + o_d, mask=m_d)
-        v_new = tl.load(v_new_ptr + i_b * stride_vn_b + i_h * stride_vn_h + o_d, mask=m_d)
-        tl.store(p_k_slots + new_tail * stride_k_s + pos * D + o_d, k_new, mask=m_d)
-        tl.store(p_v_slots + new_tail * stride_v_s + pos * D + o_d, v_new, mask=m_d)
-        if WRITE_HOST:
-            chunk_t = t // CHUNK
-            row_t = bh_row + t % CHUNK
-            host_k = tl.load(table_ptr + chunk_t).to(slot_k_ptr.dtype)
-            host_v = tl.load(table_ptr + table_stride + chunk_t).to(slot_v_ptr.dtype)
-            host_b = tl.load(table_ptr + 2 * table_stride + chunk_t).to(slot_b_ptr.dtype)
+        if DECODE:
+            b_new = tl.load(b_new_ptr + i_b * stride_bn_b + i_h * stride_bn_h)
+            p_tail_b = p_b_slots + new_tail * stride_b_s + o_p
+            old = tl.load(p_tail_b)
+            tl.store(p_tail_b, tl.where(o_p < pos, old, tl.where(o_p == pos, b_new, MASK)))
+            k_new = tl.load(k_new_ptr + i_b * stride_kn_b + i_h * stride_kn_h + o_d, mask=m_d)
+            v_new = tl.load(v_new_ptr + i_b * stride_vn_b + i_h * stride_vn_h + o_d, mask=m_d)
+            tl.store(p_k_slots + new_tail * stride_k_s + pos * D + o_d, k_new, mask=m_d)
+            tl.store(p_v_slots + new_tail * stride_v_s + pos * D + o_d, v_new, mask=m_d)
+        if WRITE_HOST and DECODE:
+            blk_t = t // P
+            row_t = i_row * tl.load(table_ptr + 3 * table_stride + blk_t) + t % P
+            host_k = tl.load(table_ptr + blk_t).to(slot_k_ptr.dtype)
+            host_v = tl.load(table_ptr + table_stride + blk_t).to(slot_v_ptr.dtype)
+            host_b = tl.load(table_ptr + 2 * table_stride + blk_t).to(slot_b_ptr.dtype)
             tl.store(host_k + row_t * D + o_d, k_new, mask=m_d)
             tl.store(host_v + row_t * D + o_d, v_new, mask=m_d)
             tl.store(host_b + row_t, b_new)
@@ -254,22 +264,28 @@ if HAS_TRITON:
         if count_locality != 0:
             tl.atomic_add(counts_ptr + 2, (n_selected - n_missing).to(tl.int64))
             tl.atomic_add(counts_ptr + 3, n_selected.to(tl.int64))
-        ticket = tl.atomic_add(counts_ptr + 4, 1, sem="acq_rel")
-        if ticket == n_programs - 1:
+        if DECODE:
+            ticket = tl.atomic_add(counts_ptr + 4, 1, sem="acq_rel")
+        else:
+            ticket = 0
+        if DECODE and ticket == n_programs - 1:
             # Every other program has read the step and added its counts before taking its ticket.
             tl.store(step_ptr, t + 1)
             if count_locality != 0:
                 resident = tl.atomic_xchg(counts_ptr + 2, 0)
                 selected = tl.atomic_xchg(counts_ptr + 3, 0)
-                tl.atomic_add(locality_ptr, resident.to(tl.float32) / tl.maximum(selected, 1).to(tl.float32))
+                if selected > 0:  # a step that selected nothing had nothing that could be resident
+                    tl.atomic_add(locality_ptr, resident.to(tl.float32) / selected.to(tl.float32))
+                    tl.atomic_add(locality_ptr + 1, 1.0)
             tl.atomic_xchg(counts_ptr + 4, 0)
 
 
-def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, b_new, step, counters, count_locality):
+def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, b_new, step, counters, count_locality,
+                       decode: bool = True):
     B, Hk, K = selected.shape
     S = pool.slot_block.shape[-1]
     P, D = pool.slot_k.shape[3], pool.slot_k.shape[4]
-    table = host.pointer_table(pool.slot_k.device)
+    table = host.block_table(pool.slot_k.device)
     block_bytes = P * (2 * D * pool.slot_k.element_size() + 4)
     with on_device(pool.slot_k):
         launcher(_fetch_step_kernel)[(B * Hk,)](
@@ -283,7 +299,7 @@ def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, 
             k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), b_new.stride(0), b_new.stride(1),
             table.stride(0), block_bytes, int(bool(count_locality)), B * Hk,
             HK=Hk, K=K, K_PAD=next_power_of_2(K), S=S, S_PAD=next_power_of_2(S), P=P, D=D,
-            D_PAD=next_power_of_2(D), CHUNK=host.chunk, NB=2, MASK=MASK_VALUE, WRITE_HOST=True,
+            D_PAD=next_power_of_2(D), NB=2, MASK=MASK_VALUE, WRITE_HOST=True, DECODE=decode,
             num_warps=8,
         )
 
@@ -314,7 +330,7 @@ def fetch_step_ref(selected, pool: SlotPool, host: HostStore, k_new, v_new, b_ne
     counters.counts[0].add_(loaded)
     counters.counts[1].add_(loaded * block_bytes)
     if count_locality:
-        counters.locality.add_(plan.n_resident.sum().float() / plan.n_selected.sum().clamp(min=1).float())
+        count_share(counters.locality, plan.n_resident.sum(), plan.n_selected.sum())
     step.add_(1)
 
 
@@ -345,18 +361,60 @@ def fetch_step(
     _check_step(selected, pool, host, k_new, v_new, b_new, step, counters)
     path = kernel_path("fetch", pool.slot_k)
     if path == "triton" and pool.slot_k.is_cuda and not host.pin:
-        from .backend import forced_path
-
-        if forced_path() == "triton":
-            raise ValueError(
-                "fetch_step on CUDA with HF_NOSA_KERNELS=triton needs a pinned host store (NosaConfig.offload=True): "
-                "the kernel reads host memory through its device address."
-            )
-        log_fallback("fetch", "cuda", "the host store is not pinned (NosaConfig.offload=False)")
-        path = "torch"
+        path = _unpinned_fallback()
     if path == "torch":
         return fetch_step_ref(selected, pool, host, k_new, v_new, b_new, step, counters, count_locality)
     _fetch_step_triton(selected, pool, host, k_new, v_new, b_new, step, counters, count_locality)
+
+
+def fetch_selection_ref(selected, pool: SlotPool, host: HostStore, counters: StepCounters) -> None:
+    """Torch reference of ``fetch_selection``."""
+    S = pool.slot_block.shape[-1]
+    no_tail = torch.full_like(pool.tail_slot, -1)
+    plan = plan_fetch(selected, pool.slot_block, no_tail, new_block=False, current_block=-1)
+    fetch_blocks_ref(plan, selected, host, pool.slot_k, pool.slot_v, pool.slot_b)
+    pool.slot_block.copy_(plan.slot_block)
+    pool.slot_b[:, :, :S].masked_fill_((pool.slot_block < 0)[..., None], MASK_VALUE)
+    loaded = plan.missing.sum()
+    P, D = pool.slot_k.shape[3], pool.slot_k.shape[4]
+    counters.counts[0].add_(loaded)
+    counters.counts[1].add_(loaded * P * (2 * D * pool.slot_k.element_size() + 4))
+
+
+def fetch_selection(selected: torch.Tensor, pool: SlotPool, host: HostStore, counters: StepCounters) -> None:
+    """Make the slot pool hold exactly ``selected`` (QUOKA prefill: no token is written, no tail is kept).
+
+    Blocks still selected stay in their slots, the missing ones are copied from the host store into freed slots
+    (one launch on CUDA, reading pinned memory directly), ``slot_b`` is ``MASK_VALUE`` in every empty slot, and
+    ``counters`` count the blocks and bytes moved. ``pool.tail_slot`` is left as it was and means nothing after.
+
+    Args:
+        selected: ``[B, Hk, K]`` long complete blocks of the host store (-1 = none), ``K < S``.
+    """
+    step = torch.zeros(1, dtype=torch.long, device=pool.slot_k.device)
+    B, Hk = pool.tail_slot.shape
+    D = pool.slot_k.shape[4]
+    dummy_kv = pool.slot_k.new_zeros(B, Hk, 1, D)
+    dummy_b = torch.zeros(B, Hk, 1, dtype=torch.float32, device=pool.slot_k.device)
+    _check_step(selected, pool, host, dummy_kv, dummy_kv, dummy_b, step, counters)
+    path = kernel_path("fetch", pool.slot_k)
+    if path == "triton" and pool.slot_k.is_cuda and not host.pin:
+        path = _unpinned_fallback()
+    if path == "torch":
+        return fetch_selection_ref(selected, pool, host, counters)
+    _fetch_step_triton(selected, pool, host, dummy_kv, dummy_kv, dummy_b, step, counters, False, decode=False)
+
+
+def _unpinned_fallback() -> str:
+    from .backend import forced_path
+
+    if forced_path() == "triton":
+        raise ValueError(
+            "fetch on CUDA with HF_NOSA_KERNELS=triton needs a pinned host store (NosaConfig.offload=True): "
+            "the kernel reads host memory through its device address."
+        )
+    log_fallback("fetch", "cuda", "the host store is not pinned (NosaConfig.offload=False)")
+    return "torch"
 
 
 def _check_step(selected, pool, host, k_new, v_new, b_new, step, counters) -> None:

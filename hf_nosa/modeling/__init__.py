@@ -11,6 +11,7 @@ from ..attention import EvictionHead
 from ..config import NosaConfig
 from . import llama, qwen2, qwen3
 from .base import NosaAttentionMixin
+from .chunked import install_forward
 
 FAMILIES = {
     "llama": llama,
@@ -64,7 +65,8 @@ def check_convertible(config) -> None:
 
 
 def convert_layers(model: nn.Module, cfg: NosaConfig, *, allow_meta: bool = False) -> None:
-    """Swap every attention module of ``model`` for its family's NOSA class, with an eviction head, in place.
+    """Swap every attention module of ``model`` for its family's NOSA class, with an eviction head, in place, and
+    route its forward through ``modeling.chunked.NosaForward``.
 
     ``allow_meta`` lets a model being built by ``from_pretrained`` (weights still on the meta device) convert;
     its eviction heads are then filled by the checkpoint.
@@ -73,6 +75,7 @@ def convert_layers(model: nn.Module, cfg: NosaConfig, *, allow_meta: bool = Fals
     for layer in model.model.layers:
         _convert_attention(layer.self_attn, attention_class, cfg, allow_meta)
     model.config.nosa = cfg.to_dict()
+    install_forward(model)  # chunked prefill and graph-replayed decode with a NosaCache (modeling/chunked.py)
 
 
 def to_nosa(model: nn.Module, nosa_config: NosaConfig | None = None) -> nn.Module:

@@ -1,0 +1,160 @@
+"""The causal LM forward of a NOSA model with a NosaCache: model-level chunked prefill and graph-replayed decode.
+
+Prefill: a prompt longer than ``prefill_chunk_size`` goes through the whole model one chunk at a time (every layer
+finishes chunk i before any layer sees chunk i + 1), so device memory holds the weights, the cache's working set
+and one chunk's activations whatever the prompt length; logits are computed only where ``logits_to_keep`` asks.
+
+Decode: a one-token step on CUDA replays a CUDA graph of the model's decode forward (``kernels.cuda_graph``),
+captured once per shapes and buffers; caches built by ``generate(cache_implementation="nosa")`` draw their buffers
+from the model's workspace, so the graph also survives from one generate call to the next.
+
+Any other call (no NosaCache, labels, output_attentions with a NosaCache excepted) runs the stock forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ..cache import NosaCache
+from ..kernels.backend import kernel_path
+from ..kernels.cuda_graph import DecodeGraph, cache_keyword, in_stock_forward
+
+_OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+class NosaForward:
+    """Replaces ``model.forward`` of a converted causal LM (see the module docstring); keeps its signature."""
+
+    def __init__(self, model: torch.nn.Module, original):
+        self.model = model
+        self.original = original
+        self.__wrapped__ = original  # inspect.signature and generate's argument checks see the stock signature
+        self._signature = inspect.signature(original)
+
+    def __call__(self, *args, **kwargs):
+        if in_stock_forward():
+            return self.original(*args, **kwargs)
+        if args:
+            kwargs = dict(self._signature.bind_partial(*args, **kwargs).arguments)
+            kwargs.update(kwargs.pop("kwargs", {}))
+        cache_name = "cache" if kwargs.get("cache") is not None else "past_key_values"
+        cache = kwargs.get(cache_name)
+        if not isinstance(cache, NosaCache):
+            return self.original(**kwargs)
+        if kwargs.get("output_attentions"):
+            raise ValueError(
+                "output_attentions=True is not supported with a NosaCache: NOSA attends to a different set of blocks "
+                "per KV head and step, and its kernels never form the attention matrix. Generate without "
+                "output_attentions, or use a stock cache (full attention) when you need the weights."
+            )
+        inputs = kwargs.get("input_ids")
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        if inputs is None or kwargs.get("labels") is not None:
+            return self.original(**kwargs)
+        T = inputs.shape[1]
+        if T == 1 and cache.get_seq_length() > 0 and self._graph_eligible(kwargs):
+            return self._decode_with_graph(cache, cache_name, kwargs)
+        if T <= cache.nosa_config.prefill_chunk_size:
+            return self.original(**kwargs)
+        return self._chunked(cache, cache_name, kwargs)
+
+    # ----- prefill -----
+
+    def _chunked(self, cache: NosaCache, cache_name: str, kwargs: dict):
+        model = self.model
+        ids_name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
+        inputs = kwargs.pop(ids_name)
+        B, T = inputs.shape[:2]
+        C = cache.nosa_config.prefill_chunk_size
+        past = cache.get_seq_length()
+        position_ids = kwargs.pop("position_ids", None)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=inputs.device).expand(B, T)
+        attention_mask = kwargs.pop("attention_mask", None)
+        keep = _kept_positions(kwargs.pop("logits_to_keep", 0), T)
+        output_hidden = kwargs.get("output_hidden_states")
+        return_dict = kwargs.pop("return_dict", True)
+        kwargs.pop(cache_name)
+        kwargs.pop("use_cache", None)
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        decoder_cache = cache_keyword(decoder)
+
+        starting = past == 0
+        if starting:
+            cache.begin_prefill(T)
+        hidden_parts, layer_states = [], []
+        try:
+            for a in range(0, T, C):
+                b = min(T, a + C)
+                chunk = dict(kwargs)
+                chunk[ids_name] = inputs[:, a:b]
+                chunk["position_ids"] = position_ids[..., a:b]
+                if attention_mask is not None:
+                    chunk["attention_mask"] = (attention_mask[:, : past + b] if attention_mask.dim() == 2
+                                               else attention_mask[..., a:b, : past + b])
+                chunk[decoder_cache] = cache
+                out = decoder(use_cache=True, **chunk)
+                rows = keep[a:b].nonzero().flatten()
+                if rows.numel():
+                    hidden_parts.append(out.last_hidden_state[:, rows.to(inputs.device)])
+                if output_hidden:
+                    layer_states.append(out.hidden_states)
+        finally:
+            if starting:
+                cache.end_prefill()
+        logits = model.lm_head(torch.cat(hidden_parts, 1))
+        hidden_states = None
+        if output_hidden:
+            hidden_states = tuple(torch.cat(parts, 1) for parts in zip(*layer_states))
+        result = CausalLMOutputWithPast(logits=logits, hidden_states=hidden_states, **{_OUTPUT_CACHE_FIELD: cache})
+        return result if return_dict else result.to_tuple()
+
+    # ----- decode -----
+
+    def _graph_eligible(self, kwargs: dict) -> bool:
+        inputs = kwargs.get("input_ids")
+        return (
+            inputs is not None
+            and inputs.is_cuda
+            and not self.model.training
+            and not torch.is_grad_enabled()
+            and not kwargs.get("output_hidden_states")
+            and kernel_path("decode_step", inputs) == "triton"
+        )
+
+    def _decode_with_graph(self, cache: NosaCache, cache_name: str, kwargs: dict):
+        input_ids = kwargs["input_ids"]
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.full_like(input_ids, cache.get_seq_length())
+        owner = cache.state.workspace if cache.state.workspace is not None else cache
+        graph = getattr(owner, "decode_graph", None)
+        if graph is None:
+            graph = owner.decode_graph = DecodeGraph(self.model, cache)
+        graph.cache = cache
+        logits = graph(input_ids, position_ids.reshape(input_ids.shape)).clone()[:, None]  # [B, 1, vocab]
+        result = CausalLMOutputWithPast(logits=logits, **{_OUTPUT_CACHE_FIELD: cache})
+        return result if kwargs.get("return_dict", True) else result.to_tuple()
+
+
+def _kept_positions(logits_to_keep, T: int) -> torch.Tensor:
+    """``[T]`` bool on the CPU: the positions whose logits the caller asked for (transformers' convention)."""
+    keep = torch.zeros(T, dtype=torch.bool)
+    if isinstance(logits_to_keep, torch.Tensor):
+        keep[logits_to_keep.cpu().long()] = True
+    elif logits_to_keep == 0:
+        keep[:] = True
+    else:
+        keep[-int(logits_to_keep):] = True
+    return keep
+
+
+def install_forward(model: torch.nn.Module) -> None:
+    """Route ``model.forward`` through ``NosaForward`` (idempotent)."""
+    if isinstance(model.__dict__.get("forward"), NosaForward):
+        return
+    model.forward = NosaForward(model, model.forward)
