@@ -9,6 +9,7 @@ from torch import nn
 
 from .attend import AttentionInputs
 from .cache import NosaCache
+from .cache_attention import attend_cache_inputs
 from .config import NosaConfig
 from .dense_attention import biased_attention
 from .masks import additive_mask
@@ -67,9 +68,7 @@ def nosa_attention(
         inputs = cache.update(
             key, value, module.layer_idx, query=query, bias=bias, attention_mask=attention_mask, scaling=module.scaling
         )
-        if isinstance(inputs, torch.Tensor):  # a QUOKA prefill: the cache attended chunk by chunk itself
-            return inputs
-        return biased_attention(query, inputs, module.scaling)
+        return attend_cache_inputs(query, inputs, module.scaling)
 
     q_offset = 0
     if cache is not None:
