@@ -1,7 +1,9 @@
-"""Real text that ships with Python: the standard library's own source files, split into train and eval files.
+"""Real text that ships with Python: the standard library's own source files, split into train and eval files, and
+the prose of the Python reference documentation that ``pydoc`` carries (``pydoc_data.topics``), split into halves.
 
-The split is by a hash of each file's path relative to the library root (one file in ten goes to "eval"), so it is
-the same on every machine; the files themselves differ between Python versions, which results record.
+The file split is by a hash of each file's path relative to the library root (one file in ten goes to "eval"), the
+prose split by a hash of each topic's name (one in two), so both are the same on every machine; the texts themselves
+differ between Python versions, which results record.
 """
 
 from __future__ import annotations
@@ -82,3 +84,31 @@ def long_documents(split: str, min_chars: int, n: int, seed: int) -> list[tuple[
         )
     chosen = random.Random(f"documents:{split}:{min_chars}:{seed}").sample(candidates, n)
     return [(path.relative_to(root).as_posix(), read_text(path)) for path in chosen]
+
+
+def _prose_topics() -> dict[str, str]:
+    try:
+        from pydoc_data.topics import topics
+    except ImportError:
+        raise FileNotFoundError(f"this Python ({sys.version.split()[0]}) ships without pydoc_data.topics, the prose "
+                                "the evaluation's haystacks and the retrofit's training text use") from None
+    return topics
+
+
+def prose_split_of(topic: str) -> str:
+    """"eval" for one documentation topic in two (by MD5 of its name), else "train"."""
+    return "eval" if hashlib.md5(f"pydoc:{topic}".encode()).digest()[0] % 2 == 0 else "train"
+
+
+@functools.lru_cache(maxsize=4)
+def prose_documents(split: str) -> tuple[tuple[str, str], ...]:
+    """The Python reference documentation's topics of ``split`` (``pydoc_data.topics``): ``(topic, text)`` pairs."""
+    _check_split(split)
+    topics = _prose_topics()
+    return tuple((name, topics[name]) for name in sorted(topics) if prose_split_of(name) == split and topics[name].strip())
+
+
+@functools.lru_cache(maxsize=4)
+def prose_text(split: str) -> str:
+    """The documentation topics of ``split`` concatenated, each followed by a blank line: English prose about Python."""
+    return "".join(text.strip() + "\n\n" for _, text in prose_documents(split))

@@ -1,4 +1,11 @@
-"""A RULER-style synthetic long-context suite, generated locally from a seed and scored by exact match.
+"""A RULER-style synthetic long-context suite, generated locally from a seed, in two protocols.
+
+``protocol="ruler"`` (the default for real tokenizers) writes every prompt with RULER's own templates and answer
+prefixes inside the tokenizer's chat template, fills the haystacks with RULER's noise sentences or, where RULER uses
+Paul Graham's essays (not available offline), with the prose of the Python reference documentation
+(``corpus.prose_text``), and scores with RULER's substring match (``ruler.py``). ``protocol="compact"`` (the default
+for the byte-level tokenizer) is the terse format below, which the byte-level models of ``experiments/quality`` and the
+embedded demo model were trained on, scored by exact match.
 
 Every sample is a context (a haystack with needles, or a word list), a question that ends where the answer starts,
 and the expected answer items. Prompts are sized to an exact number of tokens of the tokenizer they are built for.
@@ -16,7 +23,7 @@ Tasks (after RULER, Hsieh et al. 2024, and the passkey test of Mohtashami & Jagg
   five words (in order of first appearance; scored as a set).
 - ``passkey``: a five-digit pass key hidden in repeated noise sentences.
 
-Scoring: the prediction is read up to its first newline. Single-answer tasks score 1 when it equals the answer
+Compact scoring: the prediction is read up to its first newline. Single-answer tasks score 1 when it equals the answer
 (surrounding spaces and a final period ignored); multi-answer tasks score the share of expected items found among
 the comma-separated predicted items.
 """
@@ -29,7 +36,8 @@ import uuid
 from dataclasses import dataclass
 
 from ..tokenizer import VOCAB_SIZE, byte_ids
-from .corpus import SPLITS, corpus_text
+from . import ruler
+from .corpus import SPLITS, corpus_text, prose_text
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
 _CONSONANTS = "bdfgklmnprstvz"
@@ -37,6 +45,8 @@ _VOWELS = "aeiou"
 _NEEDLES = 4  # needles of the multi-key, multi-value and multi-query tasks (RULER's default)
 _CHAIN = 5  # variables in a variable-tracking chain (one value, four hops)
 _COMMON_WORDS = 5
+PROTOCOLS = ("auto", "ruler", "compact")
+_RULER_COMMON_WORDS, _RULER_COMMON_FREQ, _RULER_RARE_FREQ = 10, 30, 3  # RULER's num_cw, freq_cw, freq_ucw
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,8 @@ class Sample:
     context: str
     question: str
     answers: tuple[str, ...]
+    metric: str = "exact"  # "exact" (compact protocol), or RULER's "all" / "part"
+    add_special_tokens: bool = True  # False when the prompt went through a chat template (it holds its own)
 
     @property
     def prompt(self) -> str:
@@ -59,12 +71,15 @@ class Sample:
         return ", ".join(self.answers)
 
     def score(self, prediction: str) -> float:
-        """Exact match in [0, 1]; see the module docstring."""
-        return score(prediction, self.answers)
+        """The sample's metric in [0, 1]: exact match (compact) or RULER's all / part substring match."""
+        return score(prediction, self.answers, metric=self.metric)
 
 
-def score(prediction: str, answers: tuple[str, ...] | list[str]) -> float:
-    """Exact-match score of a generated continuation against the expected items.
+def score(prediction: str, answers: tuple[str, ...] | list[str], metric: str = "exact") -> float:
+    """Score of a generated continuation against the expected items, by ``metric``.
+
+    ``"exact"`` (compact protocol): see the module docstring. ``"all"`` / ``"part"``: RULER's
+    ``string_match_all`` / ``string_match_part`` (``ruler.py``).
 
     Example:
         >>> score("1234567\\nmore", ("1234567",))
@@ -72,6 +87,10 @@ def score(prediction: str, answers: tuple[str, ...] | list[str]) -> float:
         >>> score("ab, cd, xx", ("ab", "cd", "ef"))
         0.6666666666666666
     """
+    if metric in ruler.METRICS:
+        return ruler.ruler_score(prediction, answers, metric)
+    if metric != "exact":
+        raise ValueError(f"metric={metric!r} is unknown; allowed values are {('exact', *ruler.METRICS)}")
     answers = tuple(answers)
     if not answers:
         raise ValueError("answers must not be empty")
@@ -188,6 +207,17 @@ def _noise_haystack() -> Haystack:
     return Haystack(NOISE * 8, random_start=False)
 
 
+@functools.lru_cache(maxsize=4)
+def _prose_haystack(split: str) -> Haystack:
+    return Haystack(prose_text(split))
+
+
+def _haystack(kind: str, split: str) -> Haystack:
+    if kind == "noise":
+        return _noise_haystack()
+    return _stdlib_haystack(split) if kind == "stdlib" else _prose_haystack(split)
+
+
 # ----- tasks: each returns needles, question, answers and the haystack kind -----
 
 
@@ -256,35 +286,79 @@ def _insert(haystack: str, lines: list[str], depths: list[float]) -> str:
     return "".join(out)
 
 
-def _cwe_context(rng: random.Random, budget: int, counter: TokenCounter) -> tuple[str, tuple[str, ...]]:
-    words = _distinct(rng, lambda r: _word(r, r.choice((2, 3))), _COMMON_WORDS)
-    line_tokens = max(1, counter.count("123. " + words[0] + "\n"))
-    n_lines = max(2 * _COMMON_WORDS, budget // line_tokens + 8)
-    per_common = max(3, (3 * n_lines) // (10 * _COMMON_WORDS))  # common words fill ~30% of the list
-    n_rare = max(1, n_lines - per_common * _COMMON_WORDS)  # every other word appears once
-    rare = [w for w in _distinct(rng, lambda r: _word(r, r.choice((2, 3))), n_rare + _COMMON_WORDS) if w not in words]
-    items = [w for w in words for _ in range(per_common)] + rare[:n_rare]
+def _word_list(rng: random.Random, budget: int, counter: TokenCounter, *, common: int, freq_common: int | None,
+               freq_rare: int, line) -> tuple[str, tuple[str, ...]]:
+    """A shuffled numbered word list of at most ``budget`` tokens in which ``common`` words are frequent.
+
+    ``freq_common`` None: the common words fill ~30% of the list (compact). Returns the text and the common words in
+    order of first appearance.
+    """
+    words = _distinct(rng, lambda r: _word(r, r.choice((2, 3))), common)
+    item_tokens = max(1, counter.count(line(123, words[0])))
+    if freq_common is not None:  # RULER: the mean cost of an item, so that the list just fills the budget
+        probe = random.Random(rng.random())
+        item_tokens = counter.count("".join(line(100 + i, _word(probe, probe.choice((2, 3)))) for i in range(64))) / 64
+    n_items = max(2 * common, int(budget // item_tokens) + 8)
+    per_common = freq_common or max(3, (3 * n_items) // (10 * common))
+    n_rare = max(1, (n_items - per_common * common) // freq_rare)
+    rare = [w for w in _distinct(rng, lambda r: _word(r, r.choice((2, 3))), n_rare + common) if w not in words]
+    items = [w for w in words for _ in range(per_common)] + [w for w in rare[:n_rare] for _ in range(freq_rare)]
     rng.shuffle(items)
-    lines, used = [], 0
+    pieces, kept, used = [], [], 0
     for i, word in enumerate(items):
-        line = f"{i + 1}. {word}\n"
-        cost = counter.count(line)
+        piece = line(i + 1, word)
+        cost = counter.count(piece)
         if used + cost > budget:
             break
-        lines.append(line)
+        pieces.append(piece)
+        kept.append(word)
         used += cost
-    kept = [line.split(". ", 1)[1].strip() for line in lines]
+    if freq_common is not None:  # fill what the estimate left with more words that appear once
+        taken = set(kept) | set(words)
+        while True:
+            word = _word(rng, 3)
+            piece = line(len(pieces) + 1, word)
+            cost = counter.count(piece)
+            if word in taken:
+                continue
+            if used + cost > budget:
+                break
+            taken.add(word)
+            pieces.append(piece)
+            kept.append(word)
+            used += cost
     counts: dict[str, int] = {}
     for w in kept:
         counts[w] = counts.get(w, 0) + 1
-    top = set(sorted(counts, key=lambda w: -counts[w])[:_COMMON_WORDS])  # stable: ties go to the first seen
-    answers = tuple(w for w in counts if w in top)  # order of first appearance
-    return "".join(lines), answers
+    top = set(sorted(counts, key=lambda w: -counts[w])[:common])  # stable: ties go to the first seen
+    return "".join(pieces), tuple(w for w in counts if w in top)  # order of first appearance
 
 
-def make_sample(task: str, rng: random.Random, length: int, tokenizer, *, split: str = "eval", counter: TokenCounter | None = None) -> Sample:
-    """One sample of ``task`` whose prompt is ``length`` tokens, the tokenizer's special tokens (a BOS) included."""
+def _cwe_context(rng: random.Random, budget: int, counter: TokenCounter) -> tuple[str, tuple[str, ...]]:
+    return _word_list(rng, budget, counter, common=_COMMON_WORDS, freq_common=None, freq_rare=1,
+                      line=lambda i, w: f"{i}. {w}\n")
+
+
+def resolve_protocol(protocol: str, counter: TokenCounter) -> str:
+    """``"compact"`` or ``"ruler"``: ``"auto"`` is compact for the byte-level tokenizer, RULER for any other."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol={protocol!r} is unknown; allowed values are {PROTOCOLS}")
+    if protocol == "auto":
+        return "compact" if counter.byte_level else "ruler"
+    return protocol
+
+
+def make_sample(task: str, rng: random.Random, length: int, tokenizer, *, split: str = "eval",
+                counter: TokenCounter | None = None, protocol: str = "auto", chat_template: bool = True) -> Sample:
+    """One sample of ``task`` whose prompt is ``length`` tokens, the tokenizer's special tokens (a BOS) included.
+
+    Args:
+        protocol: "ruler", "compact" or "auto" (see the module docstring).
+        chat_template: RULER protocol only: wrap the task in the tokenizer's chat template when it has one.
+    """
     counter = counter or TokenCounter(tokenizer)
+    if resolve_protocol(protocol, counter) == "ruler":
+        return _ruler_sample(task, rng, length, tokenizer, split, counter, chat_template)
     specials = counter.specials()
     if task == "cwe":
         question = f"\nQ: {_COMMON_WORDS} most common words?\nA: "
@@ -298,28 +372,114 @@ def make_sample(task: str, rng: random.Random, length: int, tokenizer, *, split:
 
     kind, build = _NEEDLE_TASKS[task]
     lines, question, answers = build(rng)
+    return _place(task, rng, length, counter, lines, question, answers, _haystack(kind, split), specials=specials)
+
+
+def _place(task, rng, length, counter, lines, question, answers, haystack, *, specials, lead="", metric="exact",
+           add_special_tokens=True) -> Sample:
+    """Needles at random depths of a haystack piece sized so that ``lead + context + question`` is ``length`` tokens."""
     depths = sorted(rng.random() for _ in lines)
-    haystack = _stdlib_haystack(split) if kind == "stdlib" else _noise_haystack()
-    fixed = counter.count("".join(lines)) + counter.count(question) + specials
+    fixed = counter.count(lead) + counter.count("".join(lines)) + counter.count(question) + specials
     budget = length - fixed
     if budget < 1:
         raise ValueError(f"length={length} is too short for task {task!r}: its needles and question need {fixed} tokens")
     hay = haystack.take(rng, budget, counter)
     for _ in range(3):  # merges across the inserted lines can shift the count by a few tokens
-        context = _insert(hay, lines, depths)
+        context = lead + _insert(hay, lines, depths)
         excess = counter.count(context + question) + specials - length
         if excess == 0:
             break
         hay = _fit(hay + " " * max(0, -excess), counter.count(hay) - excess, counter)
-    return Sample(task, length, context, question, answers)
+    return Sample(task, length, context, question, answers, metric, add_special_tokens)
 
 
-def generate_samples(task: str, *, n: int, length: int, tokenizer, seed: int = 0, split: str = "eval") -> list[Sample]:
+# ----- RULER's templates -----
+
+
+def _ruler_niah(rng, *, value, keys: int, values_per_key: int, queries: int, kinds: str):
+    names = _distinct(rng, _key, keys)
+    needles, by_key = [], {}
+    for name in names:
+        for _ in range(values_per_key):
+            v = value(rng)
+            by_key.setdefault(name, []).append(v)
+            needles.append((name, v))
+    rng.shuffle(needles)
+    lines = [ruler.NIAH_NEEDLE.format(kinds=kinds, key=name, value=v) + "\n" for name, v in needles]
+    asked = rng.sample(names, queries)
+    query = asked[0] if queries == 1 else ", ".join(asked[:-1]) + ", and " + asked[-1]
+    answers = tuple(v for name in asked for v in by_key[name])
+    return (ruler.NIAH_LEAD.format(kinds=kinds), lines, ruler.NIAH_QUESTION.format(kinds=kinds, query=query),
+            ruler.NIAH_PREFIX.format(kinds=kinds, query=query), answers)
+
+
+def _ruler_vt(rng):
+    names = _distinct(rng, _variable, _CHAIN)
+    value = _number(rng, 5)
+    lines = [f"VAR {names[0]} = {value}\n"] + [f"VAR {names[i]} = VAR {names[i - 1]}\n" for i in range(1, _CHAIN)]
+    return (ruler.VT_LEAD, lines, ruler.VT_QUESTION.format(query=value),
+            ruler.VT_PREFIX.format(num_v=_CHAIN, query=value), tuple(names))
+
+
+def _ruler_passkey(rng):
+    value = _number(rng, 5)
+    return (ruler.PASSKEY_LEAD, [ruler.PASSKEY_NEEDLE.format(value=value) + "\n"], ruler.PASSKEY_QUESTION,
+            ruler.PASSKEY_PREFIX, (value,))
+
+
+# task -> (haystack, builder). "prose" stands in for RULER's essays, "noise" is RULER's repeated noise sentences.
+_RULER_TASKS = {
+    "niah_single_number": ("prose", lambda r: _ruler_niah(r, value=_number, keys=1, values_per_key=1, queries=1, kinds="numbers")),
+    "niah_single_uuid": ("prose", lambda r: _ruler_niah(r, value=_uuid, keys=1, values_per_key=1, queries=1, kinds="uuids")),
+    "niah_multikey_number": ("prose", lambda r: _ruler_niah(r, value=_number, keys=_NEEDLES, values_per_key=1, queries=1, kinds="numbers")),
+    "niah_multikey_uuid": ("prose", lambda r: _ruler_niah(r, value=_uuid, keys=_NEEDLES, values_per_key=1, queries=1, kinds="uuids")),
+    "niah_multivalue": ("prose", lambda r: _ruler_niah(r, value=_number, keys=1, values_per_key=_NEEDLES, queries=1, kinds="numbers")),
+    "niah_multiquery": ("prose", lambda r: _ruler_niah(r, value=_number, keys=_NEEDLES, values_per_key=1, queries=_NEEDLES, kinds="numbers")),
+    "vt": ("noise", _ruler_vt),
+    "passkey": ("noise", _ruler_passkey),
+}
+
+
+def _ruler_sample(task, rng, length, tokenizer, split, counter, chat_template) -> Sample:
+    frame = ruler.chat_frame(tokenizer, chat_template)
+    specials = counter.specials() if frame.add_special_tokens else 0
+    if task == "cwe":
+        n = _RULER_COMMON_WORDS
+        lead = frame.head + ruler.CWE_LEAD
+        question = ruler.CWE_QUESTION.format(n=n) + frame.tail + frame.prefix(ruler.CWE_PREFIX.format(n=n))
+        budget = length - counter.count(lead) - counter.count(question) - specials
+        if budget < 8 * n:
+            raise ValueError(f"length={length} is too short for task {task!r}")
+        line_tokens = max(1, counter.count("123. " + _word(rng, 3) + " "))
+        # RULER's frequencies (30 and 3) at 4K tokens and more; shorter prompts scale the common words down
+        freq = max(3, min(_RULER_COMMON_FREQ, budget // line_tokens // (3 * n)))
+        words, answers = _word_list(rng, budget, counter, common=n, freq_common=freq,
+                                    freq_rare=min(_RULER_RARE_FREQ, freq - 1), line=lambda i, w: f"{i}. {w} ")
+        context = lead + words
+        for _ in range(4):  # pad the cut list with spaces (merged spaces may count as fewer tokens)
+            missing = length - specials - counter.count(context + question)
+            if missing <= 0:
+                break
+            context += " " * missing
+        return Sample(task, length, context, question, answers, "all", frame.add_special_tokens)
+    kind, build = _RULER_TASKS[task]
+    lead, lines, question, prefix, answers = build(rng)
+    question = question + frame.tail + frame.prefix(prefix)
+    return _place(task, rng, length, counter, lines, question, answers, _haystack(kind, split), specials=specials,
+                  lead=frame.head + lead, metric="all", add_special_tokens=frame.add_special_tokens)
+
+
+def generate_samples(task: str, *, n: int, length: int, tokenizer, seed: int = 0, split: str = "eval",
+                     protocol: str = "auto", chat_template: bool = True) -> list[Sample]:
     """``n`` samples of ``task`` at ``length`` tokens; the same ``seed`` gives the same samples.
 
     Args:
         task: one of ``TASKS``.
-        split: which standard-library files fill the haystacks ("eval" for evaluation, "train" for training data).
+        split: which standard-library files and documentation topics fill the haystacks ("eval" for evaluation,
+            "train" for training data).
+        protocol: "ruler" (RULER's templates and scoring), "compact" (the byte-level models' format) or "auto"
+            (compact for the byte-level tokenizer, RULER otherwise).
+        chat_template: RULER protocol: put the task in the tokenizer's chat template when it has one.
     """
     if task not in TASKS:
         raise ValueError(f"task={task!r} is unknown; allowed values are {TASKS}")
@@ -330,7 +490,9 @@ def generate_samples(task: str, *, n: int, length: int, tokenizer, seed: int = 0
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n={n!r} is invalid: it must be a non-negative integer")
     counter = TokenCounter(tokenizer)
+    protocol = resolve_protocol(protocol, counter)
     return [
-        make_sample(task, random.Random(f"{task}|{length}|{seed}|{i}"), length, tokenizer, split=split, counter=counter)
+        make_sample(task, random.Random(f"{task}|{length}|{seed}|{i}"), length, tokenizer, split=split, counter=counter,
+                    protocol=protocol, chat_template=chat_template)
         for i in range(n)
     ]
