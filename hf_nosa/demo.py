@@ -16,20 +16,10 @@ import time
 from pathlib import Path
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "demo_model"
-PREFILLS = ("dense", "quoka", "nosa")
 
 
 def _mb(n: float) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="a NOSA checkpoint folder (default: the embedded demo model)")
-    parser.add_argument("--context", type=int, default=None, help="prompt length in tokens (default: the model's demo.json)")
-    parser.add_argument("--budget", type=int, default=None, help="device budget in tokens (default: context / 8)")
-    parser.add_argument("--seed", type=int, default=None, help="seed of the pass key and its depth (default: random)")
-    parser.add_argument("--prefill", default="dense", choices=PREFILLS, help="how the prompt is processed")
-    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, ...")
 
 
 def demo_settings(model_dir: Path) -> dict:

@@ -85,7 +85,7 @@ def load_recipe(recipe: str | Path | dict) -> dict:
             path = next((c for c in candidates if c.is_file()), candidates[0])
         if not path.is_file():
             raise FileNotFoundError(f"recipe {str(recipe)!r} not found (looked for {path}); pass a YAML path or a "
-                                    f"name of {sorted(p.stem for d in _recipe_dirs() if d.is_dir() for p in d.glob('*.yaml'))}")
+                                    f"name of {sorted({p.stem for d in _recipe_dirs() if d.is_dir() for p in d.glob('*.yaml')})}")
         import yaml
 
         recipe = yaml.safe_load(path.read_text())
@@ -541,12 +541,10 @@ def merge_adapter(adapter_dir: str | Path, base_model=None) -> nn.Module:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--recipe", required=True, help="recipes/NAME.yaml, or a bare NAME of the shipped recipes")
-    parser.add_argument("--data", required=True, help=".jsonl/.json/.parquet/.txt file or folder (text or input_ids)")
-    parser.add_argument("--output", required=True, help="output folder: adapter, nosa_retrofit.json, checkpoints/")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output")
-    parser.add_argument("--base-model", default=None, help="override the recipe's model (folder or Hub id)")
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after this global step (checkpointed)")
+    """The arguments of ``hf-nosa retrofit`` (defined in ``hf_nosa.cli_args``), for ``python -m hf_nosa.retrofit``."""
+    from .cli_args import retrofit as arguments
+
+    arguments(parser)
 
 
 def run(args) -> int:

@@ -128,7 +128,7 @@ def test_export_layout_config_and_card(exports):
     assert card.data.library_name == "transformers" and card.data.pipeline_tag == "text-generation"
     assert {"nosa", "sparse-attention", "kv-cache-offload"} <= set(card.data.tags)
     assert "| `budget_tokens` | `64` |" in card.text and 'cache_implementation="nosa"' in card.text
-    assert verify_folder(folder, remote_code=False)["family"] == "qwen3"
+    assert verify_folder(folder)["family"] == "qwen3"
 
 
 def test_register_auto_classes_loads_without_remote_code(exports):
@@ -204,7 +204,7 @@ def test_sharded_export_and_generation_config_without_nosa(tmp_path):
     model.generation_config.cache_implementation = "nosa"  # accepted in-process, refused by stock transformers
     out = export(model, tmp_path / "out", max_shard_size="100KB")
     assert len(list(out.glob("model-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
-    assert verify_folder(out, remote_code=False)["tensors"] == len(model.state_dict())
+    assert verify_folder(out)["tensors"] == len(model.state_dict())
     assert all(torch.equal(tensors(out)[k], v) for k, v in model.state_dict().items())
     assert "cache_implementation" not in json.loads((out / "generation_config.json").read_text())
     assert GenerationConfig.from_pretrained(str(out)).cache_implementation is None
@@ -386,7 +386,7 @@ def test_verify_rejects_nosa_in_generation_config(exports, tmp_path):
     generation = json.loads((folder / "generation_config.json").read_text())
     (folder / "generation_config.json").write_text(json.dumps({**generation, "cache_implementation": "nosa"}))
     with pytest.raises(ValueError, match="cache_implementation"):
-        verify_folder(folder, remote_code=False)
+        verify_folder(folder)
 
 
 # --------------------------------------------------------------------------- a fresh Python loads the export

@@ -27,7 +27,8 @@ from ..config import NosaConfig
 from ..modeling import eviction_heads, to_nosa
 from .decode import decode
 from .perplexity import long_generation_perplexity, perplexity_documents
-from .tasks import DEFAULT_TASKS, TASKS, TokenCounter, generate_samples
+from .ruler import postprocess
+from .tasks import DEFAULT_TASKS, PROTOCOLS, TASKS, TokenCounter, generate_samples, resolve_protocol
 
 METHODS = ("default", "nosa", *BASELINES)
 
@@ -36,54 +37,15 @@ METHODS = ("default", "nosa", *BASELINES)
 
 
 def load_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """A causal LM and its tokenizer from a local folder; a config with a "nosa" section loads as a NOSA model.
+    """A causal LM and its tokenizer from a save_pretrained folder, a Hub id, a ``.gguf`` file or ``"smollm2"``.
 
     NOSA checkpoints (``model_type`` llama/qwen2/qwen3 or nosa_llama/nosa_qwen2/nosa_qwen3, with a "nosa" section)
     are rebuilt as the stock family class converted by ``to_nosa`` and loaded strictly, eviction heads included.
+    GGUF files are dequantised (``pip install "hf-nosa[gguf]"``); see ``hf_nosa.loading``.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+    from ..loading import load_causal_lm
 
-    path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{path} has no config.json; --model must be a folder saved with save_pretrained")
-    raw = json.loads(config_file.read_text())
-    if "nosa" in raw:
-        model = _load_nosa_checkpoint(path, raw)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    if (path / "tokenizer.json").is_file():
-        # Straight from tokenizer.json: AutoTokenizer would read config.json, whose remote code it must not run.
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-    return model.to(device=device, dtype=dtype).eval(), tokenizer
-
-
-def _load_nosa_checkpoint(path: Path, raw: dict):
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    family = str(raw.get("model_type", "")).removeprefix("nosa_")
-    if family not in ("llama", "qwen2", "qwen3"):
-        raise ValueError(f"{path}: model_type={raw.get('model_type')!r} is not a NOSA family (llama, qwen2, qwen3)")
-    skip = ("auto_map", "architectures", "model_type", "nosa", "transformers_version")
-    config = AutoConfig.for_model(family, **{k: v for k, v in raw.items() if k not in skip})
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    to_nosa(model, NosaConfig.from_dict(raw["nosa"]))
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    state = {}
-    for name in files:
-        if not (path / name).is_file():
-            raise FileNotFoundError(f"{path / name} is missing")
-        state.update(load_file(str(path / name)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    if unexpected or set(missing) - tied:
-        raise ValueError(f"{path}: weights do not match the model: missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
-    model.tie_weights()
-    return model
+    return load_causal_lm(path, device=device, dtype=dtype)
 
 
 def nosa_layout(section, budget_tokens: int, *, sink_tokens=None, local_tokens=None, query_tokens=None) -> NosaConfig:
@@ -177,6 +139,23 @@ def _stop_ids(tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    """Token ids that end a RULER answer: the tokenizer's EOS and the model's generation EOS ids."""
+    ids = set()
+    for value in (tokenizer.eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        for i in value if isinstance(value, (list, tuple)) else [value]:
+            if i is not None:
+                ids.add(int(i))
+    return frozenset(ids)
+
+
+def _answer_tokens(sample, counter: TokenCounter) -> int:
+    """Tokens to generate: the answer and two more (compact), or room for RULER-style phrasing around the items."""
+    if sample.metric == "exact":
+        return counter.count(sample.target) + 2
+    return counter.count(sample.target) + 4 * len(sample.answers) + 8
+
+
 class _Traffic:
     """Host-to-device traffic and locality of NosaCache decode steps, summed over batches."""
 
@@ -214,10 +193,21 @@ class _Traffic:
 
 
 def evaluate_tasks(model, tokenizer, *, tasks, length: int, method: str, nosa_config, samples: int, seed: int = 0,
-                   batch_size: int = 8, prefill_chunk: int = 4096, progress=None) -> dict:
-    """Accuracy per task at one length with one method: ``{"tasks": {task: acc}, "mean_accuracy", ...}``."""
+                   batch_size: int = 8, prefill_chunk: int = 4096, progress=None, protocol: str = "auto",
+                   chat_template: bool = True, prepared: list | None = None) -> dict:
+    """Accuracy per task at one length with one method: ``{"tasks": {task: acc}, "mean_accuracy", ...}``.
+
+    Args:
+        protocol: "ruler", "compact" or "auto" (``tasks.generate_samples``); chat_template: RULER prompts in the
+            tokenizer's chat template.
+        prepared: the samples to run (``generate_samples`` output for every task), instead of generating them here.
+    """
+    if prepared is None:
+        prepared = [s for task in tasks for s in generate_samples(task, n=samples, length=length, tokenizer=tokenizer,
+                                                                  seed=seed, protocol=protocol,
+                                                                  chat_template=chat_template)]
     with _attention_for(model, method):
-        return _evaluate_tasks(model, tokenizer, tasks, length, method, nosa_config, samples, seed, batch_size,
+        return _evaluate_tasks(model, tokenizer, tasks, method, nosa_config, samples, prepared, batch_size,
                                prefill_chunk, progress)
 
 
@@ -225,34 +215,36 @@ def _attention_for(model, method: str):
     return dense_attention_outside_nosa_cache(model) if method == "default" else contextlib.nullcontext()
 
 
-def _evaluate_tasks(model, tokenizer, tasks, length, method, nosa_config, samples, seed, batch_size, prefill_chunk,
+def _evaluate_tasks(model, tokenizer, tasks, method, nosa_config, samples, all_samples, batch_size, prefill_chunk,
                     progress) -> dict:
     make_cache = cache_factory(model, method, nosa_config)
     counter = TokenCounter(tokenizer)
-    stop_ids = _stop_ids(tokenizer)
-    all_samples = [s for task in tasks for s in generate_samples(task, n=samples, length=length, tokenizer=tokenizer, seed=seed)]
     scores: dict[str, list[float]] = {task: [] for task in tasks}
     examples: dict[str, dict] = {}
     traffic = _Traffic()
     steps = 0
     for lo in range(0, len(all_samples), batch_size):
         batch = all_samples[lo : lo + batch_size]
-        encoded = [tokenizer(s.prompt, add_special_tokens=True)["input_ids"] for s in batch]
+        compact = all(s.metric == "exact" for s in batch)
+        stop_ids = _stop_ids(tokenizer) if compact else _eos_ids(model, tokenizer)
+        encoded = [tokenizer(s.prompt, add_special_tokens=s.add_special_tokens)["input_ids"] for s in batch]
         T = max(len(ids) for ids in encoded)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         input_ids = torch.tensor([[pad] * (T - len(ids)) + ids for ids in encoded])
         attention_mask = torch.tensor([[0] * (T - len(ids)) + [1] * len(ids) for ids in encoded])
         suffix = max(counter.count(s.question) for s in batch) + 1
-        max_new = max(counter.count(s.target) for s in batch) + 2
+        max_new = max(_answer_tokens(s, counter) for s in batch)
         cache = make_cache()
         result = decode(model, input_ids, attention_mask=attention_mask, cache=cache, decode_from=max(1, T - suffix),
                         max_new_tokens=max_new, stop_ids=stop_ids, prefill_chunk=prefill_chunk)
         traffic.add(cache, result, len(batch))
         steps += result.decode_steps
         for sample, row in zip(batch, result.tokens.tolist()):
-            prediction = tokenizer.decode(row, skip_special_tokens=True)
+            cut = next((i for i, token in enumerate(row) if token in stop_ids), len(row))
+            prediction = tokenizer.decode(row[:cut], skip_special_tokens=True)
             scores[sample.task].append(sample.score(prediction))
-            examples.setdefault(sample.task, {"prediction": prediction.split("\n")[0], "answers": list(sample.answers)})
+            shown = prediction.split("\n")[0] if sample.metric == "exact" else postprocess(prediction)
+            examples.setdefault(sample.task, {"prediction": shown, "answers": list(sample.answers)})
         if progress is not None:
             progress.update(len(batch))
     per_task = {task: sum(v) / len(v) for task, v in scores.items() if v}
@@ -282,23 +274,31 @@ def evaluate(
     perplexity_tokens: int = 128,
     prefill_chunk: int = 4096,
     layout: dict | None = None,
+    protocol: str = "auto",
+    chat_template: bool = True,
     show_progress: bool = True,
     verbose: bool = True,
     on_result=None,
 ) -> list[dict]:
     """Every (length, method) pair: task accuracy, long-generation perplexity, locality and traffic.
 
+    Every combination of length, budget and layout, every sample and every perplexity document is prepared and
+    checked before the first model call, so a bad combination fails at once with the settings to change.
+
     Args:
         budget_tokens: the NosaCache budget for every length; else ``length / budget_ratio`` (rounded down to
             whole blocks; ratio 8 when neither is given).
         layout: sink_tokens / local_tokens / query_tokens overrides for ``nosa_layout``.
-        verbose: print one line per result.
+        protocol: "ruler" (RULER's templates and scoring), "compact" (the byte-level models' format), or "auto"
+            (compact for the byte-level tokenizer, RULER otherwise); see ``tasks``.
+        chat_template: RULER prompts go through the tokenizer's chat template when it has one.
+        verbose: print one line per result, and a table (method x task) when a length is done.
         on_result: called with each result dict as soon as it is ready (to save partial results).
 
     Returns:
         One dict per (length, method).
     """
-    tasks, methods = list(tasks), list(methods)
+    tasks, methods, lengths = list(tasks), list(methods), list(lengths)
     for task in tasks:
         if task not in TASKS:
             raise ValueError(f"task {task!r} is unknown; allowed values are {TASKS}")
@@ -311,29 +311,30 @@ def evaluate(
         budget_ratio = 8
     if budget_ratio is not None and budget_ratio < 1:
         raise ValueError(f"budget_ratio={budget_ratio} is invalid: it must be at least 1")
+    protocol = resolve_protocol(protocol, TokenCounter(tokenizer))
     section = getattr(model.config, "nosa", None)  # None: never trained with NOSA (converted here, A = 0)
     if section is not None and not eviction_heads(model):
         raise ValueError("the model config has a 'nosa' section but the model has no eviction heads; load it with load_model")
+    plan = _plan(tokenizer, section, tasks=tasks, lengths=lengths, methods=methods, budget_tokens=budget_tokens,
+                 budget_ratio=budget_ratio, layout=layout or {}, samples=samples, seed=seed,
+                 perplexity_docs=perplexity_docs, protocol=protocol, chat_template=chat_template)
     if any(m != "default" for m in methods) and section is None:
-        first = budget_for(None, lengths[0], budget_tokens, budget_ratio)
-        to_nosa(model, nosa_layout(None, first, **(layout or {})))
+        to_nosa(model, next(cfg for _, cfgs, _, _ in plan for cfg in cfgs.values() if cfg is not None))
     progress = _progress(show_progress, total=len(lengths) * len(methods) * len(tasks) * samples)
     results = []
-    for length in lengths:
-        docs = perplexity_documents(tokenizer, length=length, n=perplexity_docs, seed=seed) if perplexity_docs else []
+    for length, configs, prepared, docs in plan:
+        rows = []
         for method in methods:
             started = time.perf_counter()
-            budget, nosa_config = None, None
-            if method != "default":
-                budget = budget_for(section, length, budget_tokens, budget_ratio)
-                nosa_config = nosa_layout(section, budget, **(layout or {}))
+            nosa_config = configs[method]
+            budget = nosa_config.budget_tokens if nosa_config is not None else None
             if progress is not None:
                 progress.set_description(f"{length} {method}")
-            row = {"length": length, "method": method, "budget_tokens": budget,
+            row = {"length": length, "method": method, "budget_tokens": budget, "protocol": protocol,
                    "nosa_config": nosa_config.to_dict() if nosa_config else None}
             row.update(evaluate_tasks(model, tokenizer, tasks=tasks, length=length, method=method, nosa_config=nosa_config,
                                       samples=samples, seed=seed, batch_size=batch_size, prefill_chunk=prefill_chunk,
-                                      progress=progress))
+                                      progress=progress, prepared=prepared))
             if docs:
                 traffic = _Traffic()
                 with _attention_for(model, method):
@@ -349,16 +350,86 @@ def evaluate(
                 row["kv_bytes_read_per_token"] = kv_bytes_per_token(model, length)
             row["seconds"] = time.perf_counter() - started
             results.append(row)
+            rows.append(row)
             if on_result is not None:
                 on_result(row)
             if verbose:
-                if progress is not None:
-                    progress.write(format_row(row))
-                else:
-                    print(format_row(row), flush=True)
+                _say(progress, format_row(row))
+        if verbose:
+            _say(progress, "\n" + format_table(rows) + "\n")
     if progress is not None:
         progress.close()
     return results
+
+
+def _say(progress, text: str) -> None:
+    if progress is not None:
+        progress.write(text)
+    else:
+        print(text, flush=True)
+
+
+_LAYOUT_FLAGS = {"sink_tokens": "--sink-tokens", "local_tokens": "--local-tokens", "query_tokens": "--query-tokens"}
+
+
+def check_layouts(section, *, lengths, methods, budget_tokens=None, budget_ratio=None, layout=None) -> list[dict]:
+    """``{method: NosaConfig or None}`` for every length; any length whose budget and layout make no valid
+    NosaConfig is an error naming the length, the settings and the ``hf-nosa eval`` flags to change.
+
+    Args:
+        section: the model's "nosa" config section, or None for a model never trained with NOSA.
+    """
+    layout = layout or {}
+    if not lengths:
+        raise ValueError("lengths must not be empty (--lengths)")
+    if budget_tokens is None and budget_ratio is None:
+        budget_ratio = 8
+    budget_how = (f"budget_tokens={budget_tokens} (--budget {budget_tokens})" if budget_tokens is not None
+                  else f"budget_ratio={budget_ratio} (--budget-ratio {budget_ratio})")
+    given = ", ".join(f"{k}={v} ({_LAYOUT_FLAGS[k]} {v})" for k, v in layout.items()) or "the default layout"
+    out = []
+    for length in lengths:
+        if isinstance(length, bool) or not isinstance(length, int) or length < 2:
+            raise ValueError(f"length {length!r} is invalid: lengths are whole numbers of tokens, at least 2 (--lengths)")
+        configs = {}
+        for method in methods:
+            if method == "default":
+                configs[method] = None
+                continue
+            try:
+                configs[method] = nosa_layout(section, budget_for(section, length, budget_tokens, budget_ratio), **layout)
+            except (ValueError, TypeError) as error:
+                raise ValueError(
+                    f"length {length} with {budget_how} and {given} gives no valid NOSA layout: {error}. Change "
+                    "--budget / --budget-ratio, or --sink-tokens / --local-tokens / --query-tokens, or drop this "
+                    "length from --lengths") from None
+        out.append(configs)
+    return out
+
+
+def _plan(tokenizer, section, *, tasks, lengths, methods, budget_tokens, budget_ratio, layout, samples, seed,
+          perplexity_docs, protocol, chat_template) -> list:
+    """``(length, {method: NosaConfig or None}, samples, perplexity documents)`` per length, every one checked.
+
+    Raises:
+        ValueError: naming the length, the budget and the settings (and the ``hf-nosa eval`` flags) to change.
+    """
+    layouts = check_layouts(section, lengths=lengths, methods=methods, budget_tokens=budget_tokens,
+                            budget_ratio=budget_ratio, layout=layout)
+    plan = []
+    for length, configs in zip(lengths, layouts):
+        try:
+            prepared = [s for task in tasks for s in generate_samples(task, n=samples, length=length, tokenizer=tokenizer,
+                                                                      seed=seed, protocol=protocol,
+                                                                      chat_template=chat_template)]
+        except ValueError as error:
+            raise ValueError(f"{error}; change --lengths or --tasks") from None
+        try:
+            docs = perplexity_documents(tokenizer, length=length, n=perplexity_docs, seed=seed) if perplexity_docs else []
+        except ValueError as error:
+            raise ValueError(f"perplexity at length {length}: {error} (--ppl-docs, 0 skips perplexity)") from None
+        plan.append((length, configs, prepared, docs))
+    return plan
 
 
 def _progress(show: bool, total: int):
@@ -380,6 +451,36 @@ def format_row(row: dict, label: str | None = None) -> str:
     if "locality" in row:
         extra += f" locality={row['locality']:.3f} bytes/token={row['bytes_to_device_per_token']:.0f}"
     return f"[{row['length']} {label or row['method']}] mean={row['mean_accuracy']:.3f}{extra} ({row['seconds']:.1f}s) {tasks}"
+
+
+def format_table(rows: list[dict]) -> str:
+    """The results of one length as a table: a row per method, a column per task, then the mean accuracy,
+    perplexity, decode locality and host-to-device bytes per decoded token ("-" where a method has none)."""
+    if not rows:
+        return ""
+    tasks = list(dict.fromkeys(task for row in rows for task in row["tasks"]))
+    header = ["method", *tasks, "mean", "ppl", "locality", "bytes/token"]
+    lines = []
+    for row in rows:
+        cells = [row["method"]] + [f"{row['tasks'][t]:.2f}" if t in row["tasks"] else "-" for t in tasks]
+        cells.append(f"{row['mean_accuracy']:.3f}")
+        cells.append(f"{row['perplexity']:.3f}" if "perplexity" in row else "-")
+        locality = row.get("locality")
+        cells.append(f"{locality:.3f}" if locality is not None and locality == locality else "-")
+        moved = row.get("bytes_to_device_per_token")
+        cells.append(f"{moved:,.0f}" if moved is not None else "-")
+        lines.append(cells)
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *lines)]
+
+    def render(cells):
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    first = rows[0]
+    budgets = sorted({row["budget_tokens"] for row in rows if row.get("budget_tokens")})
+    title = f"length {first['length']}" + (f", budget {'/'.join(map(str, budgets))} tokens" if budgets else "")
+    if first.get("protocol"):
+        title += f", {first['protocol']} protocol"
+    return "\n".join([title, render(header), render(["-" * w for w in widths]), *map(render, lines)])
 
 
 def environment() -> dict:
@@ -410,26 +511,13 @@ def _split_list(values: list[str]) -> list[str]:
     return [item for value in values for item in value.split(",") if item]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="folder of a causal LM saved with save_pretrained (NOSA or not)")
-    parser.add_argument("--tasks", nargs="+", default=list(DEFAULT_TASKS), help=f"tasks (comma or space separated) from {', '.join(TASKS)}")
-    parser.add_argument("--lengths", nargs="+", default=["4096", "8192", "16384"], help="prompt lengths in tokens")
-    parser.add_argument("--cache", nargs="+", default=list(METHODS), help=f"methods from {', '.join(METHODS)}")
-    budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--budget", type=int, help="NosaCache budget in tokens at every length")
-    budget.add_argument("--budget-ratio", type=int, help="budget = length / RATIO (default 8)")
-    parser.add_argument("--sink-tokens", type=int)
-    parser.add_argument("--local-tokens", type=int)
-    parser.add_argument("--query-tokens", type=int)
-    parser.add_argument("--samples", type=int, default=4, help="samples per task and length")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--ppl-docs", type=int, default=4, help="standard-library documents for perplexity (0: skip)")
-    parser.add_argument("--ppl-tokens", type=int, default=128, help="tokens decoded and scored per document")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ... (auto: cuda when present)")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--no-progress", action="store_true")
+def _saved_nosa_section(model: str):
+    """The "nosa" section of a local model folder's config.json (None for anything else), read without loading."""
+    path = Path(model)
+    config = path / "config.json"
+    if path.is_dir() and config.is_file():
+        return json.loads(config.read_text()).get("nosa")
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -442,14 +530,28 @@ def run(args: argparse.Namespace) -> int:
     for name, value in (("--samples", args.samples), ("--batch-size", args.batch_size)):
         if value < 1:
             raise ValueError(f"{name}={value} is invalid: it must be at least 1")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-    model, tokenizer = load_model(args.model, device=device, dtype=getattr(torch, dtype_name))
+    for task in tasks:
+        if task not in TASKS:
+            raise ValueError(f"task {task!r} is unknown; allowed values are {TASKS} (--tasks)")
+    for method in methods:
+        if method not in METHODS:
+            raise ValueError(f"cache method {method!r} is unknown; allowed values are {METHODS} (--cache)")
+    protocol = getattr(args, "protocol", "auto")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"--protocol {protocol} is unknown; allowed values are {PROTOCOLS}")
     layout = {k: v for k, v in (("sink_tokens", args.sink_tokens), ("local_tokens", args.local_tokens),
                                 ("query_tokens", args.query_tokens)) if v is not None}
     budget_ratio = None if args.budget is not None else (args.budget_ratio or 8)
+    # every length / budget / layout combination is checked before the model is loaded
+    check_layouts(_saved_nosa_section(args.model), lengths=lengths, methods=methods, budget_tokens=args.budget,
+                  budget_ratio=budget_ratio, layout=layout)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    model, tokenizer = load_model(args.model, device=device, dtype=getattr(torch, dtype_name))
     out = Path(args.out) if args.out else None
-    report = {"environment": environment(), "model": str(args.model), "dtype": dtype_name, "results": []}
+    report = {"environment": environment(), "model": str(args.model), "dtype": dtype_name,
+              "protocol": resolve_protocol(protocol, TokenCounter(tokenizer)),
+              "chat_template": not getattr(args, "no_chat_template", False), "results": []}
 
     def save(row):
         report["results"].append(row)
@@ -459,8 +561,9 @@ def run(args: argparse.Namespace) -> int:
 
     evaluate(model, tokenizer, tasks=tasks, lengths=lengths, methods=methods, budget_tokens=args.budget,
              budget_ratio=budget_ratio, samples=args.samples, seed=args.seed, batch_size=args.batch_size,
-             perplexity_docs=args.ppl_docs, perplexity_tokens=args.ppl_tokens, layout=layout,
-             show_progress=not args.no_progress, on_result=save)
+             perplexity_docs=args.ppl_docs, perplexity_tokens=args.ppl_tokens, layout=layout, protocol=protocol,
+             chat_template=not getattr(args, "no_chat_template", False), show_progress=not args.no_progress,
+             on_result=save)
     if out is not None:
         print(f"results written to {out}")
     return 0

@@ -13,6 +13,7 @@ from typing import Any
 from ..config import NosaConfig
 from ..modeling import eviction_heads
 from ..retrofit import RUN_FILE, merge_adapter
+from .files import inside
 
 RECORD_FILE = RUN_FILE
 ADAPTER_CONFIG = "adapter_config.json"
@@ -26,7 +27,7 @@ def is_adapter_folder(folder: Path) -> bool:
 
 def read_retrofit_record(folder: Path) -> dict[str, Any]:
     """The adapter's ``nosa_retrofit.json``, its base_model, family and nosa_config checked."""
-    path = Path(folder) / RECORD_FILE
+    path = inside(Path(folder), RECORD_FILE)
     if not path.is_file():
         raise FileNotFoundError(
             f"{str(folder)!r} has PEFT adapter files but no {RECORD_FILE}: it is not a NOSA retrofit adapter "

@@ -21,6 +21,7 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from ..config import PREFILL_MODES, NosaConfig
+from .files import inside
 from .templates import read_template, render
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ def base_model_license(base: Any) -> dict[str, str]:
     cache only (never the network); empty when unknown."""
     readme = None
     if isinstance(base, (str, os.PathLike)) and Path(base, "README.md").is_file():
-        readme = Path(base, "README.md")
+        readme = inside(Path(base), "README.md")
     elif is_repo_id(base):
         from huggingface_hub import try_to_load_from_cache
 

@@ -4,7 +4,9 @@ The folder holds safetensors weights (eviction heads included), config.json with
 "nosa" section and ``auto_map``, remote-code files importing the installed hf_nosa, ``custom_generate/``, a
 generation_config.json stock transformers loads, tokenizer files when there is a tokenizer, and README.md.
 Everything is written to a temporary folder next to ``out_dir`` and moved into place only once it verifies, so a
-failed export leaves ``out_dir`` untouched.
+failed export leaves ``out_dir`` untouched; files and folders get the modes the umask gives. Export reads only
+inside its inputs: no symbolic link out of a source folder is followed, weight shards must lie inside the folder,
+and a folder's recorded ``_name_or_path`` is never read from.
 """
 
 from __future__ import annotations
@@ -12,76 +14,37 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
-
-from packaging.version import Version
 
 from ..config import NosaConfig
 from ..modeling import eviction_heads, family_of
 from ..modeling.remote import MODEL_TYPE_PREFIX, REMOTE_CLASSES, family_of_model_type
 from . import card as card_module
 from .adapter import is_adapter_folder, merge_retrofit_adapter, read_retrofit_record
-from .templates import read_template, render
+from .files import (
+    TOKENIZER_FILES,
+    apply_umask,
+    check_links_stay_inside,
+    check_out_dir,
+    discard_stage,
+    inside,
+    stage_dir,
+    swap_into_place,
+)
 from .verify import (
-    CUSTOM_GENERATE,
-    CUSTOM_GENERATE_REQUIREMENTS,
     check_weights,
+    default_requirement,
     nosa_section,
     read_config,
     remote_code_files,
+    remote_code_texts,
     verify_folder,
     weight_files,
     weight_shapes,
 )
 
 logger = logging.getLogger(__name__)
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "vocab.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-
-
-def default_requirement(version: str) -> str:
-    """The hf-nosa versions an export accepts: this one or newer, before the next major version."""
-    parsed = Version(version)
-    return f">={parsed.base_version},<{parsed.major + 1}"
-
-
-def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"out_dir {str(out_dir)!r} exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise ValueError(f"out_dir {str(out_dir)!r} is not empty; pass overwrite=True (--overwrite) to replace it")
-
-
-def _stage_dir(out_dir: Path) -> Path:
-    """A fresh temporary folder on the same filesystem as ``out_dir`` (its nearest existing ancestor)."""
-    anchor = out_dir.absolute().parent
-    while not anchor.exists():
-        anchor = anchor.parent
-    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=anchor))
-
-
-def _move_into_place(stage: Path, out_dir: Path) -> None:
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    if out_dir.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        out_dir.rename(old / out_dir.name)
-        shutil.move(str(stage), str(out_dir))
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        shutil.move(str(stage), str(out_dir))
 
 
 def _load_model_folder(folder: Path):
@@ -97,7 +60,8 @@ def _load_model_folder(folder: Path):
 
 
 def _resolve_source(source: Any, base_model: Any):
-    """(model, retrofit record or None, folder to look for a tokenizer in, base for the card) of an export source."""
+    """(model, retrofit record or None, folder to look for a tokenizer in, base to read the tokenizer and license
+    from, base named on the card) of an export source. Folders are checked for links leading out of them first."""
     from torch import nn
 
     if isinstance(source, nn.Module):
@@ -108,19 +72,30 @@ def _resolve_source(source: Any, base_model: Any):
             raise ValueError("the model has no eviction heads: convert it with hf_nosa.to_nosa(model) first")
         name = getattr(source.config, "_name_or_path", None) or getattr(source, "name_or_path", None) or None
         folder = Path(name) if name and Path(name).is_dir() else None
-        return source, None, folder, base_model or name
+        base = base_model or name
+        for place, what in ((folder, "the model's folder"), (base, "base model folder")):
+            if isinstance(place, (str, Path)) and Path(place).is_dir():
+                check_links_stay_inside(Path(place), what=what)
+        return source, None, folder, base, base
     if not isinstance(source, (str, Path)):
         raise TypeError(f"model_or_adapter_dir must be a model or a folder path, got {type(source).__name__}")
     folder = Path(source)
     if not folder.is_dir():
         raise FileNotFoundError(f"{str(folder)!r} is not a folder (a NOSA model folder or a retrofit adapter folder)")
+    check_links_stay_inside(folder, what="source folder")
+    if isinstance(base_model, (str, Path)) and Path(base_model).is_dir():
+        check_links_stay_inside(Path(base_model), what="base model folder")
     if is_adapter_folder(folder):
         model, record = merge_retrofit_adapter(folder, base_model)
         base = base_model if isinstance(base_model, (str, Path)) else record.get("base_model")
-        return model, record, folder, base
+        if isinstance(base, (str, Path)) and Path(base).is_dir():
+            check_links_stay_inside(Path(base), what="base model folder")
+        return model, record, folder, base, base
     model = _load_model_folder(folder)
-    base = base_model or read_config(folder).get("_name_or_path")
-    return model, None, folder, base
+    # config.json's _name_or_path is only a label: named on the card when it is a Hub id, never read from
+    recorded = read_config(folder).get("_name_or_path")
+    label = base_model or (recorded if card_module.is_repo_id(recorded) else None)
+    return model, None, folder, base_model, label
 
 
 def _cached_snapshot(repo_id: Any) -> Path | None:
@@ -144,15 +119,16 @@ def _copy_tokenizer(tokenizer: Any, search: list[Path | None], stage: Path) -> b
     for folder in folders:
         found = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
         if found:
-            for name in found:
-                shutil.copy2(folder / name, stage / name)
+            sources = [inside(folder, name) for name in found]  # every link checked before anything is copied
+            for name, path in zip(found, sources):
+                shutil.copyfile(path, stage / name)
             return True
     if tokenizer is not None:
         raise FileNotFoundError(f"tokenizer folder {str(tokenizer)!r} holds none of {list(TOKENIZER_FILES)}")
     return False
 
 
-def _write_config(model, stage: Path, family: str, cfg: NosaConfig, version: str) -> None:
+def _write_config(model, stage: Path, family: str, cfg: NosaConfig, version: str, requirement: str) -> None:
     config = read_config(stage)  # what save_pretrained wrote: the family's config, dtype included
     configuration_file, modeling_file = remote_code_files(family)
     config_class, model_class = REMOTE_CLASSES[family]
@@ -165,6 +141,7 @@ def _write_config(model, stage: Path, family: str, cfg: NosaConfig, version: str
         },
         nosa=cfg.to_dict(),
         hf_nosa_version=version,
+        hf_nosa_requirement=requirement,
     )
     (stage / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
@@ -182,26 +159,9 @@ def _write_generation_config(model, stage: Path) -> None:
 
 
 def _write_code(stage: Path, family: str, version: str, requirement: str) -> None:
-    configuration_file, modeling_file = remote_code_files(family)
-    config_class, model_class = REMOTE_CLASSES[family]
-    values = {
-        "FAMILY_TITLE": {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family],
-        "MODEL_TYPE": MODEL_TYPE_PREFIX + family,
-        "CONFIG_CLASS": config_class.__name__,
-        "MODEL_CLASS": model_class.__name__,
-        "CONFIGURATION_MODULE": configuration_file[:-3],
-        "HF_NOSA_VERSION": version,
-        "HF_NOSA_REQUIREMENT": requirement,
-        "HF_NOSA_MIN_VERSION": Version(version).base_version,
-    }
     (stage / "custom_generate").mkdir()
-    for template, target in (
-        ("configuration_nosa.py.tmpl", configuration_file),
-        ("modeling_nosa.py.tmpl", modeling_file),
-        ("custom_generate/generate.py.tmpl", CUSTOM_GENERATE),
-        ("custom_generate/requirements.txt.tmpl", CUSTOM_GENERATE_REQUIREMENTS),
-    ):
-        (stage / target).write_text(render(read_template(template), values), encoding="utf-8")
+    for name, text in remote_code_texts(family, version, requirement).items():
+        (stage / name).write_text(text, encoding="utf-8")
 
 
 def export(
@@ -243,8 +203,7 @@ def export(
     """
     import hf_nosa
 
-    out_dir = Path(out_dir)
-    _check_out_dir(out_dir, overwrite)
+    out_dir = check_out_dir(Path(out_dir), overwrite)
     if nosa_config is not None and not isinstance(nosa_config, NosaConfig):
         raise TypeError(f"nosa_config must be a NosaConfig, got {type(nosa_config).__name__}")
     version = hf_nosa.__version__
@@ -257,20 +216,20 @@ def export(
         raise ValueError(f"hf_nosa_requirement={requirement!r} is not a version specifier such as '>=0.1,<1'") from None
     metric_rows = card_module.load_metrics(metrics)
 
-    model, record, source_folder, base = _resolve_source(model_or_adapter_dir, base_model)
+    model, record, source_folder, base, label = _resolve_source(model_or_adapter_dir, base_model)
     family = family_of(model)
     cfg = NosaConfig.from_model_config(model.config, nosa_config)
-    if base_model_id is None and card_module.is_repo_id(str(base) if base is not None else None):
-        base_model_id = str(base)
+    if base_model_id is None and card_module.is_repo_id(str(label) if label is not None else None):
+        base_model_id = str(label)
     license_info = {"license": license} if license else None
     for place in (base, source_folder):  # the source folder of a converted model often carries the base's card
         license_info = license_info or card_module.base_model_license(place)
     base_folder = Path(base) if isinstance(base, (str, Path)) and Path(base).is_dir() else None
 
-    stage = _stage_dir(out_dir)
+    stage, created = stage_dir(out_dir)
     try:
         model.save_pretrained(str(stage), max_shard_size=max_shard_size)
-        _write_config(model, stage, family, cfg, version)
+        _write_config(model, stage, family, cfg, version, requirement)
         _write_generation_config(model, stage)
         _write_code(stage, family, version, requirement)
         _copy_tokenizer(tokenizer, [source_folder, base_folder, _cached_snapshot(base)], stage)
@@ -287,10 +246,11 @@ def export(
             metrics=metric_rows,
         )
         (stage / "README.md").write_text(readme, encoding="utf-8")
-        verify_folder(stage, remote_code=False)
-        _move_into_place(stage, out_dir)
+        verify_folder(stage)
+        apply_umask(stage)
+        swap_into_place(stage, out_dir)
     except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
+        discard_stage(stage, created)
         raise
     logger.info("exported a NOSA %s checkpoint to %s", family, out_dir)
     return out_dir
@@ -304,22 +264,6 @@ def _parse_override(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except json.JSONDecodeError:
         return key, value
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("source", help="a NOSA model folder, or a retrofit adapter folder (merged into its base)")
-    parser.add_argument("out_dir", help="the checkpoint folder to write")
-    parser.add_argument("--base-model", help="base model (path or Hub id) for an adapter, instead of the recorded one")
-    parser.add_argument("--tokenizer", help="folder with tokenizer files (default: found next to the source or base)")
-    parser.add_argument("--metrics", help="metrics JSON for the model card's evaluation table")
-    parser.add_argument("--repo-id", help="Hub id named in the model card's usage snippet (ORG/NAME)")
-    parser.add_argument("--base-model-id", help="Hub id of the base model for the card metadata")
-    parser.add_argument("--license", help="license for the card metadata (default: the base model's)")
-    parser.add_argument(
-        "--nosa", action="append", default=[], metavar="KEY=VALUE", help="override a NosaConfig field (repeatable)"
-    )
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
 
 
 def run(args) -> int:

@@ -1,8 +1,11 @@
 """``push``: publish an exported NOSA folder to the Hugging Face Hub in one commit, and ``hf-nosa push``.
 
-The folder is verified (config, weights, remote code, card) before any network call; a repo that already has
-files at the target revision is left alone unless ``overwrite=True``, which replaces them (stale files are
-deleted in the same commit).
+The folder is verified (config, weights, remote-code hashes, card) before any network call, without running its
+code unless ``load_check=True``. Only the files an export writes are uploaded (weights and index, config, generation
+config, tokenizer files, remote-code files, custom_generate/, README.md, nosa_retrofit.json); anything else in the
+folder is left out and listed, and a folder holding a symbolic link is refused. A repo that already has files at the
+target revision is left alone unless ``overwrite=True``, which replaces them (stale files are deleted in the same
+commit).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from .verify import verify_folder
 logger = logging.getLogger(__name__)
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-IGNORE_PATTERNS = ["__pycache__", "__pycache__/*", "*/__pycache__/*", "**/__pycache__/**", "*.pyc"]
 KEEP_REMOTE = {".gitattributes"}
 
 
@@ -31,12 +33,6 @@ def _offline() -> bool:
 
     check = getattr(constants, "is_offline_mode", None)
     return bool(check()) if callable(check) else bool(constants.HF_HUB_OFFLINE)
-
-
-def _upload_list(files: list[str]) -> list[str]:
-    from huggingface_hub.utils import filter_repo_objects
-
-    return sorted(filter_repo_objects(files, ignore_patterns=IGNORE_PATTERNS))
 
 
 def _existing_files(api, repo_id: str, revision: str | None) -> set[str] | None:
@@ -76,25 +72,30 @@ def push(
     revision: str | None = None,
     overwrite: bool = False,
     dry_run: bool = False,
+    load_check: bool = False,
     commit_message: str | None = None,
     token: str | None = None,
     endpoint: str | None = None,
 ) -> dict[str, Any]:
-    """Verify an exported NOSA folder, then create the repo and upload the folder in one commit.
+    """Verify an exported NOSA folder, then create the repo and upload the files export writes in one commit.
 
-    Returns ``{"repo_id", "revision", "files", "commit_url", "dry_run"}``. ``dry_run`` stops after the checks.
-    Raises ValueError / FileNotFoundError for a folder that does not load, PushError for the Hub side (offline,
-    not logged in, no access, or a repo that already has files and ``overwrite=False``).
+    Returns ``{"repo_id", "revision", "files", "skipped", "commit_url", "dry_run"}``: ``files`` are uploaded (or would
+    be, with ``dry_run``), ``skipped`` are the folder's other files, never uploaded. ``dry_run`` stops after the
+    checks. The checks run none of the folder's code; ``load_check=True`` also loads the model's remote code and
+    custom generate through transformers, which runs the folder's Python files. Raises ValueError /
+    FileNotFoundError for a folder that does not verify (a symbolic link in it, remote-code files that differ from
+    the ones hf_nosa writes, ...), PushError for the Hub side (offline, not logged in, no access, or a repo that
+    already has files and ``overwrite=False``).
     """
-    from huggingface_hub import HfApi, get_token
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, get_token
 
     if not isinstance(repo_id, str) or not _REPO_ID.match(repo_id):
         raise ValueError(f"repo_id={repo_id!r} must be ORG/NAME (letters, digits, '-', '_', '.')")
     folder = Path(folder)
-    summary = verify_folder(folder, remote_code=True)
-    files = _upload_list(summary["files"])
-    result = {"repo_id": repo_id, "revision": revision or "main", "files": files, "commit_url": None}
-    result["dry_run"] = dry_run
+    summary = verify_folder(folder, load_check=load_check)
+    files = summary["files"]
+    result = {"repo_id": repo_id, "revision": revision or "main", "files": files, "skipped": summary["skipped"]}
+    result.update(commit_url=None, dry_run=dry_run)
     if dry_run:
         return result
     if _offline():
@@ -122,14 +123,14 @@ def push(
                 f"(e.g. {occupied[:3]}); nothing was pushed. Pass overwrite=True (--overwrite) to replace them."
             )
         stale = sorted(set(occupied) - set(files))
-        commit = api.upload_folder(
-            folder_path=str(folder),
-            repo_id=repo_id,
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(folder / name)) for name in files]
+        operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
+        commit = api.create_commit(
+            repo_id,
+            operations,
+            commit_message=commit_message or f"Upload NOSA {summary['family']} checkpoint",
             repo_type="model",
             revision=revision,
-            commit_message=commit_message or f"Upload NOSA {summary['family']} checkpoint",
-            ignore_patterns=IGNORE_PATTERNS,
-            delete_patterns=stale or None,
         )
     except PushError:
         raise
@@ -143,16 +144,6 @@ def push(
     return result
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument("folder", help="an exported NOSA checkpoint folder (hf-nosa export)")
-    parser.add_argument("--repo-id", required=True, help="the Hub repository, ORG/NAME")
-    parser.add_argument("--private", action="store_true", help="create the repository private (new repos only)")
-    parser.add_argument("--revision", help="branch to push to (created from main if missing; default main)")
-    parser.add_argument("--dry-run", action="store_true", help="verify the folder and list the files; no network")
-    parser.add_argument("--overwrite", action="store_true", help="replace the files of a repository that has some")
-    parser.add_argument("--commit-message", help="commit message (default: 'Upload NOSA <family> checkpoint')")
-
-
 def run(args) -> int:
     try:
         result = push(
@@ -162,16 +153,23 @@ def run(args) -> int:
             revision=args.revision,
             overwrite=args.overwrite,
             dry_run=args.dry_run,
+            load_check=args.load_check,
             commit_message=args.commit_message,
         )
     except PushError as error:
         print(f"hf-nosa push: error: {error}", file=sys.stderr)
         return 1
     target = f"{result['repo_id']}@{result['revision']}"
+    checked = "loaded with its remote code" if args.load_check else "its code was not run; --load-check loads it"
     if result["dry_run"]:
-        print(f"dry run: {args.folder} verifies; would push {len(result['files'])} files to {target}:")
+        print(f"dry run: {args.folder} verifies ({checked}); nothing was sent. Would upload {len(result['files'])} "
+              f"files to {target}:")
     else:
         print(f"pushed {len(result['files'])} files to {target} in one commit: {result['commit_url']}")
     for name in result["files"]:
         print(f"  {name}")
+    if result["skipped"]:
+        print(f"left out {len(result['skipped'])} files that export does not write (never uploaded):")
+        for name in result["skipped"]:
+            print(f"  {name}")
     return 0

@@ -1,25 +1,37 @@
 """Checks that an exported NOSA folder loads: config, weights (eviction heads included), remote code, card.
 
 Weights are checked from the safetensors headers against the model built on the meta device, so a multi-GB
-checkpoint is verified without reading its tensors.
+checkpoint is verified without reading its tensors. The remote-code files are compared (sha256) with the files this
+version of hf_nosa writes, so a folder is verified without running its code; loading it with remote code is a
+separate, explicit check (``load_check=True``, ``--load-check``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import torch
+from packaging.version import InvalidVersion, Version
 from safetensors import safe_open
 
 from ..config import NosaConfig
 from ..modeling.remote import MODEL_TYPE_PREFIX, REMOTE_CLASSES, family_of_model_type
+from .files import (
+    CUSTOM_GENERATE,
+    CUSTOM_GENERATE_REQUIREMENTS,
+    EXPORT_FILES,
+    SINGLE_WEIGHTS,
+    WEIGHTS_INDEX,
+    all_files,
+    inside,
+    symbolic_links,
+)
+from .templates import read_template, render
 
-SINGLE_WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
-CUSTOM_GENERATE = "custom_generate/generate.py"
-CUSTOM_GENERATE_REQUIREMENTS = "custom_generate/requirements.txt"
+FAMILY_TITLES = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 EVICTION_HEAD_PARAMS = ("eviction_head.A", "eviction_head.delta.weight", "eviction_head.delta.bias")
 
 
@@ -29,9 +41,70 @@ def remote_code_files(family: str) -> tuple[str, str]:
     return f"configuration_{model_type}.py", f"modeling_{model_type}.py"
 
 
+def default_requirement(version: str) -> str:
+    """The hf-nosa versions an export accepts: this one or newer, before the next major version."""
+    parsed = Version(version)
+    return f">={parsed.base_version},<{parsed.major + 1}"
+
+
+def remote_code_texts(family: str, version: str, requirement: str) -> dict[str, str]:
+    """File name -> text of the remote-code files an export of ``family`` writes (configuration, modeling,
+    custom_generate/generate.py and its requirements.txt), for hf_nosa ``version`` and the ``requirement`` the code
+    checks."""
+    configuration_file, modeling_file = remote_code_files(family)
+    config_class, model_class = REMOTE_CLASSES[family]
+    values = {
+        "FAMILY_TITLE": FAMILY_TITLES[family],
+        "MODEL_TYPE": MODEL_TYPE_PREFIX + family,
+        "CONFIG_CLASS": config_class.__name__,
+        "MODEL_CLASS": model_class.__name__,
+        "CONFIGURATION_MODULE": configuration_file[:-3],
+        "HF_NOSA_VERSION": version,
+        "HF_NOSA_REQUIREMENT": requirement,
+        "HF_NOSA_MIN_VERSION": Version(version).base_version,
+    }
+    templates = {
+        configuration_file: "configuration_nosa.py.tmpl",
+        modeling_file: "modeling_nosa.py.tmpl",
+        CUSTOM_GENERATE: "custom_generate/generate.py.tmpl",
+        CUSTOM_GENERATE_REQUIREMENTS: "custom_generate/requirements.txt.tmpl",
+    }
+    return {name: render(read_template(template), values) for name, template in templates.items()}
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_remote_code(folder: Path, config: dict[str, Any], family: str) -> None:
+    """The remote-code files of ``folder`` are byte for byte those this version of hf_nosa writes for the version and
+    requirement config.json records (compared by sha256; nothing is imported or run); ValueError naming the file."""
+    where = str(folder)
+    version = config.get("hf_nosa_version")
+    try:
+        Version(str(version))
+    except InvalidVersion:
+        raise ValueError(
+            f"{where}: config.json hf_nosa_version={version!r} is not a version; hf-nosa export records the version "
+            "that wrote the folder"
+        ) from None
+    requirement = config.get("hf_nosa_requirement") or default_requirement(str(version))
+    if not isinstance(requirement, str):
+        raise ValueError(f"{where}: config.json hf_nosa_requirement={requirement!r} must be a version specifier")
+    for name, text in remote_code_texts(family, str(version), requirement).items():
+        stored = _sha256((folder / name).read_bytes())
+        expected = _sha256(text.encode("utf-8"))
+        if stored != expected:
+            raise ValueError(
+                f"{where}: {name} (sha256 {stored[:12]}...) is not the file hf_nosa writes for this checkpoint (sha256 "
+                f"{expected[:12]}...): it was edited, or exported by another hf_nosa version. It would run as remote "
+                "code: re-export the folder with this version (hf-nosa export)"
+            )
+
+
 def read_config(folder: Path) -> dict[str, Any]:
     """config.json of ``folder`` as a dict; FileNotFoundError / ValueError with the reason otherwise."""
-    path = Path(folder) / "config.json"
+    path = inside(Path(folder), "config.json")
     if not path.is_file():
         raise FileNotFoundError(f"{str(folder)!r} has no config.json")
     try:
@@ -61,16 +134,19 @@ def weight_files(folder: Path) -> list[Path]:
     folder = Path(folder)
     if (folder / WEIGHTS_INDEX).is_file():
         try:
-            weight_map = json.loads((folder / WEIGHTS_INDEX).read_text(encoding="utf-8"))["weight_map"]
+            weight_map = json.loads(inside(folder, WEIGHTS_INDEX).read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ValueError(f"{str(folder / WEIGHTS_INDEX)!r} is not a valid safetensors index: {error!r}") from None
-        shards = sorted(set(weight_map.values()))
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{str(folder / WEIGHTS_INDEX)!r}: weight_map must be an object of tensor -> file name")
+        shards = sorted({inside(folder, name, where=str(folder / WEIGHTS_INDEX)).relative_to(folder).as_posix()
+                         for name in weight_map.values()})
         missing = [name for name in shards if not (folder / name).is_file()]
         if missing:
             raise FileNotFoundError(f"{str(folder)!r} is missing weight file(s) {missing} named by {WEIGHTS_INDEX}")
         return [folder / name for name in shards]
     if (folder / SINGLE_WEIGHTS).is_file():
-        return [folder / SINGLE_WEIGHTS]
+        return [inside(folder, SINGLE_WEIGHTS)]
     raise FileNotFoundError(f"{str(folder)!r} has no weights: expected {SINGLE_WEIGHTS} or {WEIGHTS_INDEX}")
 
 
@@ -119,8 +195,9 @@ def check_weights(model_class: type, config: Any, shapes: dict[str, tuple[int, .
         raise ValueError(f"{where}: the weights do not match config.json: " + "; ".join(problems))
 
 
-def _check_remote_code(folder: Path, config_dict: dict[str, Any], family: str) -> None:
-    """Load the folder's remote-code classes and custom generate through transformers, as a user would."""
+def load_with_remote_code(folder: Path, config_dict: dict[str, Any], family: str) -> None:
+    """Load the folder's remote-code classes and custom generate through transformers, as a user would. This imports
+    and runs the folder's Python files (what ``trust_remote_code=True`` does)."""
     from transformers import AutoConfig, GenerationConfig
     from transformers.dynamic_module_utils import (
         check_python_requirements,
@@ -143,14 +220,27 @@ def _check_remote_code(folder: Path, config_dict: dict[str, Any], family: str) -
     GenerationConfig.from_pretrained(str(folder))
 
 
-def verify_folder(folder: str | Path, *, remote_code: bool = True) -> dict[str, Any]:
-    """Check that an exported folder is a loadable NOSA checkpoint; return a summary (family, files, tensors).
+def upload_files(folder: Path, config_dict: dict[str, Any], family: str) -> tuple[list[str], list[str]]:
+    """(the files of ``folder`` an export writes, the other files). Only the first are ever uploaded: the export
+    files, the remote-code files of ``family`` and the weight shards the index names."""
+    allowed = set(EXPORT_FILES) | set(remote_code_files(family))
+    allowed |= {path.relative_to(folder).as_posix() for path in weight_files(folder)}
+    present = all_files(folder)
+    return [name for name in present if name in allowed], [name for name in present if name not in allowed]
 
-    Checks config.json (model_type, "nosa" section, auto_map and its files), the weights against the model class
-    (names and shapes, eviction heads included), generation_config.json (loads on stock transformers: never
-    cache_implementation "nosa"), custom_generate/, and that README.md parses as a model card. With
-    ``remote_code=True`` it also loads the remote-code files and the custom generate through transformers (this runs
-    the folder's code, as ``trust_remote_code=True`` would).
+
+def verify_folder(folder: str | Path, *, load_check: bool = False) -> dict[str, Any]:
+    """Check that an exported folder is a loadable NOSA checkpoint without running its code; return a summary.
+
+    Checks that the folder holds no symbolic links, config.json (model_type, "nosa" section, auto_map and its files),
+    that the remote-code files are the ones this version of hf_nosa writes (sha256 of the rendered templates), the
+    weights against the model class (names and shapes, eviction heads included, shards inside the folder),
+    generation_config.json (loads on stock transformers: never cache_implementation "nosa"), and that README.md parses
+    as a model card. With ``load_check=True`` it also loads the remote-code files and the custom generate through
+    transformers: that imports and runs the folder's Python code, as ``trust_remote_code=True`` would.
+
+    Returns ``{"family", "model_type", "files", "skipped", "tensors"}``: ``files`` are the files an export writes
+    (what ``push`` uploads), ``skipped`` every other file in the folder.
     """
     from huggingface_hub import ModelCard
 
@@ -158,6 +248,13 @@ def verify_folder(folder: str | Path, *, remote_code: bool = True) -> dict[str, 
     if not folder.is_dir():
         raise FileNotFoundError(f"{str(folder)!r} is not a folder")
     where = str(folder)
+    links = symbolic_links(folder)
+    if links:
+        raise ValueError(
+            f"{where}: {links} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}; an exported folder "
+            "holds plain files only (a link could publish a file from outside the folder). Replace each link with "
+            "the file itself or remove it"
+        )
     config_dict = read_config(folder)
     model_type = config_dict.get("model_type", "")
     if not str(model_type).startswith(MODEL_TYPE_PREFIX):
@@ -171,6 +268,8 @@ def verify_folder(folder: str | Path, *, remote_code: bool = True) -> dict[str, 
         "AutoModelForCausalLM": f"{modeling_file[:-3]}.{model_base.__name__}",
     }
     auto_map = config_dict.get("auto_map") or {}
+    if not isinstance(auto_map, dict) or set(auto_map) != set(expected_map):
+        raise ValueError(f"{where}: config.json auto_map is {auto_map!r}, expected {expected_map!r}")
     for key, value in expected_map.items():
         if auto_map.get(key) != value:
             raise ValueError(f"{where}: config.json auto_map[{key!r}] is {auto_map.get(key)!r}, expected {value!r}")
@@ -179,8 +278,7 @@ def verify_folder(folder: str | Path, *, remote_code: bool = True) -> dict[str, 
     absent = [name for name in required if not (folder / name).is_file()]
     if absent:
         raise FileNotFoundError(f"{where} is missing {absent}")
-    for name in (configuration_file, modeling_file, CUSTOM_GENERATE):
-        compile((folder / name).read_text(encoding="utf-8"), str(folder / name), "exec")
+    check_remote_code(folder, config_dict, family)
 
     try:
         config = config_base.from_dict(config_dict)
@@ -199,7 +297,22 @@ def verify_folder(folder: str | Path, *, remote_code: bool = True) -> dict[str, 
     card = ModelCard.load(folder / "README.md")
     if card.data.to_dict().get("library_name") != "transformers":
         raise ValueError(f"{where}: README.md metadata lacks library_name: transformers")
-    if remote_code:
-        _check_remote_code(folder, config_dict, family)
-    all_files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
-    return {"family": family, "model_type": model_type, "files": all_files, "tensors": len(shapes)}
+    if load_check:
+        load_with_remote_code(folder, config_dict, family)
+    upload, skipped = upload_files(folder, config_dict, family)
+    return {"family": family, "model_type": model_type, "files": upload, "skipped": skipped, "tensors": len(shapes)}
+
+
+def run(args) -> int:
+    """``hf-nosa verify``."""
+    summary = verify_folder(args.folder, load_check=args.load_check)
+    checked = "and loads with its remote code" if args.load_check else "(its code was not run; --load-check loads it)"
+    print(f"{args.folder}: a NOSA {summary['family']} checkpoint with {summary['tensors']} tensors; it verifies {checked}")
+    print(f"files push uploads ({len(summary['files'])}):")
+    for name in summary["files"]:
+        print(f"  {name}")
+    if summary["skipped"]:
+        print(f"files push leaves out ({len(summary['skipped'])}): export does not write them")
+        for name in summary["skipped"]:
+            print(f"  {name}")
+    return 0
