@@ -473,9 +473,24 @@ print(json.dumps(results))
 def test_push_end_to_end_over_loopback(exports, tmp_path):
     folder = exports["root"] / "llama"
     exported = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    # a crafted folder: a tokenizer file export may write, plus files it never writes (a secret, notes, bytecode)
     with_extra = tmp_path / "with_extra"
     shutil.copytree(folder, with_extra)
+    (with_extra / "tokenizer.json").write_text("{}")
+    (with_extra / ".env").write_text("HF_TOKEN=hf_secret\n")
     (with_extra / "notes.txt").write_text("stale")
+    (with_extra / "__pycache__").mkdir()
+    (with_extra / "__pycache__" / "modeling.cpython-311.pyc").write_bytes(b"\0")
+    left_out = [".env", "__pycache__/modeling.cpython-311.pyc", "notes.txt"]
+    linked = tmp_path / "linked"
+    shutil.copytree(folder, linked)
+    (tmp_path / "outside.txt").write_text("linked-secret-7f3a")
+    (linked / "notes.txt").symlink_to(tmp_path / "outside.txt")
+    tampered = tmp_path / "tampered"
+    shutil.copytree(folder, tampered)
+    marker = tmp_path / "code_ran"
+    with open(tampered / "modeling_nosa_llama.py", "a") as handle:
+        handle.write(f"\nopen({str(marker)!r}, 'w').close()\n")
     broken = tmp_path / "broken"
     shutil.copytree(folder, broken)
     (broken / "model.safetensors").unlink()
@@ -488,40 +503,56 @@ def test_push_end_to_end_over_loopback(exports, tmp_path):
         push(broken, "me/tiny"),
         push(folder, "me/tiny", env={"HF_HUB_OFFLINE": "1"}),
         push(folder, "me/tiny", env={"HF_TOKEN": None}),
-        push(folder, "me/tiny", "--dry-run"),
+        push(with_extra, "me/tiny", "--dry-run"),
         push(folder, "me/tiny", env={"HF_TOKEN": "hf_refused"}),
         push(folder, "me/tiny", "--private"),
         push(folder, "me/tiny"),
         push(with_extra, "me/other"),
         push(folder, "me/other", "--overwrite"),
+        push(linked, "me/linked"),
+        push(linked, "me/linked", "--dry-run"),
+        push(tampered, "me/tampered", "--dry-run", "--load-check"),
+        push(folder, "me/tiny", "--dry-run", "--load-check"),
         {"argv": ["export", str(folder), str(tmp_path / "re_export"), "--nosa", "budget_tokens=96"], "env": {}},
     ]
     with LoopbackHub(lifetime=200) as hub:
         env = {**fresh_env(tmp_path), "HF_ENDPOINT": hub.url}
-        broken_r, offline, anonymous, dry, refused, first, again, extra, overwrite, re_export = run_python(
-            PUSH, [json.dumps(scenarios)], env
-        )
+        (broken_r, offline, anonymous, dry, refused, first, again, extra, overwrite, link, link_dry, tamper,
+         load_checked, re_export) = run_python(PUSH, [json.dumps(scenarios)], env)
         requests_before_push = hub.requests[: hub.requests.index(("POST", "/api/repos/create"))]
     assert broken_r["code"] == 2 and "no weights" in broken_r["stderr"]
     assert offline["code"] == 1 and "HF_HUB_OFFLINE" in offline["stderr"]
     assert anonymous["code"] == 1 and "hf auth login" in anonymous["stderr"]
-    assert dry["code"] == 0 and all(name in dry["stdout"] for name in exported)
+    assert dry["code"] == 0, dry["stderr"]
+    would_upload, _, skipped = dry["stdout"].partition("left out")
+    assert all(f"  {name}\n" in would_upload for name in [*exported, "tokenizer.json"])
+    assert all(f"  {name}\n" in skipped and f"  {name}\n" not in would_upload for name in left_out)
+    assert "was not run" in dry["stdout"]
     assert refused["code"] == 1 and "401" in refused["stderr"]
     assert not [r for r in requests_before_push if r[1].startswith("/api/") and "agent" not in r[1]]
     assert first["code"] == 0, first["stderr"]
     assert again["code"] == 1 and "--overwrite" in again["stderr"]
     assert extra["code"] == 0 and overwrite["code"] == 0, overwrite["stderr"]
+    for result in (link, link_dry):
+        assert result["code"] == 2 and "notes.txt" in result["stderr"] and "symbolic link" in result["stderr"]
+    assert tamper["code"] == 2 and "modeling_nosa_llama.py" in tamper["stderr"] and "sha256" in tamper["stderr"]
+    assert not marker.exists()  # verification never imported the edited file, even with --load-check
+    assert load_checked["code"] == 0 and "loaded with its remote code" in load_checked["stdout"]
 
     private = [repo for repo, request in hub.created.items()
                if request.get("visibility") == "private" or request.get("private") is True]
     assert private == ["me/tiny"]
+    assert "me/linked" not in hub.created and "me/tampered" not in hub.created
     tiny = [c for c in hub.commits if c["repo"] == "me/tiny"]
     assert len(tiny) == 1 and tiny[0]["revision"] == "main"
     assert sorted(tiny[0]["added"]) == exported and tiny[0]["deleted"] == []
     assert all(tiny[0]["added"][name] == (folder / name).read_bytes() for name in exported)
     other = [c for c in hub.commits if c["repo"] == "me/other"]
-    assert len(other) == 2 and other[1]["deleted"] == ["notes.txt"] and sorted(other[1]["added"]) == exported
+    assert len(other) == 2 and sorted(other[0]["added"]) == sorted([*exported, "tokenizer.json"])
+    assert other[1]["deleted"] == ["tokenizer.json"] and sorted(other[1]["added"]) == exported
     assert sorted(hub.repos["me/other"]["main"]) == sorted([".gitattributes", *exported])
+    uploaded = b"".join(data for commit in hub.commits for data in commit["added"].values())
+    assert b"hf_secret" not in uploaded and b"linked-secret-7f3a" not in uploaded
 
     assert re_export["code"] == 0, re_export["stderr"]
     config = json.loads((tmp_path / "re_export" / "config.json").read_text())
