@@ -74,10 +74,11 @@ def bias_columns(
     D, n = query.shape[-1], len(cols)
     width = -(-(D + n) // _ALIGN) * _ALIGN
     B, H, Tq, _ = query.shape
-    ones = query.new_ones(1, 1, 1, n).expand(B, H, Tq, n)
-    q2 = F.pad(torch.cat([query, ones], -1), (0, width - D - n))
-    k2 = F.pad(torch.cat([keys, torch.stack(cols, -1)], -1), (0, width - D - n))
-    v2 = F.pad(values, (0, width - D))
+    # One concatenation per tensor (a single copy): q gets [1] * n + [0] * pad, k the columns then zeros.
+    extra = torch.cat([query.new_ones(n), query.new_zeros(width - D - n)])
+    q2 = torch.cat([query, extra.expand(B, H, Tq, width - D)], -1)
+    k2 = torch.cat([keys, F.pad(torch.stack(cols, -1), (0, width - D - n))], -1)
+    v2 = torch.cat([values, values.new_zeros(1, 1, 1, width - D).expand(*values.shape[:3], width - D)], -1)
     return q2, k2, v2
 
 
