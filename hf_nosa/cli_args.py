@@ -25,6 +25,7 @@ EVAL_DEFAULT_TASKS = tuple(task for task in EVAL_TASKS if task != "passkey")
 EVAL_METHODS = ("default", "nosa", "query_only", "quest", "shadowkv")
 EVAL_LENGTHS = ("4096", "8192", "16384")
 DEMO_PREFILLS = ("dense", "quoka", "nosa")
+EVAL_PROTOCOLS = ("auto", "ruler", "compact")
 EVAL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -127,20 +128,22 @@ def verify(parser: argparse.ArgumentParser) -> None:
 def retrofit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recipe", required=True,
                         help="recipes/NAME.yaml, or a bare NAME of the shipped recipes (required)")
-    parser.add_argument("--data", required=True,
-                        help=".jsonl/.json/.parquet/.txt file or folder of text or input_ids (required)")
+    parser.add_argument("--data", default=None,
+                        help=".jsonl/.json/.parquet/.txt file or folder of text or input_ids, or the built-in corpus "
+                             "python-prose-and-code (default: the recipe's data)")
     parser.add_argument("--output", required=True,
                         help="output folder: adapter, nosa_retrofit.json, checkpoints/ (required)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output")
     parser.add_argument("--base-model", default=None,
-                        help="folder or Hub id of the base model (default: the recipe's model)")
+                        help="folder, Hub id, .gguf file or smollm2: the base model (default: the recipe's model)")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop after this global step, checkpointed (default: the recipe's steps)")
 
 
 def eval(parser: argparse.ArgumentParser) -> None:  # noqa: A001 - the command's name
     parser.add_argument("--model", required=True,
-                        help="folder of a causal LM saved with save_pretrained, NOSA or not (required)")
+                        help="a causal LM, NOSA or not: a save_pretrained folder, a Hub id, a .gguf file (needs "
+                             "hf-nosa[gguf]) or smollm2 (required)")
     parser.add_argument("--tasks", nargs="+", default=list(EVAL_DEFAULT_TASKS),
                         help=f"tasks, comma or space separated, from {', '.join(EVAL_TASKS)}")
     parser.add_argument("--lengths", nargs="+", default=list(EVAL_LENGTHS), help="prompt lengths in tokens")
@@ -168,4 +171,9 @@ def eval(parser: argparse.ArgumentParser) -> None:  # noqa: A001 - the command's
     parser.add_argument("--dtype", default="auto", choices=EVAL_DTYPES,
                         help="model dtype; auto is bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--out", default=None, help="write the results as JSON here (default: not written)")
+    parser.add_argument("--protocol", default="auto", choices=EVAL_PROTOCOLS,
+                        help="ruler: RULER's templates and substring scoring; compact: the byte-level models' format, "
+                             "exact match; auto: compact for the byte-level tokenizer, ruler otherwise")
+    parser.add_argument("--no-chat-template", action="store_true",
+                        help="ruler protocol: write prompts as plain text, not in the tokenizer's chat template")
     parser.add_argument("--no-progress", action="store_true", help="do not print progress while it runs")

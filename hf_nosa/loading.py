@@ -246,11 +246,14 @@ def _check_gguf(path: Path) -> None:
                          f"of {', '.join(GGUF_ARCHITECTURES)}")
 
 
-def _hub_folder(repo_id: str) -> Path:
+_MODEL_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+_TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.jinja"]
+
+
+def _hub_folder(repo_id: str, patterns: list[str] = _MODEL_FILES) -> Path:
     """The local snapshot of a Hub repo (downloaded now when online); offline and not cached: a clear error."""
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
     try:
         return Path(snapshot_download(repo_id, allow_patterns=patterns))
     except Exception as error:  # offline mode, no network, unknown repo, gated repo: all end here
@@ -298,13 +301,14 @@ def _load_gguf_model(path: Path):
     return fresh
 
 
-def _load_folder_model(path: Path):
+def _load_folder_model(path: Path, dtype):
     from transformers import AutoModelForCausalLM
 
     raw = json.loads((path / "config.json").read_text())
     if "nosa" in raw:
-        return _load_nosa_checkpoint(path, raw)
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+        model = _load_nosa_checkpoint(path, raw)
+        return model.to(dtype) if isinstance(dtype, torch.dtype) else model
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
 
 
 def _load_nosa_checkpoint(path: Path, raw: dict):
@@ -337,16 +341,18 @@ def _load_nosa_checkpoint(path: Path, raw: dict):
     return model
 
 
-def load_pretrained(spec: str | os.PathLike):
-    """The causal LM a name refers to (see ``resolve``), in fp32 on the CPU, with sdpa attention.
+def load_pretrained(spec: str | os.PathLike, *, dtype: torch.dtype | str = torch.float32):
+    """The causal LM a name refers to (see ``resolve``), on the CPU, with sdpa attention.
 
-    A folder whose config has a "nosa" section loads as a NOSA model (eviction heads included, strictly).
+    A folder whose config has a "nosa" section loads as a NOSA model (eviction heads included, strictly). A GGUF
+    file is dequantised to fp32 and then cast to ``dtype`` ("auto": kept in fp32; elsewhere the checkpoint's own).
     """
     kind, where = resolve(spec)
     if kind == "gguf":
-        return _load_gguf_model(where)
+        model = _load_gguf_model(where)
+        return model.to(dtype) if isinstance(dtype, torch.dtype) else model
     folder = where if kind == "folder" else _hub_folder(where)
-    return _load_folder_model(folder)
+    return _load_folder_model(folder, dtype)
 
 
 def load_tokenizer(spec: str | os.PathLike):
@@ -357,7 +363,7 @@ def load_tokenizer(spec: str | os.PathLike):
     if kind == "gguf":
         _require_gguf(where)
         return AutoTokenizer.from_pretrained(str(where.parent), gguf_file=where.name)
-    folder = where if kind == "folder" else _hub_folder(where)
+    folder = where if kind == "folder" else _hub_folder(where, _TOKENIZER_FILES)
     if (folder / "tokenizer.json").is_file():
         # Straight from tokenizer.json: AutoTokenizer would read config.json, whose remote code it must not run.
         return PreTrainedTokenizerFast.from_pretrained(folder)
@@ -372,7 +378,7 @@ def load_config(spec: str | os.PathLike):
     if kind == "gguf":
         _check_gguf(where)
         return AutoConfig.from_pretrained(str(where.parent), gguf_file=where.name)
-    folder = where if kind == "folder" else _hub_folder(where)
+    folder = where if kind == "folder" else _hub_folder(where, ["config.json"])
     raw = json.loads((folder / "config.json").read_text())
     if "nosa" in raw:  # NOSA checkpoints: the stock family's config (their model_type may be nosa_*)
         family = str(raw.get("model_type", "")).removeprefix("nosa_")

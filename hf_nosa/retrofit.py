@@ -31,7 +31,7 @@ from torch import nn
 
 from .config import NosaConfig
 from .modeling import FAMILIES, eviction_heads, family_of, to_nosa
-from .retrofit_data import DATA_SUFFIXES, data_files, pack_data  # noqa: F401  (part of this module's API)
+from .retrofit_data import BUILTIN_DATA, DATA_SUFFIXES, data_files, pack_data  # noqa: F401  (part of this module's API)
 from .selection_loss import enable_selection_loss, selection_loss
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ REQUIRED = ("model", "nosa", "lora", "seq_len", "lr_eviction", "lr_lora", "steps
             "device_memory_gb")
 DEFAULTS = dict(description="", tokenizer=None, text_field="text", warmup_steps=0, weight_decay=0.0,
                 max_grad_norm=1.0, seed=0, save_every=0, keep_checkpoints=2, gradient_checkpointing=True,
-                selection_loss=0.0, eviction_loss=0.0)
+                selection_loss=0.0, eviction_loss=0.0, data=None)
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
 MODEL_CONFIG_KEYS = ("config", "family", "seed")
 
@@ -72,10 +72,12 @@ def _number(recipe: dict, name: str, kind: type, low: float, *, inclusive: bool 
 def load_recipe(recipe: str | Path | dict) -> dict:
     """A validated recipe with defaults filled: from a dict, a YAML path, or a bare name in ``recipes/``.
 
-    Required keys: ``model`` (Hub id, local folder, or ``{"config": {...}, "family": ..., "seed": 0}`` for a random
-    model built from a config), ``nosa`` (NosaConfig fields), ``lora`` (``r``, ``alpha``, ``dropout``,
+    Required keys: ``model`` (Hub id, local folder, ``.gguf`` file, ``smollm2``, or ``{"config": {...}, "family": ...,
+    "seed": 0}`` for a random model built from a config; a relative ``.gguf`` path is looked up beside the recipe
+    file too), ``nosa`` (NosaConfig fields), ``lora`` (``r``, ``alpha``, ``dropout``,
     ``target_modules``), ``seq_len`` (a multiple of the block size), ``lr_eviction``, ``lr_lora``, ``steps``,
-    ``batch_size`` (per process), ``grad_accum``, ``device_memory_gb``. Optional: see ``DEFAULTS``.
+    ``batch_size`` (per process), ``grad_accum``, ``device_memory_gb``. Optional: see ``DEFAULTS`` (``data``: the
+    training data when none is given, a path or a built-in corpus of ``BUILTIN_DATA``).
     Unknown keys are an error.
     """
     if isinstance(recipe, (str, Path)):
@@ -89,6 +91,11 @@ def load_recipe(recipe: str | Path | dict) -> dict:
         import yaml
 
         recipe = yaml.safe_load(path.read_text())
+        model = recipe.get("model") if isinstance(recipe, dict) else None
+        if isinstance(model, str) and model.lower().endswith(".gguf") and not Path(model).is_absolute():
+            beside = path.resolve().parent / model
+            if not Path(model).is_file() and beside.is_file():
+                recipe["model"] = str(beside)
     if not isinstance(recipe, dict):
         raise TypeError(f"recipe must be a mapping of keys to values, got {type(recipe).__name__}")
     unknown = sorted(set(recipe) - set(REQUIRED) - set(DEFAULTS))
@@ -142,6 +149,8 @@ def load_recipe(recipe: str | Path | dict) -> dict:
     for name in ("tokenizer",):
         if out[name] is not None and not isinstance(out[name], str):
             raise ValueError(f"recipe {name} must be a string (a Hub id, a folder, or 'bytes') or null")
+    if out["data"] is not None and (not isinstance(out["data"], str) or not out["data"]):
+        raise ValueError(f"recipe data={out['data']!r} is invalid: a path (file or folder) or one of {BUILTIN_DATA}")
     return out
 
 
@@ -149,7 +158,8 @@ def load_recipe(recipe: str | Path | dict) -> dict:
 
 
 def load_base(spec: str | dict | nn.Module, *, dtype: torch.dtype | str | None = None) -> nn.Module:
-    """The stock base model of a recipe: a Hub id or local folder, a ``{"config": ...}`` mapping, or a module as is.
+    """The stock base model of a recipe: a Hub id, a local folder, a ``.gguf`` file or ``smollm2`` (loaded as a plain
+    model: see ``hf_nosa.loading``), a ``{"config": ...}`` mapping, or a module as is.
 
     A mapping builds a random model of its ``family`` from ``config``, seeded by ``seed`` (the global RNG is left
     untouched), so that tests and synthetic experiments need no download.
@@ -164,9 +174,9 @@ def load_base(spec: str | dict | nn.Module, *, dtype: torch.dtype | str | None =
             torch.manual_seed(spec.get("seed", 0))
             model = binding.MODEL_CLASS(config)
         return model.to(dtype) if isinstance(dtype, torch.dtype) else model
-    from transformers import AutoModelForCausalLM
+    from .loading import load_pretrained
 
-    return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype or "auto", attn_implementation="sdpa")
+    return load_pretrained(spec, dtype=dtype or "auto")
 
 
 def _batch(packed: torch.Tensor, step: int, micro: int, recipe: dict, rank: int, world: int, orders: dict):
@@ -323,12 +333,13 @@ def _optimizer(model: nn.Module, recipe: dict) -> torch.optim.Optimizer:
     )
 
 
-def retrofit(recipe, data, output_dir, *, base_model=None, resume: bool = False, max_steps: int | None = None):
+def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: bool = False, max_steps: int | None = None):
     """Retrofit a base model into NOSA with LoRA and trained eviction heads; write the adapter and the run JSON.
 
     Args:
         recipe: a recipe dict, a YAML path, or a bare name of ``recipes/`` (see ``load_recipe``).
-        data: a .jsonl/.json/.parquet/.txt file or a folder of them (``input_ids`` or text records).
+        data: a .jsonl/.json/.parquet/.txt file or a folder of them (``input_ids`` or text records), or a built-in
+            corpus (``BUILTIN_DATA``); default the recipe's ``data``.
         output_dir: where the adapter, ``nosa_retrofit.json`` and ``checkpoints/`` go.
         base_model: overrides the recipe's model: a local folder, a Hub id, or a loaded ``nn.Module``.
         resume: continue from the latest checkpoint in ``output_dir`` (same step count, data order, RNG state).
@@ -351,7 +362,13 @@ def retrofit(recipe, data, output_dir, *, base_model=None, resume: bool = False,
         raise TypeError(f"base_model must be a folder, a Hub id or an nn.Module, got {type(base_model).__name__}")
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
         raise ValueError(f"max_steps={max_steps!r} is invalid: a positive integer or None")
+    if output_dir is None:
+        raise ValueError("output_dir is required (--output): the folder the adapter is written to")
     output_dir = Path(output_dir)
+    data = data if data is not None else recipe["data"]
+    if data is None:
+        raise ValueError(f"no training data: pass data= (--data) or set the recipe's data (a path, or one of "
+                         f"{BUILTIN_DATA})")
     data_files(data)
     found = _checkpoints(output_dir)
     if resume and not found:
@@ -374,12 +391,13 @@ def retrofit(recipe, data, output_dir, *, base_model=None, resume: bool = False,
     elif isinstance(base, dict):
         eos_id = base["config"].get("eos_token_id")
     else:
-        from transformers import AutoConfig
+        from .loading import load_config
 
-        eos_id = AutoConfig.from_pretrained(base).eos_token_id
+        eos_id = load_config(base).eos_token_id
     eos_id = eos_id[0] if isinstance(eos_id, list) else eos_id
-    with accelerator.main_process_first():
-        packed = pack_data(data, recipe, base, eos_id)
+    with accelerator.main_process_first():  # a built-in corpus is tokenized as far as the whole run reads
+        packed = pack_data(data, recipe, base, eos_id, sequences=recipe["steps"] * recipe["grad_accum"]
+                           * recipe["batch_size"] * accelerator.num_processes)
 
     set_seed(recipe["seed"])
     model, family, cfg = _build_model(recipe, base, torch.bfloat16 if cuda else torch.float32)
@@ -447,6 +465,10 @@ def retrofit(recipe, data, output_dir, *, base_model=None, resume: bool = False,
         run = dict(base_model=base_name, family=family, nosa_config=cfg.to_dict(), recipe=recipe, steps=steps_done,
                    final_loss=final_loss, tokens_per_second=speed, hf_nosa_version=hf_nosa.__version__)
         (output_dir / RUN_FILE).write_text(json.dumps(run, indent=1))
+        from .loading import is_gguf, load_tokenizer
+
+        if is_gguf(base_name):  # its tokenizer lives in the GGUF file: keep a copy beside the adapter (export uses it)
+            load_tokenizer(base_name).save_pretrained(str(output_dir))
     accelerator.wait_for_everyone()
     peft_model.eval()
     return RetrofitResult(peft_model, output_dir, steps_done, final_loss, speed, list(history["losses"]))
