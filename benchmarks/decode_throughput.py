@@ -140,7 +140,7 @@ def fill_nosa(model, cache: NosaCache, batch, context, total_steps, device, dtyp
     for i, layer in enumerate(cache.layers):
         like = torch.empty(batch, cfg.num_key_value_heads, 1, cfg.head_dim, device=device, dtype=dtype)
         layer.lazy_initialization(like, like)
-        layer.compressed._reserve(window_capacity_for(num_windows(context + total_steps, ncfg)))
+        layer.compressed.reserve(num_windows(context + total_steps, ncfg))
         prev_k = prev_b = None
         for start in range(0, context, piece):
             n = min(piece, context - start)
@@ -261,7 +261,8 @@ def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
         selector = query_only_selector() if method == "query_only" else None
         if device.type == "cuda":
             HostStore.chunk_tokens = max(ncfg.block_size, HOST_CHUNK_BYTES // (batch * cfg.num_key_value_heads * cfg.head_dim * 2))
-        cache = fill_nosa(model, NosaCache(cfg, ncfg, selector=selector), batch, context, total_steps, device, dtype)
+        cache = NosaCache(cfg, ncfg, selector=selector, max_cache_len=context + total_steps)
+        cache = fill_nosa(model, cache, batch, context, total_steps, device, dtype)
     sync(device)
 
     token = torch.randint(3, cfg.vocab_size, (batch, 1), device=device)

@@ -110,12 +110,18 @@ class NosaLayer(CacheLayerMixin):
         planned = max(self.state.max_tokens or 0, self.state.prefill_end or 0, T)
         self.cfg = self.base_cfg.sized_for(planned)
         pin = self.device.type == "cuda" and self.cfg.offload
-        self.host = HostStore(B, Hk, D, key_states.dtype, self.cfg.block_size, pin=pin)
+        workspace = self.state.workspace
+        host_allocate = None
+        if workspace is not None:
+            def host_allocate(name, shape, dtype, pin_memory):
+                return workspace.take((self.layer_idx, name), shape, dtype, "cpu", pin=pin_memory)
+        self.host = HostStore(B, Hk, D, key_states.dtype, self.cfg.block_size, pin=pin, allocate=host_allocate)
         if self.state.max_tokens is not None or self.state.prefill_end is not None:
             self.host.reserve(planned)
             if self.layer_idx == 0:  # the whole cache's host memory, before any layer allocates
                 total = self.state.n_layers * B * -(-planned // self.cfg.block_size) * self.cfg.block_size
-                check_host_memory(total * self.host.token_bytes(), batch=B, tokens=planned, pin=pin)
+                held = workspace.host_bytes() if workspace is not None else 0
+                check_host_memory(total * self.host.token_bytes() - held, batch=B, tokens=planned, pin=pin)
         self.compressed = CompressedKeys(self.cfg, key_states, tokens=planned, allocate=self._allocate)
         self._allocate_slots()
         self.step = self._buffer("step", (1,), torch.long).zero_()

@@ -17,16 +17,30 @@ import torch
 GROWTH = 0.1  # a chunk added past the reservation holds at least this share of the tokens already held
 
 
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
 def available_host_memory() -> int | None:
-    """Bytes of host memory the OS can still hand out (``MemAvailable``), or None where it cannot be read."""
+    """Bytes of host memory the OS can still hand out (``MemAvailable``, and the cgroup's limit where one is set),
+    or None where it cannot be read."""
+    available = None
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
     except OSError:
-        return None
-    return None
+        pass
+    limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+    if limit is not None and used is not None:
+        available = limit - used if available is None else min(available, limit - used)
+    return available
 
 
 def check_host_memory(nbytes: int, *, batch: int, tokens: int, pin: bool, what: str = "NosaCache host store") -> None:
@@ -52,7 +66,7 @@ class HostStore:
     chunk_tokens: int | None = 1 << 16
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int, pin: bool,
-                 *, table: torch.Tensor | None = None):
+                 *, table: torch.Tensor | None = None, allocate=None):
         self.batch, self.kv_heads, self.head_dim, self.dtype = batch, kv_heads, head_dim, dtype
         self.block_size = block_size
         self.pin = pin
@@ -66,6 +80,7 @@ class HostStore:
         self._device_writer: torch.device | None = None  # a device whose kernels write the store directly
         self._version = 0  # bumped whenever a chunk is added or replaced
         self._table = table  # [4, n] int64 on a device: per block, K/V/b addresses and the chunk's row length
+        self._allocate = allocate  # (name, shape, dtype, pin) -> tensor: chunks drawn from a workspace, or None
         self._table_version = -1
 
     @property
@@ -86,6 +101,11 @@ class HostStore:
     def _empty(self, *shape, dtype):
         return torch.empty(*shape, dtype=dtype, pin_memory=self.pin)
 
+    def _chunk(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        if self._allocate is not None:
+            return self._allocate(f"host_{name}_{len(self.k_chunks)}", shape, dtype, self.pin)
+        return self._empty(*shape, dtype=dtype)
+
     def _grow(self, n_tokens: int) -> None:
         P = self.block_size
         capacity = self.capacity
@@ -94,14 +114,15 @@ class HostStore:
         want = max(n_tokens, self.reserved if self.reserved > capacity else 0, capacity + int(capacity * GROWTH))
         want = -(-want // P) * P
         B, Hk, D = self.batch, self.kv_heads, self.head_dim
-        check_host_memory(B * (want - capacity) * self.token_bytes(), batch=B, tokens=want, pin=self.pin)
+        if self._allocate is None:  # a workspace checks what it does not already hold itself
+            check_host_memory(B * (want - capacity) * self.token_bytes(), batch=B, tokens=want, pin=self.pin)
         while capacity < want:
             size = want - capacity
             if self.chunk_tokens:
                 size = min(size, max(P, self.chunk_tokens // P * P))
-            self.k_chunks.append(self._empty(B, Hk, size, D, dtype=self.dtype))
-            self.v_chunks.append(self._empty(B, Hk, size, D, dtype=self.dtype))
-            self.b_chunks.append(self._empty(B, Hk, size, dtype=torch.float32))
+            self.v_chunks.append(self._chunk("v", (B, Hk, size, D), self.dtype))
+            self.b_chunks.append(self._chunk("b", (B, Hk, size), torch.float32))
+            self.k_chunks.append(self._chunk("k", (B, Hk, size, D), self.dtype))
             self.starts.append(capacity)
             capacity += size
             self._version += 1

@@ -22,14 +22,24 @@ class DeviceWorkspace:
         self.decode_graph = None
         self._owner: weakref.ref | None = None
 
-    def take(self, key: tuple, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-        """The buffer stored under ``key`` if it matches, else a new one (kept for the next cache). Not cleared."""
+    def take(self, key: tuple, shape: tuple, dtype: torch.dtype, device, *, pin: bool = False) -> torch.Tensor:
+        """The buffer stored under ``key`` if it matches, else a new one (kept for the next cache). Not cleared.
+
+        ``pin`` asks for pinned host memory (``device`` "cpu"): pinning tens of GiB takes tens of seconds, so the
+        host store's chunks are reused across calls like the device buffers.
+        """
         shape = tuple(int(s) for s in shape)
         device = torch.device(device)
         found = self.buffers.get(key)
-        if found is None or tuple(found.shape) != shape or found.dtype != dtype or found.device != device:
-            found = self.buffers[key] = torch.empty(shape, dtype=dtype, device=device)
+        if (found is None or tuple(found.shape) != shape or found.dtype != dtype or found.device != device
+                or found.is_pinned() != pin):
+            self.buffers.pop(key, None)  # free the old buffer before allocating its replacement
+            found = self.buffers[key] = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
         return found
+
+    def host_bytes(self) -> int:
+        """Bytes of host memory the workspace holds (reusable by the next cache)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers.values() if t.device.type == "cpu")
 
     def claim(self, cache) -> None:
         """``cache`` starts using the buffers; the cache that held them before can no longer be used."""

@@ -61,6 +61,7 @@ class DecodeGraph:
         self._eager_key = None
         self.captures = 0
         self.replays = 0
+        self.capturing_failed: BaseException | None = None  # set when a capture raised (callers fall back)
 
     def _layers(self):
         return list(self.cache.layers)
@@ -102,8 +103,12 @@ class DecodeGraph:
         self.static_pos = position_ids.clone()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            self.static_logits = self._forward(self.static_ids, self.static_pos)
+        try:
+            with torch.cuda.graph(graph):
+                self.static_logits = self._forward(self.static_ids, self.static_pos)
+        except RuntimeError as error:
+            self.capturing_failed = error
+            raise
         self.graph, self.key = graph, key
         self.captures += 1
 

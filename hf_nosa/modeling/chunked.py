@@ -14,6 +14,8 @@ Any other call (no NosaCache, labels, output_attentions with a NosaCache excepte
 from __future__ import annotations
 
 import inspect
+import logging
+import os
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -22,6 +24,8 @@ from ..cache import NosaCache
 from ..kernels.backend import kernel_path
 from ..kernels.cuda_graph import DecodeGraph, cache_keyword, in_stock_forward
 
+logger = logging.getLogger(__name__)
+GRAPH_ENV_VAR = "HF_NOSA_CUDA_GRAPH"  # "0" decodes eagerly (the reference the graph is tested against)
 _OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
@@ -123,6 +127,7 @@ class NosaForward:
             and not self.model.training
             and not torch.is_grad_enabled()
             and not kwargs.get("output_hidden_states")
+            and os.environ.get(GRAPH_ENV_VAR, "1") != "0"
             and kernel_path("decode_step", inputs) == "triton"
         )
 
@@ -133,10 +138,19 @@ class NosaForward:
             position_ids = torch.full_like(input_ids, cache.get_seq_length())
         owner = cache.state.workspace if cache.state.workspace is not None else cache
         graph = getattr(owner, "decode_graph", None)
+        if graph is False:  # capture failed once for this owner: decode eagerly (the reason was logged)
+            return self.original(**kwargs)
         if graph is None:
             graph = owner.decode_graph = DecodeGraph(self.model, cache)
         graph.cache = cache
-        logits = graph(input_ids, position_ids.reshape(input_ids.shape)).clone()[:, None]  # [B, 1, vocab]
+        try:
+            logits = graph(input_ids, position_ids.reshape(input_ids.shape)).clone()[:, None]  # [B, 1, vocab]
+        except RuntimeError as error:
+            if graph.capturing_failed is None:
+                raise
+            owner.decode_graph = False
+            logger.warning("NOSA decode: capturing a CUDA graph failed (%s); decoding eagerly from now on.", error)
+            return self.original(**kwargs)
         result = CausalLMOutputWithPast(logits=logits, **{_OUTPUT_CACHE_FIELD: cache})
         return result if kwargs.get("return_dict", True) else result.to_tuple()
 

@@ -198,9 +198,9 @@ def test_benchmark_fill_matches_a_dense_prefill():
     hf_nosa.to_nosa(model, ncfg)
     randomize_eviction_heads(model, scale=0.1, generator=torch.Generator().manual_seed(0))
     for context in (256, 200):
-        cache = fill_nosa(model, NosaCache(model.config, ncfg), 2, context, 10, torch.device("cpu"), torch.float32,
-                          piece=64)
-        ref = NosaCache(model.config, ncfg)
+        cache = fill_nosa(model, NosaCache(model.config, ncfg, max_cache_len=context + 10), 2, context, 10,
+                          torch.device("cpu"), torch.float32, piece=64)
+        ref = NosaCache(model.config, ncfg, max_cache_len=context + 10)
         for i, layer in enumerate(cache.layers):
             k, v, b = layer.host.read(0, context, "cpu")
             ref.update(k, v, i, query=torch.zeros(2, 4, context, 16), bias=b)

@@ -26,7 +26,7 @@ def interpret(monkeypatch):
 def make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen):
     """A host store holding T tokens (several chunks) and a slot pool poisoned with NaN, tail holding T's block."""
     host = HostStore(B, Hk, D, dtype, P, pin=device.type == "cuda")
-    host.chunk = chunk_blocks * P
+    host.chunk_tokens = chunk_blocks * P  # several host chunks: blocks are found through the block table
     k = torch.randn(B, Hk, T, D, generator=gen).to(dtype)
     v = torch.randn(B, Hk, T, D, generator=gen).to(dtype)
     host.write(0, k, v, torch.randn(B, Hk, T, generator=gen))
@@ -53,6 +53,7 @@ def clone_host(host: HostStore) -> HostStore:
     twin = copy.copy(host)
     for name in ("k_chunks", "v_chunks", "b_chunks"):
         setattr(twin, name, [chunk.clone().pin_memory() if host.pin else chunk.clone() for chunk in getattr(host, name)])
+    twin.starts = list(host.starts)
     twin._table, twin._version = None, host._version + 1
     return twin
 
