@@ -60,10 +60,12 @@ class HostStore:
     """``k_chunks[i]``, ``v_chunks[i]``: ``[B, Hk, C_i, D]``; ``b_chunks[i]``: ``[B, Hk, C_i]`` fp32.
 
     Chunk i holds tokens ``starts[i] .. starts[i] + C_i - 1``; every ``C_i`` is a multiple of ``block_size``.
-    ``chunk_tokens`` caps the tokens of one chunk (None: no cap), so no single pinned allocation grows unbounded.
+    A chunk's K (or V) holds at most ``chunk_bytes`` (or ``chunk_tokens`` tokens, when set): torch's pinned
+    allocator rounds each allocation up to a power of two, so chunks of 256 MiB waste at most the last one's slack.
     """
 
-    chunk_tokens: int | None = 1 << 16
+    chunk_bytes: int = 256 << 20
+    chunk_tokens: int | None = None
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int, pin: bool,
                  *, table: torch.Tensor | None = None, allocate=None):
@@ -118,8 +120,8 @@ class HostStore:
             check_host_memory(B * (want - capacity) * self.token_bytes(), batch=B, tokens=want, pin=self.pin)
         while capacity < want:
             size = want - capacity
-            if self.chunk_tokens:
-                size = min(size, max(P, self.chunk_tokens // P * P))
+            most = self.chunk_tokens or self.chunk_bytes // (B * Hk * D * torch.empty(0, dtype=self.dtype).element_size())
+            size = min(size, max(P, most // P * P))
             self.v_chunks.append(self._chunk("v", (B, Hk, size, D), self.dtype))
             self.b_chunks.append(self._chunk("b", (B, Hk, size), torch.float32))
             self.k_chunks.append(self._chunk("k", (B, Hk, size, D), self.dtype))

@@ -1,0 +1,211 @@
+"""End-to-end ``model.generate`` on CUDA: stock DynamicCache, stock static cache (compiled by generate) and
+``cache_implementation="nosa"``, the user's path only (real prefill of random prompts, no hand-filled caches).
+
+Shapes as in ``decode_throughput.py`` (random-weight Llama, bf16, sdpa): "1b" under a 24 GB device cap, "8b" under
+48 GB (``torch.cuda.set_per_process_memory_fraction``). Per row: batch, time to first token, decode tok/s
+(B * (N - 1) over the time after the first token), delivered tok/s (B * N over the whole call, prefill included),
+peak device memory, locality, and the graph-replayed engine's tok/s on the same cache and batch (``greedy_decode``
+right after the generate call). Each method runs once untimed at its batch first (Triton / torch.compile
+compilation, graph capture, pinned host memory), then timed; ``first_call_s`` is the untimed call's wall time.
+
+Batch search: stock methods double the batch until the prefill runs out of device memory (probing with 2 new
+tokens, then a bisection); NOSA takes the largest batch whose host store fits 85% of the free host memory, then
+halves while the device says no. ``limit`` says which bound stopped each method.
+
+    python benchmarks/generate.py --shape 1b --contexts 32768 65536 --out benchmarks/results/generate.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.decode_throughput import CAP_GB, SHAPES, build_model  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
+from hf_nosa import NosaConfig, to_nosa  # noqa: E402
+from hf_nosa.host_store import available_host_memory  # noqa: E402
+from hf_nosa.kernels.cuda_graph import greedy_decode  # noqa: E402
+from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList  # noqa: E402
+
+GiB = 1 << 30
+
+
+class FirstTokenClock(LogitsProcessor):
+    """Records when generate first processes logits: the end of the prefill (time to first token)."""
+
+    def __init__(self):
+        self.first = None
+
+    def __call__(self, input_ids, scores):
+        if self.first is None:
+            torch.cuda.synchronize()
+            self.first = time.perf_counter()
+        return scores
+
+
+class StopAfter(StoppingCriteria):
+    """Ends a warm-up call after a few tokens while keeping the timed call's max_length (so the same sizes)."""
+
+    def __init__(self, steps):
+        self.steps, self.calls = steps, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        return torch.full((input_ids.shape[0],), self.calls >= self.steps, dtype=torch.bool, device=input_ids.device)
+
+
+def generate_once(model, batch, context, new_tokens, method, stop_after=None):
+    ids = torch.randint(3, model.config.vocab_size, (batch, context), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(batch))
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
+    if method == "static":
+        kwargs["cache_implementation"] = "static"
+    elif method == "nosa":
+        kwargs["cache_implementation"] = "nosa"
+    clock = FirstTokenClock()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    stopping = StoppingCriteriaList([StopAfter(stop_after)] if stop_after else [])
+    out = model.generate(**kwargs, logits_processor=LogitsProcessorList([clock]), stopping_criteria=stopping)
+    torch.cuda.synchronize()
+    end = time.perf_counter()
+    row = dict(batch=batch, ttft_s=clock.first - start, wall_s=end - start,
+               decode_tok_s=batch * (new_tokens - 1) / (end - clock.first),
+               delivered_tok_s=batch * new_tokens / (end - start),
+               peak_device_gib=torch.cuda.max_memory_allocated() / GiB)
+    return row, out
+
+
+def fits(model, batch, context, method):
+    """Whether a generate of 2 new tokens at this batch runs (device memory is highest in the prefill)."""
+    try:
+        generate_once(model, batch, context, 2, method)
+        return True
+    except torch.OutOfMemoryError:
+        return False
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def stock_batch(model, context, method, start=1, limit=256):
+    if not fits(model, start, context, method):
+        return 0
+    lo, hi = start, None
+    while hi is None and lo < limit:
+        if fits(model, lo * 2, context, method):
+            lo *= 2
+        else:
+            hi = lo * 2
+    if hi is None:
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(model, mid, context, method) else (lo, mid)
+    return lo
+
+
+def nosa_host_batch(model, context, new_tokens):
+    cfg = model.config
+    per_seq = cfg.num_hidden_layers * cfg.num_key_value_heads * (context + new_tokens) * (2 * cfg.head_dim * 2 + 4)
+    return max(1, int(0.85 * (available_host_memory() or 0) // per_seq))
+
+
+def engine_tok_s(model, cache, batch, steps=48):
+    """Tokens per second of the graph-replayed decode step on the cache generate left (same shapes and batch)."""
+    ids = torch.randint(3, model.config.vocab_size, (batch, 1), device="cuda")
+    greedy_decode(model, cache, ids, 4)  # eager, eager, capture
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    greedy_decode(model, cache, ids, steps)
+    torch.cuda.synchronize()
+    return batch * steps / (time.perf_counter() - start)
+
+
+def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False):
+    t0 = time.perf_counter()
+    generate_once(model, batch, context, new_tokens, method, stop_after=8)  # compile, capture, pin
+    first_call = time.perf_counter() - t0
+    gc.collect()
+    row, out = generate_once(model, batch, context, new_tokens, method)
+    row.update(method=method, context=context, new_tokens=new_tokens, limit=limit, first_call_s=first_call)
+    cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
+    if method == "nosa":
+        stats = cache.stats()
+        row.update(locality=stats["locality"], bytes_to_device_per_token=stats["bytes_to_device"] / (batch * new_tokens),
+                   host_gib=stats["host_bytes"] / GiB, device_kv_gib=stats["device_kv_bytes"] / GiB)
+        if engine:
+            row["engine_tok_s"] = engine_tok_s(model, cache, batch)
+    del out, cache
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def run(args):
+    cap = args.cap_gb or CAP_GB[args.shape]
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total))
+    model = build_model(args.shape, "cuda", torch.bfloat16)
+    rows = []
+    stock_batches = {}
+    for context in args.contexts:
+        for method in [m for m in args.methods if m != "nosa"]:
+            b = stock_batch(model, context, method) if method == "dynamic" else stock_batches.get(context, 1)
+            while b > 0:
+                try:
+                    rows.append(timed_row(model, b, context, args.new_tokens, method,
+                                          limit="device memory (prefill OOM at the next batch)"
+                                          if method == "dynamic" else "dynamic's batch (not searched)"))
+                    break
+                except torch.OutOfMemoryError:
+                    b //= 2
+            stock_batches.setdefault(context, b)
+    to_nosa(model, NosaConfig())
+    randomize_eviction_heads(model, scale=0.5, generator=torch.Generator().manual_seed(0))
+    if "nosa" in args.methods:
+        for context in args.contexts:
+            b = nosa_host_batch(model, context, args.new_tokens)
+            limit = "host memory (85% of free host memory)"
+            while b > 0:
+                try:
+                    rows.append(timed_row(model, b, context, args.new_tokens, "nosa", limit=limit, engine=True))
+                    break
+                except torch.OutOfMemoryError:
+                    b, limit = b // 2, "device memory"
+            for extra in sorted({stock_batches.get(context, 0), 1} - {0, b}, reverse=True):
+                rows.append(timed_row(model, extra, context, args.new_tokens, "nosa", limit="fixed", engine=True))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="1b", choices=("1b", "8b"), help="model shape (default: 1b)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 65536], help="prompt lengths")
+    parser.add_argument("--new-tokens", type=int, default=512, help="tokens generated per sequence (default: 512)")
+    parser.add_argument("--methods", nargs="+", default=["dynamic", "static", "nosa"],
+                        choices=("dynamic", "static", "nosa"), help="methods to run")
+    parser.add_argument("--cap-gb", type=float, default=None, help="device memory cap (default: 24 for 1b, 48 for 8b)")
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    args = parser.parse_args()
+    rows = run(args)
+    result = dict(environment(), shape=args.shape, cap_gb=args.cap_gb or CAP_GB[args.shape], rows=rows,
+                  nosa_config=NosaConfig().to_dict())
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
