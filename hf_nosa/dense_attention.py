@@ -164,7 +164,8 @@ def biased_attention(query: torch.Tensor, inputs: AttentionInputs, scale: float)
 
     mask, is_causal = None, False
     if attn_mask is not None:
-        mask = attn_mask.clamp(min=_mask_floor(dtype)).to(dtype)
+        # fp16 cannot hold MASK_VALUE (it would become -inf, and a row of -inf is NaN): clamp to its range.
+        mask = attn_mask.clamp(min=_mask_floor(dtype)).to(dtype) if dtype == torch.float16 else attn_mask.to(dtype)
     elif inputs.causal and inputs.q_offset < S - 1:  # (from q_offset = S - 1 on, every query sees every key)
         if inputs.q_offset == 0 and Tq == S:
             is_causal = True
