@@ -12,10 +12,40 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "demo_model"
+DECODE_REPORT_EVERY = 10  # decode steps between progress lines
+
+
+class Progress:
+    """Prefill and decode progress lines (on stderr), from a forward hook on the model: a finished forward of
+    several tokens is a prefill chunk, of one token a decode step."""
+
+    def __init__(self, prefill_tokens: int, max_steps: int, *, stream=None):
+        self.prefill_tokens, self.max_steps = prefill_tokens, max_steps
+        self.prefilled = self.steps = 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.start = time.perf_counter()
+
+    def _line(self, text: str) -> None:
+        print(f"  {text} ({time.perf_counter() - self.start:.1f}s)", file=self.stream, flush=True)
+
+    def __call__(self, module, args, kwargs, output) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        tokens = ids.shape[-1]
+        if tokens > 1:
+            self.prefilled += tokens
+            self._line(f"prefill: {self.prefilled}/{self.prefill_tokens} prompt tokens")
+            return
+        self.steps += 1
+        if self.steps == 1 or self.steps % DECODE_REPORT_EVERY == 0:
+            self._line(f"decode: step {self.steps} of at most {self.max_steps}")
+
+    def done(self) -> None:
+        self._line(f"decode: {self.steps} steps done")
 
 
 def _mb(n: float) -> str:
@@ -65,8 +95,17 @@ def run(args: argparse.Namespace) -> int:
     loaded = time.perf_counter()
 
     cache = NosaCache(model.config, config)
-    result = decode(model, ids, cache=cache, decode_from=ids.shape[1] - question, max_new_tokens=counter.count(sample.target) + 2,
-                    stop_ids=_stop_ids(tokenizer), prefill_chunk=2048)
+    decode_from, new_tokens = ids.shape[1] - question, counter.count(sample.target) + 2
+    progress = Progress(decode_from, question + new_tokens - 1)
+    print(f"hf-nosa demo: {ids.shape[1]}-token prompt, budget {budget} tokens, on {args.device}", file=sys.stderr,
+          flush=True)
+    hook = model.register_forward_hook(progress, with_kwargs=True)
+    try:
+        result = decode(model, ids, cache=cache, decode_from=decode_from, max_new_tokens=new_tokens,
+                        stop_ids=_stop_ids(tokenizer), prefill_chunk=2048)
+    finally:
+        hook.remove()
+    progress.done()
     finished = time.perf_counter()
     answer = tokenizer.decode(result.tokens[0].tolist(), skip_special_tokens=True).split("\n")[0].strip()
     correct = sample.score(answer) == 1.0

@@ -42,9 +42,16 @@ def test_demo_runs_on_the_embedded_model(capsys):
     settings = json.loads((DEFAULT_MODEL / "demo.json").read_text())
     budget = settings["budget_tokens"]
     assert cli_main(["demo", "--seed", "3", "--context", str(4 * budget)]) == 0  # 4x: quick on any demo model
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     check_output(text)
     assert f"budget {budget} tokens (4x less than the context)" in text
+    # progress on stderr while it runs: every prefill chunk up to the whole prompt, then decode steps
+    chunks = re.findall(r"prefill: (\d+)/(\d+) prompt tokens", captured.err)
+    prefill, total = [int(done) for done, _ in chunks], int(chunks[0][1])
+    assert prefill == sorted(prefill) and prefill[-1] == total and len(prefill) == -(-total // 2048)
+    steps = int(re.search(r"decode: (\d+) steps done", captured.err).group(1))
+    assert "decode: step 1 of at most" in captured.err and steps == int(re.search(r"over (\d+) decode steps", text).group(1))
 
 
 def test_demo_runs_on_a_given_checkpoint_and_rejects_bad_input(tmp_path, capsys):
