@@ -110,6 +110,27 @@ def test_name_or_path_of_a_source_folder_is_never_read(source, tmp_path, monkeyp
     assert not (out / "tokenizer_config.json").exists()
 
 
+def test_hub_cache_links_into_its_blobs_are_followed(tmp_path, monkeypatch):
+    """A real Hub cache stores snapshot files as links into the repository's blobs/: those stay inside."""
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "cache" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    _tokenizer_files(repo / "blobs", "cached")
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name in ("tokenizer_config.json", "README.md"):
+        (snapshot / name).symlink_to(Path("..", "..", "blobs", name))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    model = nosa_model()
+    model.config._name_or_path = "org/tiny"  # as from_pretrained("org/tiny") leaves it
+    out = export(model, tmp_path / "out")
+    assert json.loads((out / "tokenizer_config.json").read_text())["marker"] == "cached"
+    assert ModelCard.load(out / "README.md").data.license == "mit"
+
+
 @pytest.mark.parametrize("entry", ["../outside_dir/{shard}", "{outside}/{shard}", "sub/../../outside_dir/{shard}"])
 def test_shard_index_naming_a_path_outside_the_folder_is_refused(tmp_path, entry):
     source = tmp_path / "source"
