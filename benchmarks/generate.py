@@ -9,8 +9,8 @@ right after the generate call). Each method runs once untimed at its batch first
 compilation, graph capture, pinned host memory), then timed; ``first_call_s`` is the untimed call's wall time.
 
 Batch search: stock methods double the batch until the prefill runs out of device memory (probing with 2 new
-tokens, then a bisection); NOSA takes the largest batch whose host store fits 85% of the free host memory, then
-halves while the device says no. ``limit`` says which bound stopped each method.
+tokens, then a bisection); NOSA takes the largest batch whose host store fits half the free host memory, then
+halves while the device (or pinning) says no. ``limit`` says which bound stopped each method.
 
     python benchmarks/generate.py --shape 1b --contexts 32768 65536 --out benchmarks/results/generate.json
 """
@@ -34,6 +34,7 @@ from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.host_store import available_host_memory  # noqa: E402
 from hf_nosa.kernels.cuda_graph import greedy_decode  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
+from hf_nosa.workspace import workspace_of  # noqa: E402
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 GiB = 1 << 30
@@ -119,7 +120,7 @@ def stock_batch(model, context, method, start=1, limit=256):
 def nosa_host_batch(model, context, new_tokens):
     cfg = model.config
     per_seq = cfg.num_hidden_layers * cfg.num_key_value_heads * (context + new_tokens) * (2 * cfg.head_dim * 2 + 4)
-    return max(1, int(0.85 * (available_host_memory() or 0) // per_seq))
+    return max(1, int(0.5 * (available_host_memory() or 0) // per_seq))
 
 
 def engine_tok_s(model, cache, batch, steps=48):
@@ -178,13 +179,18 @@ def run(args):
     if "nosa" in args.methods:
         for context in args.contexts:
             b = nosa_host_batch(model, context, args.new_tokens)
-            limit = "host memory (85% of free host memory)"
+            limit = "host memory (half the free host memory)"
             while b > 0:
                 try:
                     rows.append(timed_row(model, b, context, args.new_tokens, "nosa", limit=limit, engine=True))
                     break
-                except torch.OutOfMemoryError:
-                    b, limit = b // 2, "device memory"
+                except (torch.OutOfMemoryError, RuntimeError, MemoryError) as error:
+                    print(f"nosa batch {b} at {context}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+                    workspace_of(model).buffers.clear()
+                    gc.collect()
+                    torch.cuda.empty_cache()
+                    torch._C._host_emptyCache()
+                    b, limit = b // 2, f"halved after {type(error).__name__} at batch {b}"
             for extra in sorted({stock_batches.get(context, 0), 1} - {0, b}, reverse=True):
                 rows.append(timed_row(model, extra, context, args.new_tokens, "nosa", limit="fixed", engine=True))
     return rows

@@ -115,7 +115,12 @@ class NosaLayer(CacheLayerMixin):
         if workspace is not None:
             def host_allocate(name, shape, dtype, pin_memory):
                 return workspace.take((self.layer_idx, name), shape, dtype, "cpu", pin=pin_memory)
-        self.host = HostStore(B, Hk, D, key_states.dtype, self.cfg.block_size, pin=pin, allocate=host_allocate)
+        table = None
+        if workspace is not None:  # the block table's address is part of a captured graph: keep it across caches
+            blocks = max(1, -(-planned // self.cfg.block_size))
+            table = self._buffer("host_table", (4, 1 << max(6, (blocks - 1).bit_length())), torch.int64).zero_()
+        self.host = HostStore(B, Hk, D, key_states.dtype, self.cfg.block_size, pin=pin, table=table,
+                              allocate=host_allocate)
         if self.state.max_tokens is not None or self.state.prefill_end is not None:
             self.host.reserve(planned)
             if self.layer_idx == 0:  # the whole cache's host memory, before any layer allocates

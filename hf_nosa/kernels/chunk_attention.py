@@ -101,6 +101,21 @@ if HAS_TRITON:
         tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_x[:, None] & m_d[None, :])
 
 
+_DEVICE_INTS: dict[tuple, torch.Tensor] = {}
+
+
+def _device_ints(values: list[int], device) -> torch.Tensor:
+    """``values`` as an int32 device tensor, built once per distinct list: a copy from pageable host memory would
+    wait for the whole stream on every launch."""
+    key = (tuple(values), str(device))
+    found = _DEVICE_INTS.get(key)
+    if found is None:
+        if len(_DEVICE_INTS) > 4096:
+            _DEVICE_INTS.clear()
+        found = _DEVICE_INTS[key] = torch.tensor(values, dtype=torch.int32).to(device)
+    return found
+
+
 def _launch(query, keys, values, key_bias, index, rows, shift, scale, out, rows_per_tile):
     B, H, _, D = query.shape
     Hk, R, S = keys.shape[1], index.shape[2], index.shape[3]
@@ -110,8 +125,7 @@ def _launch(query, keys, values, key_bias, index, rows, shift, scale, out, rows_
     longest = max(rows[r + 1] - rows[r] for r in range(R))
     tiles = max(1, -(-longest // block_m))
     device = query.device
-    rows_t = torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True)
-    shift_t = torch.tensor(shift, dtype=torch.int32).to(device, non_blocking=True)
+    rows_t, shift_t = _device_ints(rows, device), _device_ints(shift, device)
     interpreted = interpreting()
     # fp32 keeps full precision; the interpreter computes tl.dot on bf16 wrongly, so it casts too.
     ieee = query.dtype == torch.float32 or keys.dtype == torch.float32 or interpreted
