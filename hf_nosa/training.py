@@ -5,13 +5,16 @@ Query token ``t`` attends to exactly what decoding token ``t`` would: the blocks
 own block up to ``t``; every key ``j`` carries the eviction bias ``b_j`` in its logit. The selection is computed
 without gradient (a discrete choice); ``delta`` and ``A`` learn through the bias alone.
 
-Two backends compute the same thing:
+Three backends compute the same thing:
 
 - ``"flex"`` (CUDA): FlexAttention. The block table is built from the selected blocks (a tile is visited when
   any query of the tile selected any block in it), ``mask_mod`` reads the per-token selection bitmap, and
-  ``score_mod`` adds ``b_j`` (FlexAttention differentiates through the captured bias).
-- ``"explicit"`` (CPU): an additive mask per chunk of queries and the torch attention of ``attend.py``, the same
-  code the decode path uses.
+  ``score_mod`` adds ``b_j`` (FlexAttention differentiates through the captured bias). The query heads of a GQA
+  group share their KV head's selection, so they are folded into the query rows (``fold`` rows per token, the
+  group's largest power-of-two factor up to ``FLEX_FOLD``): a 128-row tile then spans 128 / fold tokens, and the
+  union of its tokens' selections, which decides the tiles visited, is over fewer tokens.
+- ``"explicit"`` (CPU): an additive mask per chunk of queries on sdpa (``dense_attention.biased_attention``).
+- ``"reference"``: the same masks through the einsum attention of ``attend.py`` (the per-token reference).
 
 Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, Tq queries, T keys, D head dim, P block size, N blocks.
 """
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 from .attend import AttentionInputs, attend
 from .config import NosaConfig
+from .dense_attention import biased_attention
 from .masks import additive_mask, padding_bias
 from .selection import (
     MASK_VALUE,
@@ -34,7 +38,7 @@ from .selection import (
     select_blocks,
 )
 
-BACKENDS = ("flex", "explicit")
+BACKENDS = ("flex", "explicit", "reference")
 
 # Most fp32 elements one query chunk may hold in its largest intermediate (256 MiB): the selection scores
 # [B, H, chunk, W] and the explicit path's logits [B, H, chunk, T] stay bounded however long the sequence is.
@@ -43,6 +47,8 @@ _CHUNK_ELEMENTS = 1 << 26
 # FlexAttention tile (query and key tokens). 128 is the tile every GPU kernel configuration of FlexAttention
 # divides; a NOSA block smaller than the tile is resolved inside the tile by ``mask_mod``.
 FLEX_TILE = 128
+# Most query heads of a GQA group folded into the rows of one FlexAttention call (a power of two).
+FLEX_FOLD = 8
 
 _compiled_flex = None
 
@@ -108,7 +114,7 @@ def _token_mask(bitmap: torch.Tensor, positions: torch.Tensor, T: int, P: int) -
     return mask | ((token // P == pos // P) & (token <= pos))
 
 
-def _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_offset) -> torch.Tensor:
+def _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_offset, attention) -> torch.Tensor:
     B, H, Tq, D = query.shape
     T, P = key.shape[2], cfg.block_size
     rows = attention_mask[..., -Tq:, :T] if attention_mask is not None else None
@@ -121,52 +127,74 @@ def _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_off
         if rows is not None:
             mask = mask + additive_mask(rows[..., lo:hi, :], hi - lo, T, q_offset + lo, query.device)
         inputs = AttentionInputs(key, value, bias, mask, q_offset + lo, causal=False)
-        outs.append(attend(query[:, :, lo:hi], inputs, scale))
+        outs.append(attention(query[:, :, lo:hi], inputs, scale))
     return torch.cat(outs, dim=2)
 
 
-def flex_block_mask(bitmap: torch.Tensor, cfg: NosaConfig, *, heads: int, q_offset: int = 0, tile: int = FLEX_TILE):
+def flex_fold(heads: int, kv_heads: int, tile: int | None = None) -> int:
+    """Query rows per token in the flex layout: the largest power of two dividing the group, the tile (default
+    ``FLEX_TILE``) and ``FLEX_FOLD``."""
+    G = heads // kv_heads
+    tile = FLEX_TILE if tile is None else tile
+    fold = 1
+    while fold * 2 <= FLEX_FOLD and G % (fold * 2) == 0 and tile % (fold * 2) == 0:
+        fold *= 2
+    return fold
+
+
+def flex_block_mask(bitmap: torch.Tensor, cfg: NosaConfig, *, heads: int, q_offset: int = 0, tile: int = FLEX_TILE,
+                    fold: int = 1):
     """The FlexAttention ``BlockMask`` of a selection bitmap.
 
     A (query tile, key tile) pair is visited when a query of the tile selected a block in the key tile, or the key
     tile holds a query's own block; it is "full" (no ``mask_mod`` needed) when every query of the tile selected
     every block in it. ``mask_mod`` gives the exact per-token rule inside visited tiles.
 
+    With ``fold > 1`` the rows are ``(token, member)`` pairs: ``fold`` query heads of a GQA group (they share the
+    selection) in consecutive rows of one attention head, so a query tile spans ``tile / fold`` tokens. The
+    attention then has ``heads / fold`` heads of ``Tq * fold`` rows (``_flex`` lays the queries out so).
+
     Args:
         bitmap: ``[B, Hk, Tq, N]`` from ``selected_blocks``.
-        heads: H, the number of query heads (the table is per query head).
-        tile: query tile in tokens (a power of two); the key tile is ``max(tile, block_size)``.
+        heads: H, the number of query heads.
+        tile: query tile in rows (a power of two); the key tile is ``max(tile, block_size)``.
+        fold: rows per token; it must divide both ``H / Hk`` and ``tile``.
 
     Returns:
-        ``BlockMask`` for queries ``[Tq]`` and keys ``[T = q_offset + Tq]``.
+        ``BlockMask`` for ``heads / fold`` heads, queries ``[Tq * fold]`` and keys ``[T = q_offset + Tq]``.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
     B, Hk, Tq, N = bitmap.shape
     P = cfg.block_size
     G = heads // Hk
+    if fold < 1 or G % fold or tile % fold:
+        raise ValueError(f"fold={fold} is invalid: it must divide the group size {G} and the tile {tile}")
+    G2 = G // fold  # heads of the group left as attention heads
     T = q_offset + Tq
     kv_tile = max(tile, P)
     if kv_tile % P:
         raise ValueError(f"tile={tile} is invalid: it must be a power of two (block_size={P})")
     per_tile = kv_tile // P
-    n_qt, n_kt = math.ceil(Tq / tile), math.ceil(T / kv_tile)
-    pad_rows, pad_cols = n_qt * tile - Tq, n_kt * per_tile - N
-    tiles = F.pad(bitmap, (0, pad_cols, 0, pad_rows)).view(B, Hk, n_qt, tile, n_kt, per_tile)
-    row_ok = (torch.arange(n_qt * tile, device=bitmap.device) < Tq).view(n_qt, tile, 1, 1)
+    q_tokens = tile // fold  # tokens per query tile
+    n_qt, n_kt = math.ceil(Tq / q_tokens), math.ceil(T / kv_tile)
+    pad_rows, pad_cols = n_qt * q_tokens - Tq, n_kt * per_tile - N
+    tiles = F.pad(bitmap, (0, pad_cols, 0, pad_rows)).view(B, Hk, n_qt, q_tokens, n_kt, per_tile)
+    row_ok = (torch.arange(n_qt * q_tokens, device=bitmap.device) < Tq).view(n_qt, q_tokens, 1, 1)
     col_ok = (torch.arange(n_kt * per_tile, device=bitmap.device) < N).view(n_kt, per_tile)
     any_selected = tiles.any(5).any(3)  # [B, Hk, n_qt, n_kt]
     all_selected = (tiles | ~row_ok | ~col_ok).all(5).all(3)
     # Key tiles holding the own block of some query of the tile: causal inside, always partial.
-    first = (q_offset + torch.arange(n_qt, device=bitmap.device) * tile) // kv_tile
-    last = (q_offset + torch.clamp((torch.arange(n_qt, device=bitmap.device) + 1) * tile, max=Tq) - 1) // kv_tile
+    starts = torch.arange(n_qt, device=bitmap.device) * q_tokens
+    first = (q_offset + starts) // kv_tile
+    last = (q_offset + torch.clamp(starts + q_tokens, max=Tq) - 1) // kv_tile
     kt = torch.arange(n_kt, device=bitmap.device)
     own = (kt >= first[:, None]) & (kt <= last[:, None])  # [n_qt, n_kt]
     full = all_selected & ~own
     partial = (any_selected | own) & ~full
 
     def table(visit):
-        visit = visit.repeat_interleave(G, dim=1)  # [B, H, n_qt, n_kt]
+        visit = visit.repeat_interleave(G2, dim=1)  # [B, H / fold, n_qt, n_kt]
         counts = visit.sum(-1, dtype=torch.int32)
         order = torch.argsort(visit.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
         return counts, order
@@ -177,26 +205,41 @@ def flex_block_mask(bitmap: torch.Tensor, cfg: NosaConfig, *, heads: int, q_offs
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = kv_idx // P
-        pos = q_idx + q_offset
+        token = q_idx // fold
+        pos = token + q_offset
         own_block = (block == pos // P) & (kv_idx <= pos)
-        return selected[b, h // G, q_idx, block] | own_block
+        return selected[b, h // G2, token, block] | own_block
 
     return BlockMask.from_kv_blocks(
-        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, kv_tile), mask_mod=mask_mod, seq_lengths=(Tq, T)
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, kv_tile), mask_mod=mask_mod,
+        seq_lengths=(Tq * fold, T),
     )
 
 
-def _flex(query, key, value, bias, bitmap, cfg, scale, q_offset) -> torch.Tensor:
+def _fold_queries(query: torch.Tensor, fold: int) -> torch.Tensor:
+    """``[B, H, Tq, D]`` -> ``[B, H / fold, Tq * fold, D]``: head ``h = (j * fold + f)`` goes to row ``t * fold + f``
+    of head ``j``."""
+    B, H, Tq, D = query.shape
+    return query.view(B, H // fold, fold, Tq, D).transpose(2, 3).reshape(B, H // fold, Tq * fold, D)
+
+
+def _unfold_rows(out: torch.Tensor, fold: int) -> torch.Tensor:
+    """Inverse of ``_fold_queries``."""
+    B, Hf, rows, D = out.shape
+    return out.view(B, Hf, rows // fold, fold, D).transpose(2, 3).reshape(B, Hf * fold, rows // fold, D)
+
+
+def _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
     H, Hk = query.shape[1], key.shape[1]
-    G = H // Hk
-    block_mask = flex_block_mask(bitmap, cfg, heads=H, q_offset=q_offset, tile=FLEX_TILE)
+    G2 = H // Hk // fold  # attention heads per KV head after folding
+    block_mask = flex_block_mask(bitmap, cfg, heads=H, q_offset=q_offset, tile=FLEX_TILE, fold=fold)
     key_bias = bias.float()
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        return score + key_bias[b, h // G, kv_idx]
+        return score + key_bias[b, h // G2, kv_idx]
 
     run = flex_attention
     if query.is_cuda:
@@ -207,8 +250,9 @@ def _flex(query, key, value, bias, bitmap, cfg, scale, q_offset) -> torch.Tensor
     # Under bf16 autocast q/k/v already arrive in bf16; the kernel accumulates in fp32 either way. Autocast is
     # switched off around it so that every torch version sees plain same-dtype inputs.
     with torch.autocast(query.device.type, enabled=False):
-        return run(query, key.to(query.dtype), value.to(query.dtype), score_mod=score_mod, block_mask=block_mask,
-                   scale=scale, enable_gqa=G > 1)
+        out = run(_fold_queries(query, fold), key.to(query.dtype), value.to(query.dtype), score_mod=score_mod,
+                  block_mask=block_mask, scale=scale, enable_gqa=G2 > 1)
+    return _unfold_rows(out, fold)
 
 
 def nosa_training_attention(
@@ -222,6 +266,7 @@ def nosa_training_attention(
     attention_mask: torch.Tensor | None = None,
     q_offset: int = 0,
     backend: str | None = None,
+    fold: int | None = None,
 ) -> torch.Tensor:
     """NOSA attention for training and sparse prefill: decode selection per query token + eviction bias.
 
@@ -234,7 +279,9 @@ def nosa_training_attention(
             rule is causal by itself, so a causal + padding mask is all the flex backend honours; the explicit
             backend also adds the mask as given. Rows of padding queries are arbitrary (and differ between the
             backends); train on packed sequences, which have none.
-        backend: ``"flex"`` or ``"explicit"``; default flex on CUDA, explicit elsewhere.
+        backend: ``"flex"``, ``"explicit"`` or ``"reference"``; default flex on CUDA, explicit elsewhere.
+        fold: flex only: query heads of a GQA group folded into the rows of one attention head (it must divide the
+            group and ``FLEX_TILE``); default ``flex_fold(H, Hk)``.
 
     Returns:
         ``[B, H, Tq, D]`` in the query's dtype.
@@ -254,11 +301,17 @@ def nosa_training_attention(
     Tq, T = query.shape[2], key.shape[2]
     if T != q_offset + Tq:
         raise ValueError(f"keys hold {T} tokens but q_offset + queries = {q_offset} + {Tq}; they must be equal")
+    H, Hk = query.shape[1], key.shape[1]
+    if fold is None:
+        fold = flex_fold(H, Hk)
+    elif fold < 1 or (H // Hk) % fold or FLEX_TILE % fold:
+        raise ValueError(f"fold={fold} is invalid: it must divide the group size {H // Hk} and FLEX_TILE={FLEX_TILE}")
     bias = bias.float()
     pad = padding_bias(attention_mask, 0, T)
     if pad is not None:
         bias = bias + pad.to(bias.device)
     bitmap = selected_blocks(query, key, bias, cfg, scale, q_offset=q_offset)
     if backend == "flex":
-        return _flex(query, key, value, bias, bitmap, cfg, scale, q_offset)
-    return _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_offset)
+        return _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold)
+    attention = biased_attention if backend == "explicit" else attend
+    return _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_offset, attention)

@@ -172,8 +172,9 @@ def test_bad_backend_and_lengths():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fold", [1, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flex_on_gpu_equals_explicit(dtype):
+def test_flex_on_gpu_equals_explicit(dtype, fold):
     cfg = small_nosa_config(block_size=64, budget_tokens=512, query_tokens=128, sink_tokens=64, local_tokens=128,
                             compress_kernel=32, compress_stride=16)
     grads = {}
@@ -182,7 +183,7 @@ def test_flex_on_gpu_equals_explicit(dtype):
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(2, h, 1000, 64, generator=g).to("cuda", dtype).requires_grad_() for h in (8, 2, 2))
         bias = torch.randn(2, 2, 1000, generator=g).cuda().requires_grad_()
-        out = nosa_training_attention(q, k, v, bias, cfg, 0.125, backend=backend)
+        out = nosa_training_attention(q, k, v, bias, cfg, 0.125, backend=backend, fold=fold)
         out.float().pow(2).sum().backward()
         outs[backend] = out.detach()
         grads[backend] = [x.grad for x in (q, k, v, bias)]
@@ -210,3 +211,82 @@ def test_flex_training_forward_on_gpu_equals_nosa_decoding_and_trains_the_heads(
     model(ids, labels=ids, use_cache=False).loss.backward()
     for head in eviction_heads(model).values():
         assert head.A.grad.abs().sum() > 0 and head.delta.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("G,padded", [(1, False), (4, False), (4, True)])
+def test_explicit_backend_equals_the_reference_with_gradients(G, padded):
+    """The mask path on sdpa (bias folded into head dimensions) against the per-token einsum reference."""
+    cfg = small_nosa_config(**SPARSE)
+    q, k, v, bias = _inputs(7, H=2 * G, T=150)
+    mask = None
+    if padded:
+        keep = torch.ones(2, 150, dtype=torch.bool)
+        keep[1, :37] = False
+        mask = (torch.ones(150, 150, dtype=torch.bool).tril()[None] & keep[:, None, :])[:, None]
+    grad = torch.randn(2, 2 * G, 150, 16, generator=torch.Generator().manual_seed(8))
+    results = {}
+    for backend in ("reference", "explicit"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out = nosa_training_attention(*leaves, cfg, 0.25, attention_mask=mask, backend=backend)
+        real = torch.ones_like(out, dtype=torch.bool)
+        if padded:
+            real[1, :, :37] = False  # padding query rows are arbitrary in every backend
+        (out * grad * real).sum().backward()
+        results[backend] = [out[real]] + [t.grad for t in leaves]
+    for actual, expected in zip(results["explicit"], results["reference"]):
+        assert_close(actual, expected, atol=2e-5, rtol=1e-4)
+    assert results["explicit"][4].abs().sum() > 0
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("G,fold", [(4, 1), (4, 2), (4, 4), (2, 2)])
+def test_folded_flex_layout_equals_explicit(G, fold, monkeypatch):
+    """GQA members folded into the query rows: same outputs and bias gradient as the per-token mask path."""
+    import hf_nosa.training as training
+
+    monkeypatch.setattr(training, "FLEX_TILE", 16)
+    cfg = small_nosa_config(**SPARSE)
+    outs, grads = {}, {}
+    for backend in ("explicit", "flex"):
+        q, k, v, bias = _inputs(9, H=2 * G, T=130)
+        bias.requires_grad_()
+        out = nosa_training_attention(q, k, v, bias, cfg, 0.25, backend=backend, fold=fold)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        outs[backend], grads[backend] = out.detach(), bias.grad
+    assert_close(outs["flex"], outs["explicit"], atol=1e-5)
+    assert_close(grads["flex"], grads["explicit"], atol=1e-5)
+
+
+@pytest.mark.parametrize("q_offset", [0, 40])
+def test_folded_block_table_covers_exactly_the_tiles_the_rule_touches(q_offset):
+    cfg = small_nosa_config(**SPARSE)
+    G, fold, tile = 4, 4, 32
+    q, k, _, bias = _inputs(10, H=2 * G, T=200)
+    q = q[:, :, q_offset:]
+    bitmap = selected_blocks(q, k, bias, cfg, 0.25, q_offset=q_offset)
+    tokens = nosa_token_mask(q, k, bias, q_offset, cfg, 0.25)  # [B, Hk, Tq, T]
+    rows = tokens.repeat_interleave(fold, dim=2)  # row t * fold + f is token t
+    mask = flex_block_mask(bitmap, cfg, heads=2 * G, q_offset=q_offset, tile=tile, fold=fold)
+    R, T = rows.shape[2:]
+    padded = torch.nn.functional.pad(rows, (0, -T % tile, 0, -R % tile))
+    B, Hk = rows.shape[:2]
+    tiles = padded.view(B, Hk, padded.shape[2] // tile, tile, padded.shape[3] // tile, tile)
+    touched = tiles.any(5).any(3).repeat_interleave(G // fold, dim=1)
+    assert mask.shape[-2:] == (R, T)
+    assert torch.equal(mask.to_dense().bool(), touched)
+    # tiles are tile x tile in both layouts: the folded one visits fewer for the same rule
+    unfolded = flex_block_mask(bitmap, cfg, heads=2 * G, q_offset=q_offset, tile=tile)
+    assert int(mask.to_dense().sum()) < int(unfolded.to_dense().sum())
+
+
+def test_flex_fold_choice_and_bad_fold():
+    from hf_nosa.training import flex_fold
+
+    assert [flex_fold(h, 8) for h in (8, 16, 24, 32, 64, 128)] == [1, 2, 1, 4, 8, 8]
+    assert flex_fold(32, 8, tile=2) == 2
+    cfg = small_nosa_config(**SPARSE)
+    q, k, v, bias = _inputs(6, T=40)
+    with pytest.raises(ValueError, match="fold"):
+        nosa_training_attention(q, k, v, bias, cfg, 0.25, backend="flex", fold=3)
+    with pytest.raises(ValueError, match="fold"):
+        flex_block_mask(selected_blocks(q, k, bias, cfg, 0.25), cfg, heads=4, tile=32, fold=4)
