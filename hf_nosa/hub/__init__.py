@@ -2,7 +2,8 @@
 
 ``export`` turns a NOSA model or a retrofit adapter into a self-describing checkpoint folder that loads with
 ``AutoModelForCausalLM.from_pretrained(folder_or_repo, trust_remote_code=True)`` and decodes with
-``generate(..., cache_implementation="nosa")``; ``push`` verifies such a folder and publishes it in one commit.
+``generate(..., cache_implementation="nosa")``; ``verify_folder`` checks such a folder without running its code, and
+``push`` verifies it and publishes the files export wrote in one commit.
 
 Example:
     >>> from hf_nosa.hub import export, push  # doctest: +SKIP

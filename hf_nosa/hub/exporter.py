@@ -184,10 +184,13 @@ def export(
     Args:
         model_or_adapter_dir: a converted model (``to_nosa``), a folder it was saved to, or a retrofit adapter
             folder (PEFT files + ``nosa_retrofit.json``), which is merged into its base.
-        out_dir: the folder to create; an existing non-empty one needs ``overwrite=True``.
+        out_dir: the folder to create; an existing non-empty one needs ``overwrite=True`` (it is replaced by a swap
+            that leaves it intact on failure). The current folder, or one containing it, is refused.
         base_model: for an adapter, the base to merge into (path, Hub id or model) instead of the recorded one; a
             model passed here is converted and merged in place. For a model, the base it came from (path or Hub
-            id; default its ``name_or_path``): the card's base_model and license and the tokenizer come from it.
+            id; default: an in-memory model's ``name_or_path``; for a model folder none, as its config.json's
+            ``_name_or_path`` is only named on the card, never read): the card's base_model and license and the
+            tokenizer come from it.
         tokenizer: a tokenizer, or a folder holding tokenizer files; by default the source's folder, the base's
             folder or the base's local Hub-cache snapshot is searched and its tokenizer files copied (none found:
             no tokenizer files).
