@@ -1,13 +1,17 @@
-"""One retrofit step of a 1B-shaped Llama: NOSA training attention (FlexAttention) against dense sdpa training.
+"""One retrofit step of a 1B- (or 8B-) shaped Llama: NOSA training attention (FlexAttention) against dense sdpa.
 
 A step is what ``hf-nosa retrofit`` runs: forward + backward + AdamW on LoRA (llama-3.2-1b recipe) and the
 eviction heads, bf16 autocast, gradient checkpointing, batch 1. "dense" is the stock model with the same LoRA
 and sdpa attention; "nosa" is the converted model training with ``hf_nosa.training`` (random nonzero eviction
-heads, so the selection is not trivial). Also times the attention of one layer alone (forward + backward) and
-its parts (selection, block table), and reports how many FlexAttention tiles the selection visits against
-causal attention. Weights are random: nothing is downloaded.
+heads, so the selection is not trivial). Also times the attention of one layer alone (forward + backward) in each
+FlexAttention layout (``fold`` 1: one query head per row tile; the default folds a GQA group's heads into the
+rows), its parts (selection, block table), and the tile coverage per length: the share of the tiles causal
+attention computes that the selection makes FlexAttention visit, for 128x128 tiles and, as a what-if, 64-key
+tiles. Weights are random: nothing is downloaded. Every length and shape runs in one command; a run that does not
+fit the device is recorded as ``oom``, one that fails as ``error``.
 
-    PYTHONPATH=. python benchmarks/train_step.py --out benchmarks/results
+    PYTHONPATH=. python benchmarks/train_step.py --out benchmarks/results            # 1b at 16K, 32K, 64K
+    PYTHONPATH=. python benchmarks/train_step.py --shapes 1b,8b --out benchmarks/results
     python benchmarks/train_step.py --smoke        # tiny sizes, CPU, explicit-mask backend
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import sys
 import time
@@ -30,10 +35,19 @@ from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 from hf_nosa.retrofit import load_recipe, lora_config  # noqa: E402
-from hf_nosa.training import FLEX_TILE, flex_block_mask, nosa_training_attention, selected_blocks  # noqa: E402
+from hf_nosa.training import (  # noqa: E402
+    FLEX_TILE,
+    flex_block_mask,
+    flex_fold,
+    nosa_training_attention,
+    selected_blocks,
+)
 
 SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072)
+SHAPE_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072)
+SHAPES = {"1b": (SHAPE_1B, "llama-3.2-1b"), "8b": (SHAPE_8B, "llama-3.1-8b")}
 SHAPE_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, vocab_size=259, max_position_embeddings=4096)
 SMOKE_NOSA = dict(block_size=16, budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16,
@@ -136,15 +150,43 @@ def _inputs(kind: str, heads: int, seq_len: int, dim: int, device, dtype, g) -> 
         return torch.randn(1, heads, seq_len, dim, device=device, generator=g).to(dtype)
     anchors = torch.randn(heads, dim, seq_len // 64 + 1, device=device, generator=g)
     smooth = F.interpolate(anchors, size=seq_len, mode="linear", align_corners=True).transpose(1, 2)[None]
-    return (smooth + 0.3 * torch.randn(1, heads, seq_len, dim, device=device, generator=g)).to(dtype)
+    # contiguous: a transposed last dimension sends sdpa to its math kernel
+    return (smooth + 0.3 * torch.randn(1, heads, seq_len, dim, device=device, generator=g)).to(dtype).contiguous()
+
+
+def tile_coverage(bitmap: torch.Tensor, cfg: NosaConfig, *, tile: int, kv_tile: int, fold: int) -> dict:
+    """Tiles of ``tile`` query rows x ``kv_tile`` keys the rule visits (a token of the row tile selected a block in
+    the key tile, or it is the tile of a token's own block), against the tiles causal attention visits, per KV
+    head's selection; with ``fold`` rows per token a row tile spans ``tile / fold`` tokens."""
+    B, Hk, T, N = bitmap.shape
+    P = cfg.block_size
+    per = kv_tile // P
+    q_tokens = tile // fold
+    n_qt, n_kt = math.ceil(T / q_tokens), math.ceil(N / per)
+    tiles = F.pad(bitmap, (0, n_kt * per - N, 0, n_qt * q_tokens - T)).view(B, Hk, n_qt, q_tokens, n_kt, per)
+    starts = torch.arange(n_qt, device=bitmap.device) * q_tokens
+    last = (torch.clamp(starts + q_tokens, max=T) - 1) // kv_tile
+    first = starts // kv_tile
+    kt = torch.arange(n_kt, device=bitmap.device)
+    own = (kt >= first[:, None]) & (kt <= last[:, None])
+    visited = int((tiles.any(5).any(3) | own).sum())
+    causal = int((kt <= last[:, None]).sum()) * B * Hk
+    return dict(tile=tile, kv_tile=kv_tile, fold=fold, visited=visited, causal=causal, ratio=visited / causal)
 
 
 def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
-    """One layer's attention, forward + backward: NOSA (selection + block table + kernel) against causal sdpa."""
+    """One layer's attention, forward + backward: NOSA (selection + block table + kernel) in each layout against
+    causal sdpa; the parts alone; tile coverage."""
     H, Hk, D = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     scale = D**-0.5
     backend = "flex" if device.type == "cuda" else "explicit"
+    folds = sorted({1, flex_fold(H, Hk)}) if backend == "flex" else [None]
     rows = []
+
+    def add(row: dict) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
     for kind in ("iid", "smooth"):
         g = torch.Generator(device=device).manual_seed(0)
         q = _inputs(kind, H, seq_len, D, device, dtype, g).requires_grad_()
@@ -152,93 +194,136 @@ def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
         v = torch.randn(1, Hk, seq_len, D, device=device, generator=g).to(dtype).requires_grad_()
         bias = (0.1 * torch.randn(1, Hk, seq_len, device=device, generator=g)).requires_grad_()
         grad = torch.randn(1, H, seq_len, D, device=device, generator=g).to(dtype)
-
-        def nosa():
-            nosa_training_attention(q, k, v, bias, cfg, scale, backend=backend).backward(grad)
+        base = dict(kind="attention", inputs=kind, seq_len=seq_len)
 
         def dense():
             F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).backward(grad)
 
-        for name, fn in (("nosa", nosa), ("dense", dense)):
+        runs = [(dict(mode="dense"), dense)]
+        for fold in folds:
+            def nosa(fold=fold):
+                nosa_training_attention(q, k, v, bias, cfg, scale, backend=backend, fold=fold).backward(grad)
+
+            runs.append((dict(mode="nosa", fold=fold), nosa))
+        for extra, fn in runs:
             _reset_peak(device)
-            seconds = _timed(fn, device, args.repeats)
-            rows.append(dict(kind="attention", inputs=kind, mode=name, seq_len=seq_len, fwd_bwd_s=seconds,
-                             peak_memory_gb=_peak_gb(device)))
+            row = dict(base, **extra)
+            try:
+                row.update(fwd_bwd_s=_timed(fn, device, args.repeats), peak_memory_gb=_peak_gb(device))
+            except torch.OutOfMemoryError:
+                row.update(oom=True)
+            except Exception as error:  # a layout the kernel cannot compile is a result too
+                row.update(error=f"{type(error).__name__}: {error}"[:500])
+            q.grad = k.grad = v.grad = bias.grad = None
+            add(row)
         with torch.no_grad():
             b = bias.detach()
             bitmap = selected_blocks(q, k, b, cfg, scale)
-            rows.append(dict(kind="attention_part", inputs=kind, part="selection", seq_len=seq_len,
-                             seconds=_timed(lambda: selected_blocks(q, k, b, cfg, scale), device, args.repeats)))
-            rows.append(dict(kind="attention_part", inputs=kind, part="block_table", seq_len=seq_len,
-                             seconds=_timed(lambda: flex_block_mask(bitmap, cfg, heads=H), device, args.repeats)))
-            mask = flex_block_mask(bitmap, cfg, heads=H, tile=FLEX_TILE)
-            visited = int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum())
-            n_q, kv_tile = mask.kv_num_blocks.shape[-1], max(FLEX_TILE, cfg.block_size)
-            causal = sum(-(-min(seq_len, (i + 1) * FLEX_TILE) // kv_tile) for i in range(n_q)) * H
-            rows.append(dict(kind="tiles", inputs=kind, seq_len=seq_len, visited=visited, causal=causal,
-                             ratio=visited / causal, full=int(mask.full_kv_num_blocks.sum()),
-                             selected_blocks_per_query=float(bitmap.sum(-1).float().mean())))
+            # Under gradient checkpointing a layer's forward runs twice per step (forward, recompute): so does this.
+            add(dict(kind="attention_part", inputs=kind, part="selection", seq_len=seq_len,
+                     seconds=_timed(lambda: selected_blocks(q, k, b, cfg, scale), device, args.repeats),
+                     calls_per_layer_step=2))
+            for fold in folds:
+                if fold is not None:
+                    add(dict(kind="attention_part", inputs=kind, part="block_table", fold=fold, seq_len=seq_len,
+                             seconds=_timed(lambda: flex_block_mask(bitmap, cfg, heads=H, tile=FLEX_TILE, fold=fold),
+                                            device, args.repeats)))
+            per_query = float(bitmap.sum(-1).float().mean())
+            for fold in sorted({1, flex_fold(H, Hk)}):
+                for kv_tile in sorted({max(FLEX_TILE, cfg.block_size), cfg.block_size}, reverse=True):
+                    add(dict(kind="tiles", inputs=kind, seq_len=seq_len, selected_blocks_per_query=per_query,
+                             what_if=kv_tile != max(FLEX_TILE, cfg.block_size),
+                             **tile_coverage(bitmap, cfg, tile=FLEX_TILE, kv_tile=kv_tile, fold=fold)))
         del q, k, v, bias, grad
     return rows
 
 
+def _targets(results: list[dict], shape: str, lengths: list[int]) -> dict:
+    """Per length: NOSA step time over dense, attention-only time over dense per layout, peak memory ratio."""
+    measured = {}
+    for seq_len in lengths:
+        mine = [r for r in results if r["shape"] == shape and r["seq_len"] == seq_len]
+        steps = {r["mode"]: r for r in mine if r["kind"] == "model_step"}
+        row = {}
+        if all("step_s" in steps.get(m, {}) for m in ("dense", "nosa")):
+            row["step_time_nosa_over_dense"] = steps["nosa"]["step_s"] / steps["dense"]["step_s"]
+            if steps["dense"]["peak_memory_gb"]:
+                row["peak_memory_nosa_over_dense"] = steps["nosa"]["peak_memory_gb"] / steps["dense"]["peak_memory_gb"]
+        attn = [r for r in mine if r["kind"] == "attention" and "fwd_bwd_s" in r]
+        dense = {r["inputs"]: r["fwd_bwd_s"] for r in attn if r["mode"] == "dense"}
+        row["attention_time_nosa_over_dense"] = {
+            f"{r['inputs']}, fold {r['fold']}": r["fwd_bwd_s"] / dense[r["inputs"]]
+            for r in attn if r["mode"] == "nosa" and r["inputs"] in dense
+        }
+        measured[str(seq_len)] = row
+    return measured
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=None, help="folder for train_step.json")
+    parser.add_argument("--out", default=None, help="folder for train_step.json (rewritten after every length)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
-    parser.add_argument("--lengths", default=None, help="comma-separated sequence lengths (default 8192,16384)")
-    parser.add_argument("--steps", type=int, default=3, help="timed model steps")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed model steps (FlexAttention compiles here)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats of the attention-only runs")
+    parser.add_argument("--shapes", default="1b", help="comma-separated model shapes among 1b, 8b (default 1b)")
+    parser.add_argument("--lengths", default=None, help="comma-separated sequence lengths (default 16384,32768,65536)")
+    parser.add_argument("--steps", type=int, default=2, help="timed model steps")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed model steps (FlexAttention compiles here)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats of the attention-only runs")
+    parser.add_argument("--attention-only", action="store_true", help="skip the whole-model steps")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    recipe = load_recipe("llama-3.2-1b")
+    shapes = args.shapes.split(",")
+    unknown = [name for name in shapes if name not in SHAPES]
+    if unknown:
+        parser.error(f"--shapes {','.join(unknown)} is not supported; allowed values are {', '.join(SHAPES)}")
     if args.smoke:
-        shape, cfg, dtype = SHAPE_SMOKE, NosaConfig(**SMOKE_NOSA), torch.float32
-        lengths = [int(x) for x in (args.lengths or "256,512").split(",")]
+        dtype, default_lengths = torch.float32, "256,512"
         torch.set_num_threads(1)
     else:
         if device.type != "cuda":
             parser.error("the full benchmark needs a GPU; use --smoke on the CPU")
-        shape, cfg, dtype = SHAPE_1B, NosaConfig.from_dict(recipe["nosa"]), torch.bfloat16
-        lengths = [int(x) for x in (args.lengths or "8192,16384").split(",")]
-    report = dict(environment(), shape=shape, nosa_config=cfg.to_dict(), lora=recipe["lora"],
-                  flex_tile=FLEX_TILE, results=[])
-    for seq_len in lengths:
-        for mode in ("dense", "nosa"):
+        dtype, default_lengths = torch.bfloat16, "16384,32768,65536"
+    lengths = [int(x) for x in (args.lengths or default_lengths).split(",")]
+    report = dict(environment(), flex_tile=FLEX_TILE, shapes={}, results=[], targets={})
+    for name in shapes:
+        shape, recipe_name = SHAPES[name]
+        recipe = load_recipe(recipe_name)
+        cfg = NosaConfig.from_dict(recipe["nosa"])
+        if args.smoke:
+            shape, cfg = SHAPE_SMOKE, NosaConfig(**SMOKE_NOSA)
+        report["shapes"][name] = dict(shape=shape, recipe=recipe_name, nosa_config=cfg.to_dict(), lora=recipe["lora"])
+        for seq_len in lengths:
+            rows = []
+            if not args.attention_only:
+                for mode in ("dense", "nosa"):
+                    try:
+                        row = model_step(mode, seq_len, args, shape, cfg, recipe, device, dtype)
+                    except torch.OutOfMemoryError:
+                        row = dict(kind="model_step", mode=mode, seq_len=seq_len, oom=True)
+                        _reset_peak(device)
+                    except Exception as error:  # recorded, so that the other lengths and shapes still run
+                        row = dict(kind="model_step", mode=mode, seq_len=seq_len,
+                                   error=f"{type(error).__name__}: {error}"[:500])
+                        _reset_peak(device)
+                    rows.append(row)
+                    print(json.dumps(dict({k: v for k, v in row.items() if k != "step_times_s"}, shape=name)),
+                          flush=True)
             try:
-                row = model_step(mode, seq_len, args, shape, cfg, recipe, device, dtype)
+                rows += attention_only(seq_len, args, shape, cfg, device, dtype)
             except torch.OutOfMemoryError:
-                row = dict(kind="model_step", mode=mode, seq_len=seq_len, oom=True)
+                rows.append(dict(kind="attention", seq_len=seq_len, oom=True))
                 _reset_peak(device)
-            report["results"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "step_times_s"}), flush=True)
-        for row in attention_only(seq_len, args, shape, cfg, device, dtype):
-            report["results"].append(row)
-            print(json.dumps(row), flush=True)
-    targets = {}
-    for seq_len in lengths:
-        steps = {r["mode"]: r for r in report["results"] if r["kind"] == "model_step" and r["seq_len"] == seq_len}
-        attn = {(r["inputs"], r["mode"]): r for r in report["results"]
-                if r["kind"] == "attention" and r["seq_len"] == seq_len}
-        if all("step_s" in steps.get(m, {}) for m in ("dense", "nosa")):
-            targets[str(seq_len)] = dict(
-                step_speed_nosa_over_dense=steps["nosa"]["tokens_per_s"] / steps["dense"]["tokens_per_s"],
-                attention_speed_nosa_over_dense={
-                    kind: attn[(kind, "dense")]["fwd_bwd_s"] / attn[(kind, "nosa")]["fwd_bwd_s"]
-                    for kind in ("iid", "smooth")
-                },
-                peak_memory_nosa_over_dense=(steps["nosa"]["peak_memory_gb"] / steps["dense"]["peak_memory_gb"]
-                                             if steps["dense"]["peak_memory_gb"] else None),
+            report["results"] += [dict(row, shape=name) for row in rows]
+            report["targets"][name] = dict(
+                goal="step time nosa / dense <= 1.0 at 32K and <= 0.7 at 64K; peak memory ratio <= 1.0",
+                measured=_targets(report["results"], name, lengths),
             )
-    report["targets"] = dict(goal="at 16K: step speed ratio >= 1, peak memory ratio <= 1.2", measured=targets)
+            if args.out:  # after every length, so that a run cut short keeps what it measured
+                os.makedirs(args.out, exist_ok=True)
+                name_json = "train_step_smoke.json" if args.smoke else "train_step.json"
+                with open(os.path.join(args.out, name_json), "w") as f:
+                    json.dump(report, f, indent=1)
     print(json.dumps(report["targets"], indent=1))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        name = "train_step_smoke.json" if args.smoke else "train_step.json"
-        with open(os.path.join(args.out, name), "w") as f:
-            json.dump(report, f, indent=1)
     return 0
 
 

@@ -148,7 +148,9 @@ def biased_attention(query: torch.Tensor, inputs: AttentionInputs, scale: float)
     B, H, Tq, D = query.shape
     Hk, S = keys.shape[1], keys.shape[2]
     if keys.shape[0] != B or keys.shape[3] != D or H % Hk:
-        raise ValueError(f"keys {tuple(keys.shape)} do not fit query {tuple(query.shape)}: need [B, Hk, S, D] with H % Hk == 0")
+        raise ValueError(
+            f"keys {tuple(keys.shape)} do not fit query {tuple(query.shape)}: need [B, Hk, S, D] with H % Hk == 0"
+        )
     if tuple(bias.shape) != (B, Hk, S):
         raise ValueError(f"key_bias has shape {tuple(bias.shape)}; expected [B, Hk, S] = {(B, Hk, S)}")
     if attn_mask is not None and (
