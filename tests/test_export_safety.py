@@ -67,6 +67,16 @@ def test_symlinked_tokenizer_file_out_of_the_source_is_refused(source, tmp_path)
     assert_nothing_written(out)
 
 
+def test_tokenizer_folder_with_a_link_out_is_refused(tmp_path):
+    _tokenizer_files(tmp_path / "elsewhere", "outside")
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer_config.json").symlink_to(tmp_path / "elsewhere" / "tokenizer_config.json")
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"tok/tokenizer_config\.json' leads outside"):
+        export(nosa_model(), out, tokenizer=tmp_path / "tok")
+    assert_nothing_written(out)
+
+
 def test_symlinked_weights_out_of_the_source_are_refused(source, tmp_path):
     (tmp_path / "elsewhere").mkdir()
     shutil.move(source / "model.safetensors", tmp_path / "elsewhere" / "model.safetensors")
@@ -273,6 +283,16 @@ def test_export_to_the_current_folder_is_refused_up_front(tmp_path, monkeypatch,
         export(nosa_model(), target, overwrite=True)
     assert listing(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_export_command_to_the_current_folder_fails_cleanly(tmp_path, monkeypatch, capsys, source):
+    from hf_nosa.cli import main
+
+    out, before = _old_out(tmp_path)
+    monkeypatch.chdir(out)
+    assert main(["export", str(source), ".", "--overwrite"]) == 2
+    assert "current folder" in capsys.readouterr().err
+    assert listing(out) == before
 
 
 def test_out_dir_that_is_a_link_is_refused(tmp_path):
