@@ -27,7 +27,7 @@ from .conftest import tiny_model
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 SHIPPED = ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-4b",
-           "qwen3-8b", "tiny"]
+           "qwen3-8b", "smollm2-135m", "tiny"]
 RUN_KEYS = {"base_model", "family", "nosa_config", "recipe", "steps", "final_loss", "tokens_per_second",
             "hf_nosa_version"}
 
