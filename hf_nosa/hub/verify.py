@@ -220,7 +220,7 @@ def load_with_remote_code(folder: Path, config_dict: dict[str, Any], family: str
     GenerationConfig.from_pretrained(str(folder))
 
 
-def upload_files(folder: Path, config_dict: dict[str, Any], family: str) -> tuple[list[str], list[str]]:
+def upload_files(folder: Path, family: str) -> tuple[list[str], list[str]]:
     """(the files of ``folder`` an export writes, the other files). Only the first are ever uploaded: the export
     files, the remote-code files of ``family`` and the weight shards the index names."""
     allowed = set(EXPORT_FILES) | set(remote_code_files(family))
@@ -299,7 +299,7 @@ def verify_folder(folder: str | Path, *, load_check: bool = False) -> dict[str, 
         raise ValueError(f"{where}: README.md metadata lacks library_name: transformers")
     if load_check:
         load_with_remote_code(folder, config_dict, family)
-    upload, skipped = upload_files(folder, config_dict, family)
+    upload, skipped = upload_files(folder, family)
     return {"family": family, "model_type": model_type, "files": upload, "skipped": skipped, "tensors": len(shapes)}
 
 
