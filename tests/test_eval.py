@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,3 +277,49 @@ def test_eval_command_writes_json(tmp_path, tokenizer, capsys):
 def test_default_suite_is_the_ruler_tasks():
     assert set(DEFAULT_TASKS) == set(TASKS) - {"passkey"}
     assert len(DEFAULT_TASKS) == 8
+
+
+# ----- the command's table and its up-front checks, on the embedded demo model -----
+
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "hf_nosa" / "assets" / "demo_model"
+
+
+def test_eval_prints_a_table_per_length_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    code = cli_main(["eval", "--model", str(DEMO_MODEL), "--tasks", "passkey,vt", "--lengths", "320,384",
+                     "--cache", "default,nosa", "--budget", "192", "--local-tokens", "64", "--samples", "1",
+                     "--ppl-docs", "1", "--ppl-tokens", "2", "--device", "cpu", "--out", str(out), "--no-progress"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    for length in (320, 384):
+        title = f"length {length}, budget 192 tokens, compact protocol"
+        assert title in printed
+        table = printed.split(title, 1)[1].strip().splitlines()
+        assert table[0].split() == ["method", "passkey", "vt", "mean", "ppl", "locality", "bytes/token"]
+        assert set(table[1]) <= {"-", " "}
+        default, nosa = (line.split() for line in table[2:4])
+        assert default[0] == "default" and nosa[0] == "nosa"
+        assert default[-2:] == ["-", "-"]  # full attention moves nothing and has no selection to keep
+        assert 0.0 <= float(nosa[5]) <= 1.0 and float(nosa[6].replace(",", "")) >= 0
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert [(r["length"], r["method"]) for r in rows] == [(320, "default"), (320, "nosa"), (384, "default"), (384, "nosa")]
+    assert report["protocol"] == "compact" and all(r["protocol"] == "compact" for r in rows)
+    assert f"{rows[1]['mean_accuracy']:.3f}" in printed and f"{rows[1]['perplexity']:.3f}" in printed
+
+
+def test_eval_checks_every_length_before_loading_or_running(tmp_path, capsys):
+    args = ["eval", "--model", str(DEMO_MODEL), "--tasks", "passkey", "--cache", "default,nosa", "--samples", "1",
+            "--ppl-docs", "0", "--device", "cpu", "--no-progress"]
+    # 8192 / 8 = 1024 fits the model's layout (sink 64 + local 256 + query 64); 1024 / 8 = 128 does not
+    assert cli_main([*args, "--lengths", "8192,1024", "--budget-ratio", "8"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # nothing ran, not even the valid first length
+    error = captured.err
+    assert "length 1024 with budget_ratio=8 (--budget-ratio 8)" in error
+    assert "--budget / --budget-ratio" in error and "--sink-tokens / --local-tokens / --query-tokens" in error
+    assert cli_main([*args, "--lengths", "1024", "--budget", "512", "--query-tokens", "512"]) == 2
+    assert "query_tokens=512 (--query-tokens 512)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="too short for task 'niah_multiquery'.*--lengths or --tasks"):
+        evaluate(byte_model(), build_tokenizer(), tasks=["niah_multiquery"], lengths=[100], methods=["default"],
+                 show_progress=False)
