@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from .attend import AttentionInputs
 from .attend import attend as biased_attention_ref
@@ -102,7 +102,7 @@ def _sdpa(q, k, v, mask, is_causal: bool, scale: float) -> torch.Tensor:
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
     B, _, Tq, Dp = q.shape
-    if isinstance(mask, torch.Tensor) and mask.shape[1] > 1:
+    if not isinstance(mask, CausalBias) and mask.shape[1] > 1:
         # A mask per KV head: one call per member of the GQA group, each with H = Hk (no mask copy).
         qg = q.view(B, Hk, G, Tq, Dp)
         outs = [F.scaled_dot_product_attention(qg[:, :, g], k, v, attn_mask=mask, scale=scale) for g in range(G)]

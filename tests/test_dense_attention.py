@@ -163,3 +163,20 @@ def test_bad_shapes_raise():
 
 def test_docstring_examples():
     assert doctest.testmod(dense_attention).failed == 0
+
+
+@pytest.mark.parametrize("q_offset,per_head_mask,calls", [(0, False, 1), (40, False, 1), (40, True, 4)])
+def test_gqa_group_runs_in_one_call_unless_the_mask_is_per_kv_head(q_offset, per_head_mask, calls):
+    """Causal (square or lower-right) GQA is one sdpa call; a per-KV-head mask is one call per group member."""
+    q, k, v, bias = _inputs(1, 8, 2, 60 - q_offset, 60, 16, torch.float32, seed=13)
+    mask = None
+    if per_head_mask:
+        g = torch.Generator().manual_seed(14)
+        mask = torch.where(torch.rand(1, 2, 60 - q_offset, 60, generator=g) < 0.7, 0.0, MASK_VALUE)
+    inputs = AttentionInputs(k, v, bias, mask, q_offset, mask is None)
+    from torch.profiler import profile
+
+    with profile() as prof:
+        _check(q, inputs, 0.25, torch.float32)
+    kernels = [e for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product_flash_attention")]
+    assert sum(e.count for e in kernels) == calls

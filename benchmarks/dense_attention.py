@@ -1,0 +1,190 @@
+"""Dense attention with the eviction bias (``hf_nosa.dense_attention``) against stock sdpa, alone and in a prefill.
+
+Attention alone (bf16, batch 1, 1b and 8b head shapes): plain causal sdpa (what the stock model runs), the
+biased attention with a random nonzero bias over the whole prompt (``q_offset`` 0: sdpa's causal kernel) and over
+its last 4096 queries (lower-right causal), and the Triton chunk-attention kernel on the whole prompt; each row
+names the sdpa kernels the profiler saw, and the biased rows carry their largest difference from the einsum
+reference ``attend`` over the last 512 queries. Model prefill (1b shape, random weights, ``logits_to_keep=1``, no
+cache): the stock model with sdpa, the converted model (``prefill="dense"``) with random nonzero eviction heads,
+and the converted model with ``A == 0`` (plain sdpa path). Nothing is downloaded.
+
+    PYTHONPATH=. python benchmarks/dense_attention.py --out benchmarks/results
+    python benchmarks/dense_attention.py --smoke        # tiny sizes on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.environment import environment  # noqa: E402
+from hf_nosa import NosaConfig, to_nosa  # noqa: E402
+from hf_nosa.attend import AttentionInputs, attend  # noqa: E402
+from hf_nosa.dense_attention import biased_attention  # noqa: E402
+from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
+
+HEADS = {"1b": (32, 8, 64), "8b": (32, 8, 128)}
+SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072)
+SHAPE_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, vocab_size=259, max_position_embeddings=4096)
+NOSA = dict(block_size=64, budget_tokens=4096, query_tokens=1024, sink_tokens=64, local_tokens=1024,
+            compress_kernel=32, compress_stride=16, prefill="dense")
+SMOKE_NOSA = dict(block_size=16, budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16,
+                  compress_kernel=8, compress_stride=4, prefill="dense")
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device, repeats: int) -> float:
+    fn()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t0) / repeats
+
+
+def _kernels(fn, device) -> list[str]:
+    """Names of the attention kernels one call runs (profiler events with attention-like names)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    words = ("flash", "cudnn", "efficient", "fmha", "attention_math", "triton")
+    names = {e.key for e in prof.key_averages() if any(w in e.key.lower() for w in words)}
+    return sorted(names)[:8]
+
+
+def attention_rows(name: str, seq_len: int, args, device, dtype) -> list[dict]:
+    H, Hk, D = HEADS[name] if not args.smoke else (4, 2, 16)
+    scale = D**-0.5
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, H, seq_len, D, device=device, generator=g).to(dtype)
+    k = torch.randn(1, Hk, seq_len, D, device=device, generator=g).to(dtype)
+    v = torch.randn(1, Hk, seq_len, D, device=device, generator=g).to(dtype)
+    bias = 3.0 * torch.randn(1, Hk, seq_len, device=device, generator=g)
+    tail = min(4096, seq_len // 2)
+    whole = AttentionInputs(k, v, bias, None, 0, causal=True)
+    last = AttentionInputs(k, v, bias, None, seq_len - tail, causal=True)
+    flops = 4 * H * D * seq_len * seq_len / 2  # causal: half the logits
+    runs = {
+        "sdpa_causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
+        "biased_causal": lambda: biased_attention(q, whole, scale),
+        "biased_last_queries": lambda: biased_attention(q[:, :, -tail:], last, scale),
+    }
+    if device.type == "cuda":
+        from hf_nosa.kernels.chunk_attention import chunk_attention
+
+        index = torch.arange(seq_len, device=device, dtype=torch.int32).expand(1, Hk, 1, seq_len)
+        runs["chunk_attention_kernel"] = lambda: chunk_attention(
+            q, k, v, bias, index, [0, seq_len], [0], scale, out=torch.empty_like(q))
+    rows = []
+    for run, fn in runs.items():
+        row = dict(kind="attention", shape=name, seq_len=seq_len, run=run, heads=[H, Hk, D])
+        try:
+            seconds = _timed(fn, device, args.repeats)
+            row.update(seconds=seconds, kernels=_kernels(fn, device))
+            if run != "biased_last_queries":
+                row["tflops"] = flops / seconds / 1e12
+            if run.startswith("biased"):
+                check = AttentionInputs(k, v, bias, None, seq_len - 512, causal=True)
+                ref = attend(q[:, :, -512:], check, scale).float()
+                row["max_abs_diff_vs_attend_last_512"] = float((biased_attention(q[:, :, -512:], check, scale).float()
+                                                                - ref).abs().max())
+        except torch.OutOfMemoryError:
+            row["oom"] = True
+        except Exception as error:  # recorded: the other rows still run
+            row["error"] = f"{type(error).__name__}: {error}"[:500]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def prefill_rows(seq_len: int, args, device, dtype) -> list[dict]:
+    shape = SHAPE_SMOKE if args.smoke else SHAPE_1B
+    config = LlamaConfig(**shape)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    ids = torch.randint(3, shape["vocab_size"], (args.batch, seq_len), device=device)
+    rows = []
+    for mode in ("stock", "nosa_zero_heads", "nosa"):
+        if mode == "nosa_zero_heads":
+            to_nosa(model, NosaConfig(**(SMOKE_NOSA if args.smoke else NOSA)))
+        if mode == "nosa":
+            randomize_eviction_heads(model, scale=0.1, generator=torch.Generator().manual_seed(1))
+        row = dict(kind="prefill", seq_len=seq_len, batch=args.batch, mode=mode)
+        try:
+            with torch.no_grad():
+                seconds = _timed(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), device, args.repeats)
+            row["seconds"] = seconds
+        except torch.OutOfMemoryError:
+            row["oom"] = True
+        except Exception as error:
+            row["error"] = f"{type(error).__name__}: {error}"[:500]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None, help="folder for dense_attention.json (rewritten after every length)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    parser.add_argument("--lengths", default=None, help="comma-separated sequence lengths (default 8192,32768,65536)")
+    parser.add_argument("--batch", type=int, default=1, help="batch of the model prefill")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats after one untimed call")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.smoke:
+        dtype, lengths = torch.float32, [int(x) for x in (args.lengths or "256,512").split(",")]
+    else:
+        if device.type != "cuda":
+            parser.error("the full benchmark needs a GPU; use --smoke on the CPU")
+        dtype, lengths = torch.bfloat16, [int(x) for x in (args.lengths or "8192,32768,65536").split(",")]
+    report = dict(environment(), results=[], targets={})
+    for seq_len in lengths:
+        for name in HEADS:
+            report["results"] += attention_rows(name, seq_len, args, device, dtype)
+        report["results"] += prefill_rows(seq_len, args, device, dtype)
+        prefill = {r["mode"]: r for r in report["results"]
+                   if r["kind"] == "prefill" and r["seq_len"] == seq_len and "seconds" in r}
+        if "stock" in prefill:
+            report["targets"][str(seq_len)] = {
+                f"prefill_time_{mode}_over_stock": prefill[mode]["seconds"] / prefill["stock"]["seconds"]
+                for mode in ("nosa", "nosa_zero_heads") if mode in prefill
+            }
+        report["targets"]["goal"] = "prefill_time_nosa_over_stock <= 1.15 at 32768"
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            path = os.path.join(args.out, "dense_attention_smoke.json" if args.smoke else "dense_attention.json")
+            with open(path, "w") as f:
+                json.dump(report, f, indent=1)
+    print(json.dumps(report["targets"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
