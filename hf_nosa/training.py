@@ -16,12 +16,17 @@ Three backends compute the same thing:
 - ``"explicit"`` (CPU): an additive mask per chunk of queries on sdpa (``dense_attention.biased_attention``).
 - ``"reference"``: the same masks through the einsum attention of ``attend.py`` (the per-token reference).
 
+In training the selection is computed once per layer and step: under gradient checkpointing the backward reruns
+the layer's forward, which finds the first forward's selection (kept by the autograd graph until the backward has
+passed, looked up by a fingerprint of the inputs) instead of selecting again.
+
 Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, Tq queries, T keys, D head dim, P block size, N blocks.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +63,7 @@ def _query_chunk(elements_per_query: int) -> int:
 
 
 @torch.no_grad()
-def selected_blocks(
+def selected_block_indices(
     query: torch.Tensor,
     keys: torch.Tensor,
     bias: torch.Tensor,
@@ -68,7 +73,7 @@ def selected_blocks(
     q_offset: int = 0,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """For every query token, the blocks the decode rule selects (its own block excluded): a bitmap.
+    """For every query token, the blocks the decode rule selects (its own block excluded), as indices.
 
     Computed chunk by chunk over the queries so that the window scores never exceed a fixed size.
 
@@ -80,7 +85,8 @@ def selected_blocks(
         chunk_size: queries per chunk (default: as many as fit ``2**26`` fp32 scores).
 
     Returns:
-        ``[B, Hk, Tq, N]`` bool, ``N = ceil(T / P)``; True where query ``t`` selected block ``n``.
+        ``[B, Hk, Tq, K]`` int16 (int32 past 32767 blocks) block indices, ``N = ceil(T / P)`` where fewer than K
+        blocks exist.
     """
     B, H, Tq, _ = query.shape
     Hk, T = keys.shape[1], keys.shape[2]
@@ -90,7 +96,8 @@ def selected_blocks(
     compressed_bias = compress_keys(bias, cfg)  # [B, Hk, W]
     W = compressed_keys.shape[2]
     chunk = chunk_size or _query_chunk(B * H * max(W, N, 1))
-    bitmap = torch.zeros(B, Hk, Tq, N + 1, dtype=torch.bool, device=query.device)  # column N absorbs "none" (-1)
+    out = torch.empty(B, Hk, Tq, cfg.budget_blocks, dtype=torch.int16 if N < 2**15 - 1 else torch.int32,
+                      device=query.device)
     # The scores in fp32 like the decode path, even under bf16 autocast: the same blocks must win near-ties.
     no_autocast = torch.autocast(query.device.type, enabled=False)
     for lo in range(0, Tq, chunk):
@@ -102,8 +109,72 @@ def selected_blocks(
             )
             es = eviction_block_scores(compressed_bias, positions, N, cfg)
             chosen = select_blocks(qs, es, positions // P, cfg)  # [B, Hk, chunk, K]
-        bitmap[:, :, lo:hi].scatter_(-1, torch.where(chosen < 0, N, chosen), True)
-    return bitmap[..., :N].contiguous()
+        out[:, :, lo:hi] = torch.where(chosen < 0, N, chosen)
+    return out
+
+
+def _bitmap(indices: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """``[B, Hk, Tq, K]`` indices (``n_blocks`` for none) -> ``[B, Hk, Tq, N]`` bool."""
+    bitmap = torch.zeros(*indices.shape[:3], n_blocks + 1, dtype=torch.bool, device=indices.device)
+    return bitmap.scatter_(-1, indices.long(), True)[..., :n_blocks].contiguous()
+
+
+@torch.no_grad()
+def selected_blocks(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    bias: torch.Tensor,
+    cfg: NosaConfig,
+    scale: float,
+    *,
+    q_offset: int = 0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``selected_block_indices`` as a bitmap: ``[B, Hk, Tq, N]`` bool, True where query ``t`` selected block ``n``
+    (``N = ceil(T / P)``)."""
+    indices = selected_block_indices(query, keys, bias, cfg, scale, q_offset=q_offset, chunk_size=chunk_size)
+    return _bitmap(indices, (keys.shape[2] + cfg.block_size - 1) // cfg.block_size)
+
+
+class _Selection:
+    """One layer's selection of one step, kept by the autograd graph (``_Hold``) until its backward has run."""
+
+    __slots__ = ("indices", "__weakref__")
+
+    def __init__(self, indices: torch.Tensor):
+        self.indices = indices
+
+
+# Selections of the forwards whose backward has not run yet, by input fingerprint. Weak: an entry lives exactly as
+# long as the graph node that holds it, so nothing outlives its step.
+_selections: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+class _Hold(torch.autograd.Function):
+    """Identity on the queries whose graph node keeps a ``_Selection`` alive until the backward passes it."""
+
+    @staticmethod
+    def forward(ctx, query, selection):
+        ctx.selection = selection
+        return query.view_as(query)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _fingerprint(query, key, bias, cfg, scale, q_offset) -> tuple:
+    """What the selection is a function of, summarised: shapes, settings, sums and a strided sample of the values.
+
+    A recomputed forward (gradient checkpointing) sees bitwise the same inputs, so it finds its selection; a
+    different layer, step or batch differs in these numbers. One host sync.
+    """
+    real = bias > MASK_VALUE / 2
+    stats = [query.float().sum(), query.float().abs().sum(), key.float().sum(), key.float().abs().sum(),
+             torch.where(real, bias, 0.0).sum(), real.sum()]
+    samples = [t.reshape(-1)[:: max(1, t.numel() // 61)][:64].float() for t in (query, key, bias)]
+    numbers = torch.cat([torch.stack(stats).double(), *(x.double() for x in samples)]).tolist()
+    return (tuple(query.shape), tuple(key.shape), q_offset, scale, tuple(sorted(cfg.to_dict().items())), *numbers)
 
 
 def _token_mask(bitmap: torch.Tensor, positions: torch.Tensor, T: int, P: int) -> torch.Tensor:
@@ -310,7 +381,19 @@ def nosa_training_attention(
     pad = padding_bias(attention_mask, 0, T)
     if pad is not None:
         bias = bias + pad.to(bias.device)
-    bitmap = selected_blocks(query, key, bias, cfg, scale, q_offset=q_offset)
+    N = (T + cfg.block_size - 1) // cfg.block_size
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, bias)):
+        # Training: the step's backward recomputes this forward under gradient checkpointing; the selection (no
+        # gradient) is computed once and found again then.
+        fingerprint = _fingerprint(query, key, bias, cfg, scale, q_offset)
+        selection = _selections.get(fingerprint)
+        if selection is None:
+            selection = _Selection(selected_block_indices(query, key, bias, cfg, scale, q_offset=q_offset))
+            _selections[fingerprint] = selection
+        query = _Hold.apply(query, selection)
+        bitmap = _bitmap(selection.indices, N)
+    else:
+        bitmap = _bitmap(selected_block_indices(query, key, bias, cfg, scale, q_offset=q_offset), N)
     if backend == "flex":
         return _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold)
     attention = biased_attention if backend == "explicit" else attend

@@ -290,3 +290,81 @@ def test_flex_fold_choice_and_bad_fold():
         nosa_training_attention(q, k, v, bias, cfg, 0.25, backend="flex", fold=3)
     with pytest.raises(ValueError, match="fold"):
         flex_block_mask(selected_blocks(q, k, bias, cfg, 0.25), cfg, heads=4, tile=32, fold=4)
+
+
+def _counting_selection(monkeypatch):
+    import hf_nosa.training as training
+
+    calls = []
+    original = training.selected_block_indices
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(training, "selected_block_indices", counting)
+    return calls
+
+
+def test_checkpointed_backward_reuses_the_forward_selection(monkeypatch):
+    """Under gradient checkpointing the recomputed forward finds its selection: one selection per layer and step,
+    and the same gradients as without checkpointing."""
+    import gc
+
+    import hf_nosa.training as training
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = small_nosa_config(**SPARSE)
+    calls = _counting_selection(monkeypatch)
+    layers = [_inputs(20 + i, T=130) for i in range(2)]  # two "layers": different inputs, different selections
+    grads = {}
+    for checkpointed in (False, True):
+        calls.clear()
+        leaves = [[t.clone().requires_grad_() for t in layer] for layer in layers]
+
+        def layer_forward(q, k, v, bias):
+            return nosa_training_attention(q.clone(), k, v, bias, cfg, 0.25, backend="explicit")
+
+        outs = [checkpoint(layer_forward, *x, use_reentrant=False) if checkpointed else layer_forward(*x)
+                for x in leaves]
+        assert len(calls) == 2
+        sum((o * torch.linspace(-1, 1, 16)).sum() for o in outs).backward()
+        assert len(calls) == 2, "the recomputed forward selected again"
+        grads[checkpointed] = [t.grad for x in leaves for t in x]
+        del outs
+    for a, b in zip(grads[True], grads[False]):
+        assert_close(a, b, atol=1e-6, rtol=1e-6)
+    gc.collect()
+    assert len(training._selections) == 0  # nothing outlives the step
+
+
+def test_selection_is_not_kept_without_gradients(monkeypatch):
+    import hf_nosa.training as training
+
+    cfg = small_nosa_config(**SPARSE)
+    calls = _counting_selection(monkeypatch)
+    q, k, v, bias = _inputs(30, T=100)
+    with torch.no_grad():
+        first = nosa_training_attention(q, k, v, bias, cfg, 0.25)
+        second = nosa_training_attention(q, k, v, bias, cfg, 0.25)
+    assert len(calls) == 2 and len(training._selections) == 0
+    assert torch.equal(first, second)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_model_step_with_gradient_checkpointing_selects_once_per_layer(monkeypatch):
+    model = _sparse_model("llama", seed=3)
+    ids = torch.randint(3, 97, (1, 140), generator=torch.Generator().manual_seed(6))
+    grads = {}
+    for checkpointed in (False, True):
+        calls = _counting_selection(monkeypatch)
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        assert len(calls) == model.config.num_hidden_layers
+        grads[checkpointed] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads[True].keys() == grads[False].keys() and grads[True]
+    for name in grads[True]:
+        assert_close(grads[True][name], grads[False][name], atol=1e-5, rtol=1e-4, msg=name)
