@@ -118,8 +118,8 @@ def biased_attention(query: torch.Tensor, inputs: AttentionInputs, scale: float)
     """``softmax(q . k * scale + key_bias [+ attn_mask | causal]) . v`` with GQA, through sdpa's fused kernels.
 
     Computes what ``attend.attend`` computes (its reference), on the fast kernels: the bias rides in extra head
-    dimensions (module docstring). An all-zero bias without a mask is plain sdpa. Deciding that reads the bias on
-    the host (one sync); under ``torch.compile`` the bias is always folded in instead.
+    dimensions (module docstring). An all-zero bias that needs no gradient is plain sdpa. Deciding that reads the
+    bias on the host (one sync); under ``torch.compile`` the bias is always folded in instead.
 
     Args:
         query: ``[B, H, Tq, D]``.
@@ -161,7 +161,8 @@ def biased_attention(query: torch.Tensor, inputs: AttentionInputs, scale: float)
                          f"B={B}, Hk={Hk}, Tq={Tq}, S={S}")
     dtype = query.dtype
     q, k, v = query, keys.to(dtype), values.to(dtype)
-    if torch.compiler.is_compiling() or bool(bias.any()):
+    # A zero bias that is being trained (A == 0 at the start of a retrofit) still needs its gradient.
+    if torch.compiler.is_compiling() or (bias.requires_grad and torch.is_grad_enabled()) or bool(bias.any()):
         q, k, v = bias_columns(q, k, v, bias, scale)
 
     mask, is_causal = None, False

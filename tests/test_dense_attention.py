@@ -180,3 +180,16 @@ def test_gqa_group_runs_in_one_call_unless_the_mask_is_per_kv_head(q_offset, per
         _check(q, inputs, 0.25, torch.float32)
     kernels = [e for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product_flash_attention")]
     assert sum(e.count for e in kernels) == calls
+
+
+def test_zero_bias_that_trains_gets_its_gradient():
+    """A == 0 at the start of a retrofit: the bias is zero but learns, so it must stay in the graph."""
+    q, k, v, _ = _inputs(1, 4, 2, 20, 20, 16, torch.float32, seed=15)
+    grad = torch.randn(1, 4, 20, 16, generator=torch.Generator().manual_seed(16))
+    grads = []
+    for fn in (attend, biased_attention):
+        bias = torch.zeros(1, 2, 20, requires_grad=True)
+        fn(q, AttentionInputs(k, v, bias, None, 0, True), 0.25).backward(grad)
+        grads.append(bias.grad)
+    assert grads[0].abs().sum() > 0
+    assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
