@@ -9,7 +9,7 @@ right after the generate call). Each method runs once untimed at its batch first
 compilation, graph capture, pinned host memory), then timed; ``first_call_s`` is the untimed call's wall time.
 
 Batch search: stock methods double the batch until the prefill runs out of device memory (probing with 2 new
-tokens, then a bisection); NOSA takes the largest batch whose host store fits half the free host memory, then
+tokens, then a bisection); NOSA takes the largest batch whose host store fits 70% of the free host memory, then
 halves while the device (or pinning) says no. ``limit`` says which bound stopped each method.
 
     python benchmarks/generate.py --shape 1b --contexts 32768 65536 --out benchmarks/results/generate.json
@@ -38,6 +38,8 @@ from hf_nosa.workspace import workspace_of  # noqa: E402
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 GiB = 1 << 30
+SAVE = None  # set by main(): writes the JSON after every row, so a run stopped midway keeps what it measured
+HOST_SHARE = 0.7  # of the free host memory the NOSA batch may pin (the rest: the OS, torch's pinned-pool slack)
 
 
 class FirstTokenClock(LogitsProcessor):
@@ -120,7 +122,7 @@ def stock_batch(model, context, method, start=1, limit=256):
 def nosa_host_batch(model, context, new_tokens):
     cfg = model.config
     per_seq = cfg.num_hidden_layers * cfg.num_key_value_heads * (context + new_tokens) * (2 * cfg.head_dim * 2 + 4)
-    return max(1, int(0.5 * (available_host_memory() or 0) // per_seq))
+    return max(1, int(HOST_SHARE * (available_host_memory() or 0) // per_seq))
 
 
 def engine_tok_s(model, cache, batch, steps=48):
@@ -134,6 +136,18 @@ def engine_tok_s(model, cache, batch, steps=48):
     return batch * steps / (time.perf_counter() - start)
 
 
+def chunk_activations(model, cache, batch) -> int:
+    """Bytes one prefill chunk holds at once in a layer, counted from the shapes (bf16): the residual stream and
+    its norm, q/k/v/o, the MLP's gate, up and product, QUOKA's gathered keys and values (selected blocks + chunk),
+    the fp32 eviction scores, and the chunk's output logits row in fp32."""
+    cfg, ncfg = model.config, cache.nosa_config
+    C, h, f = ncfg.prefill_chunk_size, cfg.hidden_size, cfg.intermediate_size
+    Hk, D, H = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
+    keys = (cache.layers[0].n_slots * ncfg.block_size + C) * Hk * D * 2 * 2
+    per_token = (2 * h + (H + 2 * Hk) * D + H * D + 3 * f) * 2
+    return batch * (C * per_token + keys + cfg.vocab_size * 4)
+
+
 def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False):
     t0 = time.perf_counter()
     generate_once(model, batch, context, new_tokens, method, stop_after=8)  # compile, capture, pin
@@ -144,14 +158,23 @@ def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False)
     cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
     if method == "nosa":
         stats = cache.stats()
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        cache_device = sum(t.numel() * t.element_size() for layer in cache.layers
+                           for t in (layer.slot_k, layer.slot_v, layer.slot_b, layer.slot_block, layer.compressed.keys,
+                                     layer.compressed.bias, layer.compressed.ring_k, layer.compressed.ring_b))
         row.update(locality=stats["locality"], bytes_to_device_per_token=stats["bytes_to_device"] / (batch * new_tokens),
-                   host_gib=stats["host_bytes"] / GiB, device_kv_gib=stats["device_kv_bytes"] / GiB)
+                   host_gib=stats["host_bytes"] / GiB, device_kv_gib=stats["device_kv_bytes"] / GiB,
+                   weights_gib=weights / GiB, cache_device_gib=cache_device / GiB,
+                   chunk_activations_estimate_gib=chunk_activations(model, cache, batch) / GiB)
+        row["peak_formula_gib"] = row["weights_gib"] + row["cache_device_gib"] + row["chunk_activations_estimate_gib"]
         if engine:
             row["engine_tok_s"] = engine_tok_s(model, cache, batch)
     del out, cache
     gc.collect()
     torch.cuda.empty_cache()
     print(json.dumps(row), flush=True)
+    if SAVE is not None:
+        SAVE(row)
     return row
 
 
@@ -160,7 +183,7 @@ def run(args):
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total))
     model = build_model(args.shape, "cuda", torch.bfloat16)
-    rows = []
+    rows = []  # also written to the JSON as they come (SAVE)
     stock_batches = {}
     for context in args.contexts:
         for method in [m for m in args.methods if m != "nosa"]:
@@ -169,17 +192,22 @@ def run(args):
                 try:
                     rows.append(timed_row(model, b, context, args.new_tokens, method,
                                           limit="device memory (prefill OOM at the next batch)"
-                                          if method == "dynamic" else "dynamic's batch (not searched)"))
+                                          if method == "dynamic" else "device memory (counted down from dynamic's batch)"))
                     break
                 except torch.OutOfMemoryError:
-                    b //= 2
+                    b = b // 2 if method == "dynamic" else b - 1
             stock_batches.setdefault(context, b)
+            if method == "static" and b != 1 and args.batch1:
+                rows.append(timed_row(model, 1, context, args.new_tokens, method, limit="fixed"))
     to_nosa(model, NosaConfig())
     randomize_eviction_heads(model, scale=0.5, generator=torch.Generator().manual_seed(0))
     if "nosa" in args.methods:
         for context in args.contexts:
+            workspace_of(model).buffers.clear()  # the previous context's pinned host store
+            gc.collect()
+            torch._C._host_emptyCache()
             b = nosa_host_batch(model, context, args.new_tokens)
-            limit = "host memory (half the free host memory)"
+            limit = f"host memory ({HOST_SHARE:.0%} of the free host memory)"
             while b > 0:
                 try:
                     rows.append(timed_row(model, b, context, args.new_tokens, "nosa", limit=limit, engine=True))
@@ -204,13 +232,20 @@ def main():
     parser.add_argument("--methods", nargs="+", default=["dynamic", "static", "nosa"],
                         choices=("dynamic", "static", "nosa"), help="methods to run")
     parser.add_argument("--cap-gb", type=float, default=None, help="device memory cap (default: 24 for 1b, 48 for 8b)")
+    parser.add_argument("--batch1", action="store_true", help="also run static + compile at batch 1")
     parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args()
-    rows = run(args)
-    result = dict(environment(), shape=args.shape, cap_gb=args.cap_gb or CAP_GB[args.shape], rows=rows,
+    result = dict(environment(), shape=args.shape, cap_gb=args.cap_gb or CAP_GB[args.shape], rows=[],
                   nosa_config=NosaConfig().to_dict())
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+
+    def save(row):
+        result["rows"].append(row)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    global SAVE
+    SAVE = save
+    run(args)
 
 
 if __name__ == "__main__":

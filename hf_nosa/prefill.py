@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.host_write import host_write
 from .kernels.quoka_score import quoka_score
 from .selection import quoka_query_choice, quoka_select_blocks, windows_available
 
@@ -33,7 +34,7 @@ def write_to_host(host, start: int, k: torch.Tensor, v: torch.Tensor, b: torch.T
     Returns that stream (None on CPU): the caller makes its stream wait for it before anything reads the store.
     """
     if not k.is_cuda:
-        host.write(start, k, v, b)
+        host_write(host, start, k, v, b)
         return None
     main = torch.cuda.current_stream(k.device)
     writer = _WRITERS.get(k.device)
@@ -41,7 +42,7 @@ def write_to_host(host, start: int, k: torch.Tensor, v: torch.Tensor, b: torch.T
         writer = _WRITERS[k.device] = torch.cuda.Stream(k.device)
     writer.wait_stream(main)
     with torch.cuda.stream(writer):
-        host.write(start, k, v, b)
+        host_write(host, start, k, v, b)
     for t in (k, v, b):
         t.record_stream(writer)
     return writer

@@ -1,0 +1,92 @@
+"""Host write: store a run of new tokens' K, V and eviction scores into the pinned host store, from the device.
+
+A prefill chunk's keys sit on the device as ``[B, Hk, T, D]``; in the store each (sequence, KV head) row of a
+chunk is contiguous, so the tokens of one update land in B * Hk separate runs. ``torch.Tensor.copy_`` into such a
+strided pinned slice goes through a pageable temporary and blocks the host until the device has caught up. This
+kernel writes the tokens straight into pinned memory through the store's block table (UVA), like the decode
+step's fetch kernel reads it: no host sync, no temporary. One program per (sequence, KV head, tile of tokens).
+
+The reference is ``HostStore.write`` (the torch copy), which every CPU path uses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..host_store import HostStore
+from .backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
+
+BLOCK_T = 32  # tokens per program
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _host_write_kernel(
+        k_ptr, v_ptr, b_ptr, table_ptr,
+        stride_k_b, stride_k_h, stride_k_t, stride_v_b, stride_v_h, stride_v_t, stride_b_b, stride_b_h, stride_b_t,
+        table_stride, start, n_tokens,
+        HK: tl.constexpr, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BT: tl.constexpr,
+    ):
+        i_bh = tl.program_id(0)
+        i_t = tl.program_id(1)
+        i_b = i_bh // HK
+        i_h = i_bh % HK
+        o_t = i_t * BT + tl.arange(0, BT)
+        o_d = tl.arange(0, D_PAD)
+        m_t = o_t < n_tokens
+        m_td = m_t[:, None] & (o_d < D)[None, :]
+        t = start + o_t.to(tl.int64)  # cache index of each token
+        blk = t // P
+        row_len = tl.load(table_ptr + 3 * table_stride + blk, mask=m_t, other=0)
+        row = (i_b * HK + i_h).to(tl.int64) * row_len + t % P  # token offset from its block's address
+        b_k = tl.load(k_ptr + i_b.to(tl.int64) * stride_k_b + i_h * stride_k_h + o_t[:, None] * stride_k_t + o_d[None, :],
+                      mask=m_td)
+        b_v = tl.load(v_ptr + i_b.to(tl.int64) * stride_v_b + i_h * stride_v_h + o_t[:, None] * stride_v_t + o_d[None, :],
+                      mask=m_td)
+        b_b = tl.load(b_ptr + i_b.to(tl.int64) * stride_b_b + i_h * stride_b_h + o_t * stride_b_t, mask=m_t)
+        host_k = tl.load(table_ptr + blk, mask=m_t, other=0).to(k_ptr.dtype)
+        host_v = tl.load(table_ptr + table_stride + blk, mask=m_t, other=0).to(v_ptr.dtype)
+        host_b = tl.load(table_ptr + 2 * table_stride + blk, mask=m_t, other=0).to(b_ptr.dtype)
+        tl.store(host_k[:, None] + row[:, None] * D + o_d[None, :], b_k, mask=m_td)
+        tl.store(host_v[:, None] + row[:, None] * D + o_d[None, :], b_v, mask=m_td)
+        tl.store(host_b + row, b_b, mask=m_t)
+
+
+def host_write(host: HostStore, start: int, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor) -> None:
+    """Store tokens ``start .. start + T - 1`` (``k, v [B, Hk, T, D]``, ``b [B, Hk, T]`` float32) in ``host``.
+
+    On CUDA with a pinned store: one launch, asynchronous, on the current stream (the store's ``wait_writes``
+    synchronises before the CPU reads it); on CPU under ``HF_NOSA_KERNELS=triton`` and ``TRITON_INTERPRET=1``
+    the same kernel; elsewhere ``HostStore.write`` (an unpinned store on CUDA too, logged once).
+    """
+    B, Hk, T, D = k.shape
+    if (host.batch, host.kv_heads, host.head_dim, host.dtype) != (B, Hk, D, k.dtype) or v.shape != k.shape:
+        raise ValueError(
+            f"host_write: k, v must be {host.dtype} [B={host.batch}, Hk={host.kv_heads}, T, D={host.head_dim}]; "
+            f"got {k.dtype} {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    if b.shape != (B, Hk, T) or b.dtype != torch.float32:
+        raise ValueError(f"host_write: b must be float32 [B, Hk, T] = {(B, Hk, T)}; got {b.dtype} {tuple(b.shape)}")
+    if T == 0:
+        return
+    path = kernel_path("host_write", k)
+    if path == "triton" and k.is_cuda and not host.pin:
+        log_fallback("host_write", "cuda", "the host store is not pinned (NosaConfig.offload=False)")
+        path = "torch"
+    if path == "torch":
+        host.write(start, k, v, b)
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    host.ensure_capacity(start + T)
+    table = host.block_table(k.device)
+    with on_device(k):
+        launcher(_host_write_kernel)[(B * Hk, triton.cdiv(T, BLOCK_T))](
+            k, v, b, table,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            b.stride(0), b.stride(1), b.stride(2),
+            table.stride(0), start, T,
+            HK=Hk, P=host.block_size, D=D, D_PAD=next_power_of_2(D), BT=BLOCK_T,
+            num_warps=4,
+        )
+    host.mark_device_written(start + T, k.device)
