@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from .attend import AttentionInputs
 from .attend import attend as biased_attention_ref
@@ -92,9 +91,21 @@ def _causal(Tq: int, S: int, q_offset: int, device, dtype) -> torch.Tensor:
     return torch.where(allowed, 0.0, _mask_floor(dtype)).to(dtype)[None, None]
 
 
-def _sdpa(q, k, v, mask, is_causal: bool, scale: float) -> torch.Tensor:
+def _lower_right(Tq: int, S: int, device, dtype):
+    """The mask of queries that are the last ``Tq`` of ``S`` keys. On CUDA sdpa's lower-right causal variant runs
+    FlashAttention without a mask; elsewhere an explicit mask (the CPU kernel is as fast with it, and the variant's
+    module imports torch._dynamo, 1.6 s on a CPU)."""
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(Tq, S)
+    return _causal(Tq, S, S - Tq, device, dtype)
+
+
+def _sdpa(q, k, v, mask, is_causal: bool, scale: float, *, gqa_with_mask: bool) -> torch.Tensor:
     """sdpa with GQA: ``q [B, H, Tq, D']``, ``k/v [B, Hk, S, D']``; mask None, a ``CausalBias`` or a tensor
-    ``[B or 1, 1 or Hk, Tq, S]``."""
+    ``[B or 1, 1 or Hk, Tq, S]``. ``gqa_with_mask``: the masked kernels take GQA (CPU) or need the KV heads
+    repeated (CUDA, where a masked GQA call would fall back to the math kernel)."""
     H, Hk = q.shape[1], k.shape[1]
     G = H // Hk
     if G == 1:
@@ -102,13 +113,12 @@ def _sdpa(q, k, v, mask, is_causal: bool, scale: float) -> torch.Tensor:
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=True)
     B, _, Tq, Dp = q.shape
-    if not isinstance(mask, CausalBias) and mask.shape[1] > 1:
+    if type(mask) is torch.Tensor and mask.shape[1] > 1:  # (a CausalBias is a Tensor subclass)
         # A mask per KV head: one call per member of the GQA group, each with H = Hk (no mask copy).
         qg = q.view(B, Hk, G, Tq, Dp)
         outs = [F.scaled_dot_product_attention(qg[:, :, g], k, v, attn_mask=mask, scale=scale) for g in range(G)]
         return torch.stack(outs, 2).view(B, H, Tq, v.shape[-1])
-    if q.device.type == "cpu":
-        # The CPU flash kernel takes GQA with a mask; CUDA's masked kernels do not (sdpa would fall back to math).
+    if gqa_with_mask:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -173,9 +183,8 @@ def biased_attention(query: torch.Tensor, inputs: AttentionInputs, scale: float)
         if inputs.q_offset == 0 and Tq == S:
             is_causal = True
         elif inputs.q_offset + Tq == S:
-            # The queries are the last Tq keys: sdpa's lower-right causal variant (FlashAttention on CUDA).
-            mask = causal_lower_right(Tq, S)
+            mask = _lower_right(Tq, S, query.device, dtype)
         else:
             mask = _causal(Tq, S, inputs.q_offset, query.device, dtype)
-    out = _sdpa(q, k, v, mask, is_causal, scale)
+    out = _sdpa(q, k, v, mask, is_causal, scale, gqa_with_mask=query.device.type == "cpu")
     return out[..., :D] if out.shape[-1] != D else out
