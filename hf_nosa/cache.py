@@ -223,9 +223,13 @@ class NosaLayer(CacheLayerMixin):
     def _store(self, start, k, v, b) -> None:
         self._writer = write_to_host(self.host, start, k, v, b) or self._writer
         self.compressed.extend(k, b, start)
-        if self.selector is not None:
-            self.selector.observe(self, k, b, start)
         self.seen = start + k.shape[2]
+        if self.selector is not None:
+            if start > 0 and k.shape[2] > 1:  # selectors index a whole sequence or one more token
+                self._wait_writer()
+                k, _, b = self.host.read(0, self.seen, self.device)
+                start = 0
+            self.selector.observe(self, k, b, start)
 
     # ----- prefill: the prompt, one chunk per update -----
 
