@@ -199,6 +199,10 @@ def run(args):
             stock_batches.setdefault(context, b)
             if method == "static" and b != 1 and args.batch1:
                 rows.append(timed_row(model, 1, context, args.new_tokens, method, limit="fixed"))
+    # The stock static runs leave torch.compile's CUDA-graph pools allocated under the same cap: drop them first.
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
     to_nosa(model, NosaConfig())
     randomize_eviction_heads(model, scale=0.5, generator=torch.Generator().manual_seed(0))
     if "nosa" in args.methods:
