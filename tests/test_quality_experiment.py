@@ -24,7 +24,9 @@ def run_experiment(*args: str) -> subprocess.CompletedProcess:
 
 def test_smoke_run_trains_evaluates_and_exports(tmp_path):
     out = tmp_path / "run"
-    done = run_experiment("--smoke", "--out", str(out), "--selection-loss", "0.05", "--eviction-loss", "0.1")
+    # A budget far above what the toy run needs: no row is skipped for time, however loaded the machine.
+    done = run_experiment("--smoke", "--out", str(out), "--selection-loss", "0.05", "--eviction-loss", "0.1",
+                          "--minutes", "600")
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["finished"]
@@ -34,14 +36,11 @@ def test_smoke_run_trains_evaluates_and_exports(tmp_path):
     assert results["stages"]["control"]["steps"] <= results["stages"]["retrofit"]["steps"]
     failed = [note for note in results["notes"] if "failed" in note]
     assert not failed, failed
-    # the run is time-boxed: every planned row was evaluated or noted as skipped, and the first length is complete
-    first = results["settings"]["eval"]["lengths"][0]
-    labels = {row["label"] for row in results["evaluation"] if row["length"] == first}
-    assert {"full_attention", "nosa", "query_only", "quest", "shadowkv", "nosa_untrained"} <= labels
+    # every planned row was evaluated at every length
     ran = {(row["label"], row["length"]) for row in results["evaluation"]}
     for length in results["settings"]["eval"]["lengths"]:
-        for label in ("full_attention", "nosa", "nosa_untrained"):
-            assert (label, length) in ran or f"evaluation of {label} at {length} skipped" in " ".join(results["notes"])
+        for label in ("full_attention", "nosa", "query_only", "quest", "shadowkv", "nosa_untrained"):
+            assert (label, length) in ran, (label, length, results["notes"])
     for row in results["evaluation"]:
         assert 0.0 <= row["mean_accuracy"] <= 1.0
         if row["label"] in ("nosa", "nosa_untrained", "query_only", "quest", "shadowkv"):
