@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
+from hf_nosa import training  # noqa: E402
 from hf_nosa.retrofit import load_recipe, lora_config  # noqa: E402
 from hf_nosa.training import (  # noqa: E402
     FLEX_TILE,
@@ -200,11 +201,18 @@ def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
             F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).backward(grad)
 
         runs = [(dict(mode="dense"), dense)]
+        kv_tiles = [None] if backend != "flex" or cfg.block_size >= FLEX_TILE else [None, cfg.block_size]
         for fold in folds:
-            def nosa(fold=fold):
-                nosa_training_attention(q, k, v, bias, cfg, scale, backend=backend, fold=fold).backward(grad)
+            for kv_tile in kv_tiles if fold == folds[-1] else [None]:
+                def nosa(fold=fold, kv_tile=kv_tile):
+                    training.FLEX_KV_TILE = kv_tile  # a key tile of one NOSA block: runs if the kernel divides it
+                    try:
+                        out = nosa_training_attention(q, k, v, bias, cfg, scale, backend=backend, fold=fold)
+                        out.backward(grad)
+                    finally:
+                        training.FLEX_KV_TILE = None
 
-            runs.append((dict(mode="nosa", fold=fold), nosa))
+                runs.append((dict(mode="nosa", fold=fold, kv_tile=kv_tile or max(FLEX_TILE, cfg.block_size)), nosa))
         for extra, fn in runs:
             _reset_peak(device)
             row = dict(base, **extra)
@@ -252,7 +260,7 @@ def _targets(results: list[dict], shape: str, lengths: list[int]) -> dict:
         attn = [r for r in mine if r["kind"] == "attention" and "fwd_bwd_s" in r]
         dense = {r["inputs"]: r["fwd_bwd_s"] for r in attn if r["mode"] == "dense"}
         row["attention_time_nosa_over_dense"] = {
-            f"{r['inputs']}, fold {r['fold']}": r["fwd_bwd_s"] / dense[r["inputs"]]
+            f"{r['inputs']}, fold {r['fold']}, key tile {r['kv_tile']}": r["fwd_bwd_s"] / dense[r["inputs"]]
             for r in attn if r["mode"] == "nosa" and r["inputs"] in dense
         }
         measured[str(seq_len)] = row

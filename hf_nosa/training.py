@@ -52,6 +52,9 @@ _CHUNK_ELEMENTS = 1 << 26
 # FlexAttention tile (query and key tokens). 128 is the tile every GPU kernel configuration of FlexAttention
 # divides; a NOSA block smaller than the tile is resolved inside the tile by ``mask_mod``.
 FLEX_TILE = 128
+# FlexAttention key tile in tokens: None for max(FLEX_TILE, block_size). A multiple of the block size; smaller tiles
+# skip more of what a query tile did not select, if the kernel's configurations divide them.
+FLEX_KV_TILE: int | None = None
 # Most query heads of a GQA group folded into the rows of one FlexAttention call (a power of two).
 FLEX_FOLD = 8
 
@@ -214,7 +217,7 @@ def flex_fold(heads: int, kv_heads: int, tile: int | None = None) -> int:
 
 
 def flex_block_mask(bitmap: torch.Tensor, cfg: NosaConfig, *, heads: int, q_offset: int = 0, tile: int = FLEX_TILE,
-                    fold: int = 1):
+                    fold: int = 1, kv_tile: int | None = None):
     """The FlexAttention ``BlockMask`` of a selection bitmap.
 
     A (query tile, key tile) pair is visited when a query of the tile selected a block in the key tile, or the key
@@ -228,8 +231,9 @@ def flex_block_mask(bitmap: torch.Tensor, cfg: NosaConfig, *, heads: int, q_offs
     Args:
         bitmap: ``[B, Hk, Tq, N]`` from ``selected_blocks``.
         heads: H, the number of query heads.
-        tile: query tile in rows (a power of two); the key tile is ``max(tile, block_size)``.
+        tile: query tile in rows (a power of two).
         fold: rows per token; it must divide both ``H / Hk`` and ``tile``.
+        kv_tile: key tile in tokens, a multiple of the block size; default ``max(tile, block_size)``.
 
     Returns:
         ``BlockMask`` for ``heads / fold`` heads, queries ``[Tq * fold]`` and keys ``[T = q_offset + Tq]``.
@@ -243,9 +247,10 @@ def flex_block_mask(bitmap: torch.Tensor, cfg: NosaConfig, *, heads: int, q_offs
         raise ValueError(f"fold={fold} is invalid: it must divide the group size {G} and the tile {tile}")
     G2 = G // fold  # heads of the group left as attention heads
     T = q_offset + Tq
-    kv_tile = max(tile, P)
+    kv_tile = max(tile, P) if kv_tile is None else kv_tile
     if kv_tile % P:
-        raise ValueError(f"tile={tile} is invalid: it must be a power of two (block_size={P})")
+        raise ValueError(f"key tile {kv_tile} is invalid: it must be a multiple of block_size={P} (tile={tile} must be "
+                         f"a power of two)")
     per_tile = kv_tile // P
     q_tokens = tile // fold  # tokens per query tile
     n_qt, n_kt = math.ceil(Tq / q_tokens), math.ceil(T / kv_tile)
@@ -306,7 +311,8 @@ def _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold) -> torch.
     global _compiled_flex
     H, Hk = query.shape[1], key.shape[1]
     G2 = H // Hk // fold  # attention heads per KV head after folding
-    block_mask = flex_block_mask(bitmap, cfg, heads=H, q_offset=q_offset, tile=FLEX_TILE, fold=fold)
+    block_mask = flex_block_mask(bitmap, cfg, heads=H, q_offset=q_offset, tile=FLEX_TILE, fold=fold,
+                                 kv_tile=FLEX_KV_TILE)
     key_bias = bias.float()
 
     def score_mod(score, b, h, q_idx, kv_idx):

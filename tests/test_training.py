@@ -368,3 +368,22 @@ def test_model_step_with_gradient_checkpointing_selects_once_per_layer(monkeypat
     assert grads[True].keys() == grads[False].keys() and grads[True]
     for name in grads[True]:
         assert_close(grads[True][name], grads[False][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_key_tiles_of_one_block_equal_explicit(monkeypatch):
+    """Key tiles as small as a NOSA block (FLEX_KV_TILE): same result, and no more tiles than the default."""
+    import hf_nosa.training as training
+
+    monkeypatch.setattr(training, "FLEX_TILE", 32)
+    cfg = small_nosa_config(**SPARSE)
+    q, k, v, bias = _inputs(11, H=8, T=200)
+    expected = nosa_training_attention(q, k, v, bias, cfg, 0.25, backend="explicit")
+    monkeypatch.setattr(training, "FLEX_KV_TILE", cfg.block_size)
+    assert_close(nosa_training_attention(q, k, v, bias, cfg, 0.25, backend="flex"), expected, atol=1e-5)
+    bitmap = selected_blocks(q, k, bias, cfg, 0.25)
+    small = flex_block_mask(bitmap, cfg, heads=8, tile=32, fold=4, kv_tile=cfg.block_size)
+    large = flex_block_mask(bitmap, cfg, heads=8, tile=32, fold=4)
+    assert int(small.to_dense().sum()) * cfg.block_size < int(large.to_dense().sum()) * 32
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        flex_block_mask(bitmap, cfg, heads=8, tile=32, kv_tile=24)
