@@ -33,13 +33,13 @@ def _inputs(B, H, Hk, Tq, S, D, dtype, seed, *, bias_scale=1.0, masked_share=0.1
 
 def _live(inputs: AttentionInputs, B, H, Tq) -> torch.Tensor:
     """``[B, H, Tq]``: rows that see at least one key (rows that see none are arbitrary in every implementation)."""
-    S = inputs.keys.shape[2]
+    S, device = inputs.keys.shape[2], inputs.keys.device
     if inputs.attn_mask is not None:
         allowed = inputs.attn_mask > MASK_VALUE / 2
     elif inputs.causal:
-        allowed = additive_mask(None, Tq, S, inputs.q_offset, "cpu") == 0
+        allowed = additive_mask(None, Tq, S, inputs.q_offset, device) == 0
     else:
-        allowed = torch.ones(1, 1, Tq, S, dtype=torch.bool)
+        allowed = torch.ones(1, 1, Tq, S, dtype=torch.bool, device=device)
     allowed = allowed & (inputs.key_bias > MASK_VALUE / 2)[:, :, None, :]
     Hk = inputs.keys.shape[1]
     return allowed.any(-1).expand(B, Hk, Tq).repeat_interleave(H // Hk, 1)
@@ -209,3 +209,38 @@ def test_lower_right_variant_and_the_repeated_kv_branch(gqa_with_mask):
         assert_close(actual, expected, atol=1e-6, rtol=1e-6)
     reference = attend(q, AttentionInputs(k, v, torch.zeros(1, 2, 70), None, 46, True), 0.25)
     assert_close(expected, reference, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize(
+    "Tq,S,q_offset,causal,masked",
+    [(1, 1100, 0, False, False), (600, 600, 0, True, False), (256, 1000, 744, True, False),
+     (100, 1000, 500, True, False), (256, 1000, 744, False, True)],
+)
+def test_on_gpu_matches_attend_on_fused_kernels(dtype, D, Tq, S, q_offset, causal, masked):
+    """CUDA: every branch (causal, lower-right variant, explicit causal mask, padding mask with repeated KV heads)
+    against the reference, and none of them on sdpa's math kernel."""
+    _fused_case("cuda", dtype, D, Tq, S, q_offset, causal, masked)
+
+
+def _fused_case(device, dtype, D, Tq, S, q_offset, causal, masked):
+    from torch.profiler import ProfilerActivity, profile
+
+    B, Hk, G = 2, 2, 4
+    q, k, v, bias = (t.to(device) for t in _inputs(B, Hk * G, Hk, Tq, S, D, dtype, seed=S + Tq, bias_scale=20.0))
+    mask = None
+    if masked:
+        keep = torch.ones(B, S, dtype=torch.bool, device=device)
+        keep[1, :300] = False
+        allowed = torch.arange(S, device=device)[None, :] <= torch.arange(S - Tq, S, device=device)[:, None]
+        mask = torch.where(allowed[None, None] & keep[:, None, None, :], 0.0, MASK_VALUE)
+    inputs = AttentionInputs(k, v, bias, mask, q_offset, causal)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        actual = biased_attention(q, inputs, D**-0.5)
+    assert not any("attention_math" in e.key for e in prof.key_averages())
+    expected = attend(q.float(), inputs._replace(keys=k.float(), values=v.float()), D**-0.5)
+    live = _live(inputs, B, Hk * G, Tq)
+    assert_close(actual[live], expected[live], atol=3e-2, rtol=3e-2)
