@@ -1,6 +1,7 @@
 """Dense attention with the eviction bias on the fast kernels: ``softmax(q . k * scale + b) . v`` through sdpa.
 
-The bias of key ``j`` is folded into the dot product by extra head dimensions (design Sec. 4): the queries get
+Design Sec. 4 puts every dense path on the fast kernels. The bias of key ``j`` is folded into the dot product by
+extra head dimensions: the queries get
 columns of ones and key ``j`` gets ``b_j / scale`` in those columns, so that
 ``q' . k'_j * scale = q . k_j * scale + b_j`` exactly, and any softmax attention (FlashAttention, cuDNN,
 memory-efficient, the CPU flash kernel) computes the biased softmax with its own causal masking and no
@@ -16,8 +17,9 @@ The other identity, ``A(q, k, v e^(b - m)) / A(q, k, e^(b - m))``, keeps the dot
 ``e^(b - m)`` within the value dtype's range over every row's visible keys; with ``|b|`` up to 80 and causal rows
 that see only low-bias keys, it underflows (0/0). The columns above have no such limit and cost the same padding.
 
-With an all-zero bias (a freshly converted model, ``A == 0``) and no mask, this is plain sdpa on the original
-head dimension. ``attend.attend`` is the torch reference (``biased_attention_ref``).
+With an all-zero bias that needs no gradient (a freshly converted model, ``A == 0``, outside training) the columns
+are left out: plain sdpa on the original head dimension (with the mask, if any). ``attend.attend`` is the torch
+reference (``biased_attention_ref``).
 
 Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, Tq queries, S keys, D head dim.
 """
