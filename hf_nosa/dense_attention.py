@@ -1,9 +1,8 @@
 """Dense attention with the eviction bias on the fast kernels: ``softmax(q . k * scale + b) . v`` through sdpa.
 
 Design Sec. 4 puts every dense path on the fast kernels. The bias of key ``j`` is folded into the dot product by
-extra head dimensions: the queries get
-columns of ones and key ``j`` gets ``b_j / scale`` in those columns, so that
-``q' . k'_j * scale = q . k_j * scale + b_j`` exactly, and any softmax attention (FlashAttention, cuDNN,
+extra head dimensions: the queries get columns of ones and key ``j`` gets ``b_j / scale`` in those columns, so
+that ``q' . k'_j * scale = q . k_j * scale + b_j`` exactly, and any softmax attention (FlashAttention, cuDNN,
 memory-efficient, the CPU flash kernel) computes the biased softmax with its own causal masking and no
 materialised bias. The logits stay in the kernel's log domain, so the bias has no range limit: ``|b|`` of 80 and
 ``MASK_VALUE`` (-1e30, "never attend") are as exact as small biases. In bf16/fp16 one column would round ``b``
