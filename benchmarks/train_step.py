@@ -227,10 +227,21 @@ def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
         with torch.no_grad():
             b = bias.detach()
             bitmap = selected_blocks(q, k, b, cfg, scale)
-            # Under gradient checkpointing a layer's forward runs twice per step (forward, recompute): so does this.
-            add(dict(kind="attention_part", inputs=kind, part="selection", seq_len=seq_len,
-                     seconds=_timed(lambda: selected_blocks(q, k, b, cfg, scale), device, args.repeats),
-                     calls_per_layer_step=2))
+            # Once per layer and step (the checkpointed recompute finds it). With SELECTION_KERNEL the query-aware
+            # scores come from the Triton window kernel: timed too, with the tokens whose selection differs.
+            for kernel in [False, True] if device.type == "cuda" else [False]:
+                row = dict(kind="attention_part", inputs=kind, part="selection", seq_len=seq_len,
+                           selection_kernel=kernel, calls_per_layer_step=1)
+                training.SELECTION_KERNEL = kernel
+                try:
+                    row["seconds"] = _timed(lambda: selected_blocks(q, k, b, cfg, scale), device, args.repeats)
+                    row["tokens_selecting_differently"] = int(
+                        (selected_blocks(q, k, b, cfg, scale) != bitmap).any(-1).sum())
+                except Exception as error:  # recorded: the rest of the run goes on
+                    row["error"] = f"{type(error).__name__}: {error}"[:500]
+                finally:
+                    training.SELECTION_KERNEL = False
+                add(row)
             for fold in folds:
                 if fold is not None:
                     add(dict(kind="attention_part", inputs=kind, part="block_table", fold=fold, seq_len=seq_len,

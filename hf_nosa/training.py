@@ -35,12 +35,16 @@ from .attend import AttentionInputs, attend
 from .config import NosaConfig
 from .dense_attention import biased_attention
 from .masks import additive_mask, padding_bias
+from .kernels.window_probs import window_probs
 from .selection import (
     MASK_VALUE,
+    PADDING_WINDOW_BIAS,
     compress_keys,
     eviction_block_scores,
+    pool_windows_to_blocks,
     query_block_scores,
     select_blocks,
+    windows_available,
 )
 
 BACKENDS = ("flex", "explicit", "reference")
@@ -57,6 +61,10 @@ FLEX_TILE = 128
 FLEX_KV_TILE: int | None = None
 # Most query heads of a GQA group folded into the rows of one FlexAttention call (a power of two).
 FLEX_FOLD = 8
+# The query-aware scores of the selection through the Triton window-probability kernel (kernels/window_probs.py;
+# Triton on CUDA, its torch reference elsewhere) instead of selection.query_block_scores. Off until measured on a
+# GPU: benchmarks/train_step.py times both and counts the tokens whose selections differ.
+SELECTION_KERNEL = False
 
 _compiled_flex = None
 
@@ -98,7 +106,9 @@ def selected_block_indices(
     compressed_keys = compress_keys(keys, cfg)  # [B, Hk, W, D]
     compressed_bias = compress_keys(bias, cfg)  # [B, Hk, W]
     W = compressed_keys.shape[2]
-    chunk = chunk_size or _query_chunk(B * H * max(W, N, 1))
+    # The reference holds [B, H, chunk, W] fp32 scores, the kernel [B, Hk, chunk, W].
+    chunk = chunk_size or _query_chunk(B * (Hk if SELECTION_KERNEL else H) * max(W, N, 1))
+    padding = compressed_bias.float() < PADDING_WINDOW_BIAS  # [B, Hk, W], as query_block_scores marks them
     out = torch.empty(B, Hk, Tq, cfg.budget_blocks, dtype=torch.int16 if N < 2**15 - 1 else torch.int32,
                       device=query.device)
     # The scores in fp32 like the decode path, even under bf16 autocast: the same blocks must win near-ties.
@@ -107,9 +117,14 @@ def selected_block_indices(
         hi = min(Tq, lo + chunk)
         positions = torch.arange(q_offset + lo, q_offset + hi, device=query.device)
         with no_autocast:
-            qs = query_block_scores(
-                query[:, :, lo:hi], compressed_keys, positions, N, cfg, scale, compressed_bias=compressed_bias
-            )
+            if SELECTION_KERNEL:
+                probs = window_probs(query[:, :, lo:hi], compressed_keys, windows_available(positions, cfg), scale,
+                                     padding=padding)
+                qs = pool_windows_to_blocks(probs, N, cfg, fill=0.0)
+            else:
+                qs = query_block_scores(
+                    query[:, :, lo:hi], compressed_keys, positions, N, cfg, scale, compressed_bias=compressed_bias
+                )
             es = eviction_block_scores(compressed_bias, positions, N, cfg)
             chosen = select_blocks(qs, es, positions // P, cfg)  # [B, Hk, chunk, K]
         out[:, :, lo:hi] = torch.where(chosen < 0, N, chosen)

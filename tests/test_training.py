@@ -387,3 +387,20 @@ def test_key_tiles_of_one_block_equal_explicit(monkeypatch):
     assert int(small.to_dense().sum()) * cfg.block_size < int(large.to_dense().sum()) * 32
     with pytest.raises(ValueError, match="multiple of block_size"):
         flex_block_mask(bitmap, cfg, heads=8, tile=32, kv_tile=24)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_selection_through_the_window_kernel_equals_the_reference(padded, monkeypatch):
+    """SELECTION_KERNEL: the query-aware scores from kernels/window_probs (interpreted here) pick the same blocks."""
+    import hf_nosa.training as training
+
+    cfg = small_nosa_config(**SPARSE)
+    q, k, _, bias = _inputs(12, H=8, T=150)
+    if padded:
+        bias[1, :, :37] = -1e30
+    expected = selected_blocks(q, k, bias, cfg, 0.25, q_offset=0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+    monkeypatch.setattr(training, "SELECTION_KERNEL", True)
+    actual = selected_blocks(q, k, bias, cfg, 0.25, q_offset=0, chunk_size=64)
+    assert torch.equal(actual, expected)
