@@ -9,6 +9,7 @@ from .chunk_attention import chunk_attention
 from .decode_attention import decode_attention
 from .fetch import FetchPlan, SlotPool, StepCounters, fetch_blocks, fetch_blocks_ref, fetch_step, plan_fetch
 from .quoka_score import quoka_score
+from .window_probs import window_probs
 
 __all__ = [
     "FetchPlan",
@@ -24,4 +25,5 @@ __all__ = [
     "fetch_step",
     "plan_fetch",
     "quoka_score",
+    "window_probs",
 ]
