@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from .attend import AttentionInputs, attend
 from .config import NosaConfig
 from .dense_attention import biased_attention
-from .masks import additive_mask, padding_bias
 from .kernels.window_probs import window_probs
+from .masks import additive_mask, padding_bias
 from .selection import (
     MASK_VALUE,
     PADDING_WINDOW_BIAS,
@@ -108,7 +108,8 @@ def selected_block_indices(
     W = compressed_keys.shape[2]
     # The reference holds [B, H, chunk, W] fp32 scores, the kernel [B, Hk, chunk, W].
     chunk = chunk_size or _query_chunk(B * (Hk if SELECTION_KERNEL else H) * max(W, N, 1))
-    padding = compressed_bias.float() < PADDING_WINDOW_BIAS  # [B, Hk, W], as query_block_scores marks them
+    if SELECTION_KERNEL:
+        padding = compressed_bias.float() < PADDING_WINDOW_BIAS  # [B, Hk, W], as query_block_scores marks them
     out = torch.empty(B, Hk, Tq, cfg.budget_blocks, dtype=torch.int16 if N < 2**15 - 1 else torch.int32,
                       device=query.device)
     # The scores in fp32 like the decode path, even under bf16 autocast: the same blocks must win near-ties.
