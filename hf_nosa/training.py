@@ -182,6 +182,7 @@ class _Hold(torch.autograd.Function):
         return grad, None
 
 
+@torch.no_grad()
 def _fingerprint(query, key, bias, cfg, scale, q_offset) -> tuple:
     """What the selection is a function of, summarised: shapes, settings, sums and a strided sample of the values.
 
