@@ -14,6 +14,7 @@ import torch
 from hf_nosa import NosaConfig, to_nosa
 from hf_nosa.modeling import eviction_heads
 from hf_nosa.retrofit import (
+    data_files,
     load_adapter,
     load_base,
     load_recipe,
@@ -283,3 +284,38 @@ def test_tiny_recipe_on_gpu_bf16_with_the_eviction_loss(data, tmp_path):
     assert sum(result.losses[-5:]) / 5 < sum(result.losses[:5]) / 5 - 0.3, result.losses
     scales = torch.cat([m.eviction_head.A.detach().flatten() for m in result.model.modules() if hasattr(m, "eviction_head")])
     assert scales.abs().max() > 0.05  # the heads left A = 0
+
+
+def test_recipe_may_name_a_gguf_file_beside_it_and_builtin_data(tmp_path, monkeypatch):
+    import yaml
+
+    recipe = yaml.safe_load((RECIPES / "tiny.yaml").read_text())
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "base.gguf").write_bytes(b"GGUF")
+    (tmp_path / "recipes" / "g.yaml").write_text(yaml.safe_dump({**recipe, "model": "base.gguf",
+                                                                 "data": "python-prose-and-code"}))
+    monkeypatch.chdir(tmp_path)
+    loaded = load_recipe(tmp_path / "recipes" / "g.yaml")
+    assert loaded["model"] == str((tmp_path / "recipes" / "base.gguf").resolve())
+    assert loaded["data"] == "python-prose-and-code" and data_files("python-prose-and-code") == {}
+    (tmp_path / "recipes" / "h.yaml").write_text(yaml.safe_dump({**recipe, "data": 3}))
+    with pytest.raises(ValueError, match="recipe data=3 is invalid"):
+        load_recipe(tmp_path / "recipes" / "h.yaml")
+    with pytest.raises(FileNotFoundError, match="nor is it a built-in corpus"):
+        data_files("no-such-corpus")
+
+
+def test_builtin_corpus_is_prose_and_code_apart_from_the_evaluation():
+    from hf_nosa.eval.corpus import prose_documents, stdlib_files
+    from hf_nosa.eval.tasks import NOISE
+    from hf_nosa.retrofit_data import builtin_documents
+
+    docs = builtin_documents("python-prose-and-code")
+    assert docs == builtin_documents("python-prose-and-code")
+    assert len(docs) == len(prose_documents("train")) + len(stdlib_files("train"))
+    eval_prose = {text for _, text in prose_documents("eval")}
+    assert not eval_prose & set(docs)  # the haystack half never trains
+    assert not any(NOISE.strip() in doc for doc in docs)
+    recipe = load_recipe("tiny")
+    packed = pack_data("python-prose-and-code", recipe, recipe["model"], eos_id=2, sequences=3)
+    assert packed.shape == (3, recipe["seq_len"])  # tokenized only as far as the run reads

@@ -105,7 +105,11 @@ def prose_documents(split: str) -> tuple[tuple[str, str], ...]:
     """The Python reference documentation's topics of ``split`` (``pydoc_data.topics``): ``(topic, text)`` pairs."""
     _check_split(split)
     topics = _prose_topics()
-    return tuple((name, topics[name]) for name in sorted(topics) if prose_split_of(name) == split and topics[name].strip())
+    chosen = [(name, topics[name]) for name in sorted(topics) if prose_split_of(name) == split and topics[name].strip()]
+    if split == "train":  # some topics share one text ("if" and "else"): the evaluation's copy wins
+        held_out = {topics[name] for name in topics if prose_split_of(name) == "eval"}
+        chosen = [(name, text) for name, text in chosen if text not in held_out]
+    return tuple(chosen)
 
 
 @functools.lru_cache(maxsize=4)
