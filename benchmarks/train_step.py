@@ -309,7 +309,7 @@ def main() -> int:
         recipe = load_recipe(recipe_name)
         cfg = NosaConfig.from_dict(recipe["nosa"])
         if args.smoke:
-            shape, cfg = SHAPE_SMOKE, NosaConfig(**SMOKE_NOSA)
+            name, shape, cfg = "smoke", SHAPE_SMOKE, NosaConfig(**SMOKE_NOSA)
         report["shapes"][name] = dict(shape=shape, recipe=recipe_name, nosa_config=cfg.to_dict(), lora=recipe["lora"])
         for seq_len in lengths:
             rows = []
