@@ -413,6 +413,9 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
     parser.add_argument("--smoke", action="store_true", help="same as --preset smoke (CPU, toy sizes)")
     parser.add_argument("--minutes", type=float, help="total wall-clock budget (default: the preset's)")
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="cap pretraining and the retrofit at this many steps each (with a large --minutes, the "
+                             "run's work no longer depends on the machine's speed)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--training-backend", default="auto", choices=("auto", "flex", "explicit"),
@@ -486,7 +489,7 @@ def main(argv=None) -> int:
         run.log(f"pretrain: {sum(x.numel() for x in base.parameters()) / 1e6:.2f}M parameters, phases {p['phases']}, {seconds:.0f}s")
         info = train(base, PhasedBatches(settings, p["phases"], seconds, args.seed, workers),
                      param_groups=[{"params": list(base.parameters()), "lr": p["lr"]}], seconds=seconds, device=device,
-                     log=run.log)
+                     max_steps=args.max_steps, log=run.log)
     info["parameters"] = sum(x.numel() for x in base.parameters())
     run.stage("pretrain", info)
     base.save_pretrained(out / "base")
@@ -500,7 +503,7 @@ def main(argv=None) -> int:
     backend = use_training_backend(args.training_backend)
     seconds = run.seconds(settings["retrofit"]["share"])
     try:
-        retrofit, info = fine_tune(run, "retrofit", base, settings, nosa=layout, seconds=seconds, max_steps=None,
+        retrofit, info = fine_tune(run, "retrofit", base, settings, nosa=layout, seconds=seconds, max_steps=args.max_steps,
                                    device=device, seed=args.seed, workers=workers)
     except Exception as error:
         if args.training_backend != "auto" or device.type != "cuda":
@@ -508,7 +511,7 @@ def main(argv=None) -> int:
         run.log(f"retrofit with the default training backend failed ({error!r}); retrying with backend='explicit'")
         run.results["notes"].append(f"training backend auto failed: {error!r}; used explicit")
         backend = use_training_backend("explicit")
-        retrofit, info = fine_tune(run, "retrofit", base, settings, nosa=layout, seconds=seconds, max_steps=None,
+        retrofit, info = fine_tune(run, "retrofit", base, settings, nosa=layout, seconds=seconds, max_steps=args.max_steps,
                                    device=device, seed=args.seed, workers=workers)
     info["training_backend"] = backend
     info["nosa_config"] = layout.to_dict()
