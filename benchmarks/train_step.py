@@ -4,8 +4,9 @@ A step is what ``hf-nosa retrofit`` runs: forward + backward + AdamW on LoRA (ll
 eviction heads, bf16 autocast, gradient checkpointing, batch 1. "dense" is the stock model with the same LoRA
 and sdpa attention; "nosa" is the converted model training with ``hf_nosa.training`` (random nonzero eviction
 heads, so the selection is not trivial). Also times the attention of one layer alone (forward + backward) in each
-FlexAttention layout (``fold`` 1: one query head per row tile; the default folds a GQA group's heads into the
-rows), its parts (selection, block table), and the tile coverage per length: the share of the tiles causal
+FlexAttention layout (``fold`` 1, the default: one query head per row tile; the folded layout puts a GQA group's
+heads in the rows, and also runs with key tiles of one NOSA block), its parts (selection with and without the
+window kernel, block table), and the tile coverage per length: the share of the tiles causal
 attention computes that the selection makes FlexAttention visit, for 128x128 tiles and, as a what-if, 64-key
 tiles. Weights are random: nothing is downloaded. Every length and shape runs in one command; a run that does not
 fit the device is recorded as ``oom``, one that fails as ``error``.
@@ -181,7 +182,7 @@ def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
     H, Hk, D = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     scale = D**-0.5
     backend = "flex" if device.type == "cuda" else "explicit"
-    folds = sorted({1, flex_fold(H, Hk)}) if backend == "flex" else [None]
+    folds = sorted({1, flex_fold(H, Hk, limit=8)}) if backend == "flex" else [None]
     rows = []
 
     def add(row: dict) -> None:
@@ -248,7 +249,7 @@ def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
                              seconds=_timed(lambda: flex_block_mask(bitmap, cfg, heads=H, tile=FLEX_TILE, fold=fold),
                                             device, args.repeats)))
             per_query = float(bitmap.sum(-1).float().mean())
-            for fold in sorted({1, flex_fold(H, Hk)}):
+            for fold in sorted({1, flex_fold(H, Hk, limit=8)}):
                 for kv_tile in sorted({max(FLEX_TILE, cfg.block_size), cfg.block_size}, reverse=True):
                     add(dict(kind="tiles", inputs=kind, seq_len=seq_len, selected_blocks_per_query=per_query,
                              what_if=kv_tile != max(FLEX_TILE, cfg.block_size),

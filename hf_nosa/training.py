@@ -10,7 +10,7 @@ Three backends compute the same thing:
 - ``"flex"`` (CUDA): FlexAttention. The block table is built from the selected blocks (a tile is visited when
   any query of the tile selected any block in it), ``mask_mod`` reads the per-token selection bitmap, and
   ``score_mod`` adds ``b_j`` (FlexAttention differentiates through the captured bias). The query heads of a GQA
-  group share their KV head's selection, so they are folded into the query rows (``fold`` rows per token, the
+  group share their KV head's selection, so they can be folded into the query rows (``fold`` rows per token, the
   group's largest power-of-two factor up to ``FLEX_FOLD``): a 128-row tile then spans 128 / fold tokens, and the
   union of its tokens' selections, which decides the tiles visited, is over fewer tokens.
 - ``"explicit"`` (CPU): an additive mask per chunk of queries on sdpa (``dense_attention.biased_attention``).
@@ -59,8 +59,10 @@ FLEX_TILE = 128
 # FlexAttention key tile in tokens: None for max(FLEX_TILE, block_size). A multiple of the block size; smaller tiles
 # skip more of what a query tile did not select, if the kernel's configurations divide them.
 FLEX_KV_TILE: int | None = None
-# Most query heads of a GQA group folded into the rows of one FlexAttention call (a power of two).
-FLEX_FOLD = 8
+# Most query heads of a GQA group folded into the rows of one FlexAttention call (a power of two). 1 (no folding)
+# until benchmarks/train_step.py, which times fold 1 against the folded layout, has run on a GPU: raise it to 8 then
+# if the folded layout is faster.
+FLEX_FOLD = 1
 # The query-aware scores of the selection through the Triton window-probability kernel (kernels/window_probs.py;
 # Triton on CUDA, its torch reference elsewhere) instead of selection.query_block_scores. Off until measured on a
 # GPU: benchmarks/train_step.py times both and counts the tokens whose selections differ.
@@ -222,13 +224,14 @@ def _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_off
     return torch.cat(outs, dim=2)
 
 
-def flex_fold(heads: int, kv_heads: int, tile: int | None = None) -> int:
+def flex_fold(heads: int, kv_heads: int, tile: int | None = None, limit: int | None = None) -> int:
     """Query rows per token in the flex layout: the largest power of two dividing the group, the tile (default
-    ``FLEX_TILE``) and ``FLEX_FOLD``."""
+    ``FLEX_TILE``) and ``limit`` (default ``FLEX_FOLD``)."""
     G = heads // kv_heads
     tile = FLEX_TILE if tile is None else tile
+    limit = FLEX_FOLD if limit is None else limit
     fold = 1
-    while fold * 2 <= FLEX_FOLD and G % (fold * 2) == 0 and tile % (fold * 2) == 0:
+    while fold * 2 <= limit and G % (fold * 2) == 0 and tile % (fold * 2) == 0:
         fold *= 2
     return fold
 

@@ -172,7 +172,7 @@ def test_bad_backend_and_lengths():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fold", [1, None])
+@pytest.mark.parametrize("fold", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flex_on_gpu_equals_explicit(dtype, fold):
     cfg = small_nosa_config(block_size=64, budget_tokens=512, query_tokens=128, sink_tokens=64, local_tokens=128,
@@ -280,10 +280,12 @@ def test_folded_block_table_covers_exactly_the_tiles_the_rule_touches(q_offset):
 
 
 def test_flex_fold_choice_and_bad_fold():
+    import hf_nosa.training as training
     from hf_nosa.training import flex_fold
 
-    assert [flex_fold(h, 8) for h in (8, 16, 24, 32, 64, 128)] == [1, 2, 1, 4, 8, 8]
-    assert flex_fold(32, 8, tile=2) == 2
+    assert [flex_fold(h, 8, limit=8) for h in (8, 16, 24, 32, 64, 128)] == [1, 2, 1, 4, 8, 8]
+    assert flex_fold(32, 8, tile=2, limit=8) == 2
+    assert flex_fold(32, 8) == flex_fold(32, 8, limit=training.FLEX_FOLD)
     cfg = small_nosa_config(**SPARSE)
     q, k, v, bias = _inputs(6, T=40)
     with pytest.raises(ValueError, match="fold"):
