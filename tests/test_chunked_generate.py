@@ -179,3 +179,53 @@ def test_a_cache_used_by_another_model_names_both_values():
         with torch.no_grad():
             deeper(ids, past_key_values=NosaCache(small.config))
 
+
+
+@pytest.mark.parametrize("name", ["A", "delta.weight", "delta.bias"])
+def test_non_finite_eviction_heads_are_refused_at_conversion_and_generate(name):
+    model = to_nosa(tiny_model("qwen2"), small_nosa_config())
+    head = model.model.layers[1].self_attn.eviction_head
+    param = head.A if name == "A" else getattr(head.delta, name.split(".")[1])
+    with torch.no_grad():
+        param.view(-1)[0] = float("nan")
+    with pytest.raises(ValueError, match=rf"layer 1: eviction_head.{name} holds NaN"):
+        model.generate(torch.ones(1, 8, dtype=torch.long), max_new_tokens=2, cache_implementation="nosa")
+    with pytest.raises(ValueError, match=rf"layer 1: eviction_head.{name} holds NaN"):
+        to_nosa(model)
+
+
+def test_output_attentions_without_a_nosa_cache_is_refused_too():
+    model = to_nosa(tiny_model("qwen3"), small_nosa_config())
+    with pytest.raises(ValueError, match="output_attentions"):
+        model.generate(torch.ones(1, 8, dtype=torch.long), max_new_tokens=2, output_attentions=True,
+                       return_dict_in_generate=True)
+
+
+def test_non_finite_eviction_heads_are_refused_at_load(tmp_path):
+    from hf_nosa.modeling.remote import NosaLlamaConfig, NosaLlamaForCausalLM
+
+    from .conftest import COMMON
+
+    config = NosaLlamaConfig(**COMMON, nosa=small_nosa_config().to_dict())
+    model = NosaLlamaForCausalLM(config)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.eviction_head.A[0] = float("inf")
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="layer 0: eviction_head.A holds NaN or inf"):
+        NosaLlamaForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("how", ["assistant", "prompt_lookup"])
+def test_assisted_decoding_equals_plain_greedy_under_a_sparse_budget(family, how):
+    """Candidates verified several at a time attend by the decode rule: the output is plain greedy's."""
+    model = to_nosa(tiny_model(family, seed=6), small_nosa_config(budget_tokens=80, query_tokens=32))
+    randomize_eviction_heads(model, generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(3, 97, (1, 160), generator=torch.Generator().manual_seed(2))
+    ids[0, 130:150] = ids[0, 40:60]  # repeats for prompt lookup to find
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                  cache_implementation="nosa")
+    plain = model.generate(**kwargs)
+    extra = ({"assistant_model": tiny_model(family, seed=9)} if how == "assistant"
+             else {"prompt_lookup_num_tokens": 4})
+    assisted = model.generate(**kwargs, **extra)
+    assert torch.equal(assisted, plain)

@@ -8,7 +8,7 @@ Decode: a one-token step on CUDA replays a CUDA graph of the model's decode forw
 captured once per shapes and buffers; caches built by ``generate(cache_implementation="nosa")`` draw their buffers
 from the model's workspace, so the graph also survives from one generate call to the next.
 
-Any other call (no NosaCache, labels, output_attentions with a NosaCache excepted) runs the stock forward.
+Any other call (no NosaCache, or labels) runs the stock forward; output_attentions is refused by name.
 """
 
 from __future__ import annotations
@@ -44,16 +44,20 @@ class NosaForward:
         if args:
             kwargs = dict(self._signature.bind_partial(*args, **kwargs).arguments)
             kwargs.update(kwargs.pop("kwargs", {}))
+        if kwargs.get("output_attentions"):
+            raise ValueError(
+                "output_attentions=True is not supported by NOSA attention: it attends to a different set of blocks "
+                "per KV head and step, and its kernels never form the attention matrix. Generate without "
+                "output_attentions (or use the stock model when you need the weights)."
+            )
         cache_name = "cache" if kwargs.get("cache") is not None else "past_key_values"
         cache = kwargs.get(cache_name)
         if not isinstance(cache, NosaCache):
             return self.original(**kwargs)
-        if kwargs.get("output_attentions"):
-            raise ValueError(
-                "output_attentions=True is not supported with a NosaCache: NOSA attends to a different set of blocks "
-                "per KV head and step, and its kernels never form the attention matrix. Generate without "
-                "output_attentions, or use a stock cache (full attention) when you need the weights."
-            )
+        if cache.get_seq_length() == 0:
+            from . import check_eviction_heads  # the package imports this module
+
+            check_eviction_heads(self.model)  # once per new sequence: NaN heads would give NaN logits silently
         inputs = kwargs.get("input_ids")
         if inputs is None:
             inputs = kwargs.get("inputs_embeds")

@@ -28,7 +28,7 @@ from transformers import (
 )
 
 from ..config import NosaConfig
-from . import check_convertible, convert_layers, eviction_heads, to_nosa
+from . import check_convertible, check_eviction_heads, convert_layers, eviction_heads, to_nosa
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,12 @@ class _NosaCausalLMMixin:
         cfg = _validated_nosa_section(self.config)
         check_convertible(self.config)
         convert_layers(self, cfg, allow_meta=True)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        model = super().from_pretrained(*args, **kwargs)
+        check_eviction_heads(model)  # a broken checkpoint fails at load, not as NaN logits at decode
+        return model
 
     def initialize_weights(self):
         super().initialize_weights()
