@@ -196,7 +196,8 @@ def _fingerprint(query, key, bias, cfg, scale, q_offset) -> tuple:
              torch.where(real, bias, 0.0).sum(), real.sum()]
     samples = [t.reshape(-1)[:: max(1, t.numel() // 61)][:64].float() for t in (query, key, bias)]
     numbers = torch.cat([torch.stack(stats).double(), *(x.double() for x in samples)]).tolist()
-    return (tuple(query.shape), tuple(key.shape), q_offset, scale, tuple(sorted(cfg.to_dict().items())), *numbers)
+    return (str(query.device), tuple(query.shape), tuple(key.shape), q_offset, scale,
+            tuple(sorted(cfg.to_dict().items())), *numbers)
 
 
 def _token_mask(bitmap: torch.Tensor, positions: torch.Tensor, T: int, P: int) -> torch.Tensor:
