@@ -95,6 +95,12 @@ class NosaLayer(CacheLayerMixin):
         self._wait_writer()
         return self.host.read(0, self.seen, self.device)[which]
 
+    def offload(self) -> None:
+        """Nothing to move: the layer's K/V live in the host store already (transformers' layer offloading)."""
+
+    def prefetch(self) -> None:
+        """Nothing to fetch ahead: each step brings the blocks its selection needs."""
+
     # ----- set-up -----
 
     def _buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
