@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache import NosaCache
+
 
 @dataclass
 class DecodeResult:
@@ -60,7 +62,8 @@ def decode(
         max_new_tokens: greedy tokens to generate after the prompt; stops early once every row produced one of
             ``stop_ids``.
         score: also return the NLL of each fed token ``decode_from .. T-1`` under the model.
-        prefill_chunk: prefill in pieces of this many tokens (bounds the memory of dense prefill).
+        prefill_chunk: prefill in pieces of this many tokens (bounds the memory of dense prefill) with other caches
+            than a NosaCache.
     """
     B, T = input_ids.shape
     if not 1 <= decode_from <= T:
@@ -86,8 +89,11 @@ def decode(
         full_mask = torch.cat([mask, mask.new_ones(B, max_new_tokens + 1)], 1)
 
     logits = None
-    for start in range(0, decode_from, prefill_chunk):
-        end = min(decode_from, start + prefill_chunk)
+    # A NosaCache's model sends the prompt through itself in chunks of prefill_chunk_size, with the cache's prefill
+    # mode; pieces sent one by one would be updates after a prompt instead (the per-token decode rule).
+    piece = decode_from if isinstance(cache, NosaCache) else prefill_chunk
+    for start in range(0, decode_from, piece):
+        end = min(decode_from, start + piece)
         logits = forward(input_ids[:, start:end], start, end, positions[:, start:end])
     prefill_stats = _stats(cache)
 
