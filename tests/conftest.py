@@ -71,3 +71,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def padded_batch(length: int = 40, pads=(0, 7, 20), seed: int = 0):
+    """Random prompts ``[len(pads), length]``, row i left-padded by ``pads[i]`` tokens (id 0), and their mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 97, (len(pads), length), generator=g)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
+        ids[row, :pad] = 0
+    return ids, mask
+

@@ -7,17 +7,11 @@ from hf_nosa import NosaCache, to_nosa
 from hf_nosa import host_store
 from hf_nosa.modeling import randomize_eviction_heads
 
-from .conftest import small_nosa_config, tiny_model
+from .conftest import padded_batch, small_nosa_config, tiny_model
 
 
 def _batch(length, pads, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 97, (len(pads), length), generator=g)
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
-        ids[row, :pad] = 0
-    return ids, mask
+    return padded_batch(length, pads, seed)
 
 
 def _generate(model, ids, mask, chunk, **kwargs):

@@ -6,17 +6,11 @@ import torch
 import hf_nosa
 from hf_nosa import NosaCache, to_nosa
 
-from .conftest import small_nosa_config, tiny_model
+from .conftest import padded_batch, small_nosa_config, tiny_model
 
 
 def _padded_batch(seed=0, length=40, pads=(0, 7, 20)):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 97, (len(pads), length), generator=g)
-    mask = torch.ones_like(ids)
-    for row, pad in enumerate(pads):
-        mask[row, :pad] = 0
-        ids[row, :pad] = 0
-    return ids, mask
+    return padded_batch(length, pads, seed)
 
 
 def _greedy(model, ids, mask, **kwargs):
