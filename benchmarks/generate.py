@@ -228,6 +228,30 @@ def run(args):
     return rows
 
 
+def plot(result: dict, path: str) -> None:
+    """Decode and delivered tok/s per method and batch, one panel per context (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    contexts = sorted({r["context"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        rows = [r for r in result["rows"] if r["context"] == context]
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r["decode_tok_s"] for r in rows], 0.4, label="decode tok/s")
+        ax.bar([i + 0.2 for i in x], [r["delivered_tok_s"] for r in rows], 0.4, label="delivered tok/s")
+        ax.set_xticks(list(x), [f"{r['method']}\nb{r['batch']}" for r in rows], fontsize=8)
+        ax.set_title(f"{context // 1024}K prompt + {rows[0]['new_tokens']} new tokens", fontsize=10)
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"model.generate, {result['shape']} shape, {result['cap_gb']:g} GB device cap: {result['gpu']}, "
+                 f"torch {result['torch']}, transformers {result['transformers']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="1b", choices=("1b", "8b"), help="model shape (default: 1b)")
@@ -237,8 +261,13 @@ def main():
                         choices=("dynamic", "static", "nosa"), help="methods to run")
     parser.add_argument("--cap-gb", type=float, default=None, help="device memory cap (default: 24 for 1b, 48 for 8b)")
     parser.add_argument("--batch1", action="store_true", help="also run static + compile at batch 1")
-    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--out", required=True, help="JSON file to write (and a PNG beside it)")
+    parser.add_argument("--plot-only", action="store_true", help="only redraw the PNG of an existing --out JSON")
     args = parser.parse_args()
+    if args.plot_only:
+        with open(args.out) as f:
+            plot(json.load(f), os.path.splitext(args.out)[0] + ".png")
+        return
     result = dict(environment(), shape=args.shape, cap_gb=args.cap_gb or CAP_GB[args.shape], rows=[],
                   nosa_config=NosaConfig().to_dict())
 
@@ -250,6 +279,7 @@ def main():
     global SAVE
     SAVE = save
     run(args)
+    plot(result, os.path.splitext(args.out)[0] + ".png")
 
 
 if __name__ == "__main__":
