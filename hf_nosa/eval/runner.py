@@ -240,8 +240,9 @@ def _evaluate_tasks(model, tokenizer, tasks, method, nosa_config, samples, all_s
         traffic.add(cache, result, len(batch))
         steps += result.decode_steps
         for sample, row in zip(batch, result.tokens.tolist()):
-            cut = next((i for i, token in enumerate(row) if token in stop_ids), len(row))
-            prediction = tokenizer.decode(row[:cut], skip_special_tokens=True)
+            if not compact:  # what a row generates after its EOS (while others still run) is not its answer
+                row = row[: next((i + 1 for i, token in enumerate(row) if token in stop_ids), len(row))]
+            prediction = tokenizer.decode(row, skip_special_tokens=True)
             scores[sample.task].append(sample.score(prediction))
             shown = prediction.split("\n")[0] if sample.metric == "exact" else postprocess(prediction)
             examples.setdefault(sample.task, {"prediction": shown, "answers": list(sample.answers)})
