@@ -21,8 +21,8 @@ DECODE_REPORT_EVERY = 10  # decode steps between progress lines
 
 
 class Progress:
-    """Prefill and decode progress lines (on stderr), from a forward hook on the model: a finished forward of
-    several tokens is a prefill chunk, of one token a decode step."""
+    """Prefill and decode progress lines (on stderr), from forward hooks: ``chunk`` on the decoder (the model sends
+    a long prompt through it chunk by chunk), ``step`` on the causal LM (one token a step)."""
 
     def __init__(self, prefill_tokens: int, max_steps: int, *, stream=None):
         self.prefill_tokens, self.max_steps = prefill_tokens, max_steps
@@ -33,12 +33,21 @@ class Progress:
     def _line(self, text: str) -> None:
         print(f"  {text} ({time.perf_counter() - self.start:.1f}s)", file=self.stream, flush=True)
 
-    def __call__(self, module, args, kwargs, output) -> None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        tokens = ids.shape[-1]
+    @staticmethod
+    def _tokens(args, kwargs) -> int:
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = args[0] if args else kwargs.get("inputs_embeds")
+        return ids.shape[1]
+
+    def chunk(self, module, args, kwargs, output) -> None:
+        tokens = self._tokens(args, kwargs)
         if tokens > 1:
             self.prefilled += tokens
             self._line(f"prefill: {self.prefilled}/{self.prefill_tokens} prompt tokens")
+
+    def step(self, module, args, kwargs, output) -> None:
+        if self._tokens(args, kwargs) != 1:
             return
         self.steps += 1
         if self.steps == 1 or self.steps % DECODE_REPORT_EVERY == 0:
@@ -99,12 +108,14 @@ def run(args: argparse.Namespace) -> int:
     progress = Progress(decode_from, question + new_tokens - 1)
     print(f"hf-nosa demo: {ids.shape[1]}-token prompt, budget {budget} tokens, on {args.device}", file=sys.stderr,
           flush=True)
-    hook = model.register_forward_hook(progress, with_kwargs=True)
+    hooks = [model.model.register_forward_hook(progress.chunk, with_kwargs=True),
+             model.register_forward_hook(progress.step, with_kwargs=True)]
     try:
         result = decode(model, ids, cache=cache, decode_from=decode_from, max_new_tokens=new_tokens,
-                        stop_ids=_stop_ids(tokenizer), prefill_chunk=2048)
+                        stop_ids=_stop_ids(tokenizer))
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     progress.done()
     finished = time.perf_counter()
     answer = tokenizer.decode(result.tokens[0].tolist(), skip_special_tokens=True).split("\n")[0].strip()
