@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.decode_throughput import CAP_GB, SHAPES, build_model  # noqa: E402
+from benchmarks.decode_throughput import CAP_GB, build_model  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.host_store import available_host_memory  # noqa: E402

@@ -26,10 +26,9 @@ from .config import NosaConfig
 from .host_store import HostStore, check_host_memory
 from .kernels.backend import kernel_path
 from .kernels.block_scores import NewToken, append_token, block_select
-from .kernels.fetch import SlotPool, StepCounters, count_share, fetch_blocks, fetch_selection, fetch_step, plan_fetch
-from .masks import additive_mask, padding_bias
-from .prefill import quoka_select, write_to_host
-from .selection import MASK_VALUE, nosa_token_mask, num_windows, query_block_scores, eviction_block_scores, select_blocks
+from .kernels.fetch import SlotPool, StepCounters, count_share, fetch_blocks, fetch_step, plan_fetch
+from .prefill import PrefillPaths, write_to_host
+from .selection import MASK_VALUE, eviction_block_scores, num_windows, query_block_scores, select_blocks
 from .selectors import BlockSelector
 
 logger = logging.getLogger(__name__)
@@ -45,7 +44,7 @@ class CacheState:
         self.n_layers = 0
 
 
-class NosaLayer(CacheLayerMixin):
+class NosaLayer(PrefillPaths, CacheLayerMixin):
     """One layer's NOSA cache: host store, compressed keys and the device slot pool."""
 
     is_compileable = False
@@ -117,14 +116,14 @@ class NosaLayer(CacheLayerMixin):
         self.cfg = self.base_cfg.sized_for(planned)
         pin = self.device.type == "cuda" and self.cfg.offload
         workspace = self.state.workspace
-        host_allocate = None
-        if workspace is not None:
+        if workspace is not None:  # pinned chunks and the block table (part of a captured graph) outlive this cache
             def host_allocate(name, shape, dtype, pin_memory):
                 return workspace.take((self.layer_idx, name), shape, dtype, "cpu", pin=pin_memory)
-        table = None
-        if workspace is not None:  # the block table's address is part of a captured graph: keep it across caches
+
             blocks = max(1, -(-planned // self.cfg.block_size))
             table = self._buffer("host_table", (4, 1 << max(6, (blocks - 1).bit_length())), torch.int64).zero_()
+        else:
+            host_allocate = table = None
         self.host = HostStore(B, Hk, D, key_states.dtype, self.cfg.block_size, pin=pin, table=table,
                               allocate=host_allocate)
         if self.state.max_tokens is not None or self.state.prefill_end is not None:
@@ -236,100 +235,6 @@ class NosaLayer(CacheLayerMixin):
                 k, _, b = self.host.read(0, self.seen, self.device)
                 start = 0
             self.selector.observe(self, k, b, start)
-
-    # ----- prefill: the prompt, one chunk per update -----
-
-    def _prefill(self, k, v, q, b, attention_mask, scale) -> AttentionInputs:
-        start, Tq = self.seen, k.shape[2]
-        end = start + Tq
-        target = max(self.state.prefill_end or 0, end)
-        self._grow_layout(target)
-        mode = self.cfg.prefill_mode(target)
-        pad = padding_bias(attention_mask, start, Tq)
-        if pad is not None:
-            b = b + pad.to(b.device)
-        self._wait_writer()
-        if mode == "quoka":
-            inputs = self._quoka_inputs(k, v, q, b, None if pad is None else pad[:, 0] == 0, start)
-            self._store(start, k, v, b)
-        else:
-            self._store(start, k, v, b)
-            keys, values, key_bias = self._staged(k, v, b, start, target)
-            mask = additive_mask(attention_mask, Tq, end, start, self.device) if attention_mask is not None else None
-            if mode == "nosa":
-                rule = torch.where(nosa_token_mask(q, keys, key_bias, start, self.cfg, scale), 0.0, MASK_VALUE)
-                mask = rule if mask is None else mask + rule
-            inputs = AttentionInputs(keys, values, key_bias, mask, start, causal=mask is None)
-            self.peak_device_tokens = max(self.peak_device_tokens, end)
-        if end >= target:
-            self._finish_prefill(k, v, b, start)
-        return inputs
-
-    def _staged(self, k, v, b, start, target):
-        """Every key up to this chunk's end, on the device ("dense"/"nosa" keep the prompt's KV there while it
-        is prefilled; a one-update prompt is its own staging)."""
-        end = start + k.shape[2]
-        if start == 0 and end >= target:
-            return k, v, b
-        if self.staging is None and start == 0:
-            B, Hk, D = self.batch, self.kv_heads, self.head_dim
-            self.staging = (k.new_empty(B, Hk, target, D), v.new_empty(B, Hk, target, D),
-                            b.new_empty(B, Hk, target))
-        if self.staging is None:  # a prefill continued past its planned end: earlier keys come from the host
-            hk, hv, hb = self._read_counted(0, start)
-            return torch.cat([hk, k], 2), torch.cat([hv, v], 2), torch.cat([hb, b], 2)
-        for buffer, new in zip(self.staging, (k, v, b)):
-            buffer[:, :, start:end] = new
-        return tuple(buffer[:, :, :end] for buffer in self.staging)
-
-    def _quoka_inputs(self, k, v, q, b, valid, start) -> AttentionInputs:
-        selected = quoka_select(self, q, valid, start)  # [B, Hk, K]
-        n_selected = selected.shape[-1]
-        self.peak_device_tokens = max(self.peak_device_tokens, n_selected * self.cfg.block_size + k.shape[2])
-        if n_selected == 0:
-            return AttentionInputs(k, v, b, None, 0, causal=True)
-        pool = SlotPool(self.slot_k, self.slot_v, self.slot_b, self.slot_block, self.tail_slot)
-        fetch_selection(selected, pool, self.host, self.counters)
-        S = self.n_slots
-        keys = torch.cat([self.slot_k[:, :, :S].flatten(2, 3), k], 2)
-        values = torch.cat([self.slot_v[:, :, :S].flatten(2, 3), v], 2)
-        key_bias = torch.cat([self.slot_b[:, :, :S].flatten(2), b], 2)
-        return AttentionInputs(keys, values, key_bias, None, S * self.cfg.block_size, causal=True)
-
-    def _finish_prefill(self, k, v, b, start) -> None:
-        """The prompt is in: drop the staging, and leave the slot pool empty but for the partly written block."""
-        self.staging = None
-        end, P = self.seen, self.cfg.block_size
-        tail = end - end % P
-        if tail >= start:
-            self._reset_slots(k[:, :, tail - start :], v[:, :, tail - start :], b[:, :, tail - start :])
-        else:
-            self._wait_writer()
-            self._reset_slots(*self.host.read(tail, end, self.device))
-
-    def _read_counted(self, start: int, end: int):
-        self._wait_writer()
-        hk, hv, hb = self.host.read(start, end, self.device)
-        self.counters.counts[1].add_(sum(t.numel() * t.element_size() for t in (hk, hv, hb)))
-        return hk, hv, hb
-
-    def _extend_by_decode_rule(self, k, v, q, b, attention_mask, scale) -> AttentionInputs:
-        """Several tokens after a prompt: each attends to what decoding it alone would select."""
-        start, Tq = self.seen, k.shape[2]
-        pad = padding_bias(attention_mask, start, Tq)
-        if pad is not None:
-            b = b + pad.to(b.device)
-        hk, hv, hb = self._read_counted(0, start)
-        self._grow_layout(start + Tq)
-        self._store(start, k, v, b)
-        keys, values, key_bias = torch.cat([hk, k], 2), torch.cat([hv, v], 2), torch.cat([hb, b], 2)
-        self.peak_device_tokens = max(self.peak_device_tokens, self.seen)
-        mask = torch.where(nosa_token_mask(q, keys, key_bias, start, self.cfg, scale), 0.0, MASK_VALUE)
-        if attention_mask is not None:
-            mask = mask + additive_mask(attention_mask, Tq, self.seen, start, self.device)
-        tail = self.seen - self.seen % self.cfg.block_size
-        self._reset_slots(keys[:, :, tail:], values[:, :, tail:], key_bias[:, :, tail:])
-        return AttentionInputs(keys, values, key_bias, mask, start, causal=False)
 
     def _reset_slots(self, tail_k, tail_v, tail_b) -> None:
         """Empty the slot pool but for the partly written last block (its tokens given), which becomes slot 0."""

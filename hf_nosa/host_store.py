@@ -10,7 +10,6 @@ the device (UVA) through a per-block address table, and written back asynchronou
 from __future__ import annotations
 
 import bisect
-import os
 
 import torch
 

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import torch
 
+from .attend import AttentionInputs
+from .kernels.fetch import SlotPool, fetch_selection
 from .kernels.host_write import host_write
 from .kernels.quoka_score import quoka_score
-from .selection import quoka_query_choice, quoka_select_blocks, windows_available
+from .masks import additive_mask, padding_bias
+from .selection import MASK_VALUE, nosa_token_mask, quoka_query_choice, quoka_select_blocks, windows_available
 
 _WRITERS: dict[torch.device, "torch.cuda.Stream"] = {}
 
@@ -81,3 +84,106 @@ def quoka_select(layer, query: torch.Tensor, valid: torch.Tensor | None, start: 
     scores = quoka_score(kept, compressed.keys, n_windows, n_blocks, cfg, n_valid=n_valid,
                          compressed_bias=compressed.bias)
     return quoka_select_blocks(scores, first // P, cfg, budget_blocks=budget)[:, :, 0]
+
+
+class PrefillPaths:
+    """How a ``NosaLayer`` takes several tokens at once (mixed into it; the attributes are the layer's).
+
+    A prompt arrives one chunk per update (``modeling.chunked``); by the layer's prefill mode a chunk attends to
+    every earlier token ("dense", "nosa": a device staging of the prompt) or to QUOKA's blocks fetched into the slot
+    pool ("quoka"), then to itself. Several tokens after a prompt attend by the decode rule, token by token.
+    """
+
+    # ----- prefill: the prompt, one chunk per update -----
+
+    def _prefill(self, k, v, q, b, attention_mask, scale) -> AttentionInputs:
+        start, Tq = self.seen, k.shape[2]
+        end = start + Tq
+        target = max(self.state.prefill_end or 0, end)
+        self._grow_layout(target)
+        mode = self.cfg.prefill_mode(target)
+        pad = padding_bias(attention_mask, start, Tq)
+        if pad is not None:
+            b = b + pad.to(b.device)
+        self._wait_writer()
+        if mode == "quoka":
+            inputs = self._quoka_inputs(k, v, q, b, None if pad is None else pad[:, 0] == 0, start)
+            self._store(start, k, v, b)
+        else:
+            self._store(start, k, v, b)
+            keys, values, key_bias = self._staged(k, v, b, start, target)
+            mask = additive_mask(attention_mask, Tq, end, start, self.device) if attention_mask is not None else None
+            if mode == "nosa":
+                rule = torch.where(nosa_token_mask(q, keys, key_bias, start, self.cfg, scale), 0.0, MASK_VALUE)
+                mask = rule if mask is None else mask + rule
+            inputs = AttentionInputs(keys, values, key_bias, mask, start, causal=mask is None)
+            self.peak_device_tokens = max(self.peak_device_tokens, end)
+        if end >= target:
+            self._finish_prefill(k, v, b, start)
+        return inputs
+
+    def _staged(self, k, v, b, start, target):
+        """Every key up to this chunk's end, on the device ("dense"/"nosa" keep the prompt's KV there while it
+        is prefilled; a one-update prompt is its own staging)."""
+        end = start + k.shape[2]
+        if start == 0 and end >= target:
+            return k, v, b
+        if self.staging is None and start == 0:
+            B, Hk, D = self.batch, self.kv_heads, self.head_dim
+            self.staging = (k.new_empty(B, Hk, target, D), v.new_empty(B, Hk, target, D),
+                            b.new_empty(B, Hk, target))
+        if self.staging is None:  # a prefill continued past its planned end: earlier keys come from the host
+            hk, hv, hb = self._read_counted(0, start)
+            return torch.cat([hk, k], 2), torch.cat([hv, v], 2), torch.cat([hb, b], 2)
+        for buffer, new in zip(self.staging, (k, v, b)):
+            buffer[:, :, start:end] = new
+        return tuple(buffer[:, :, :end] for buffer in self.staging)
+
+    def _quoka_inputs(self, k, v, q, b, valid, start) -> AttentionInputs:
+        selected = quoka_select(self, q, valid, start)  # [B, Hk, K]
+        n_selected = selected.shape[-1]
+        self.peak_device_tokens = max(self.peak_device_tokens, n_selected * self.cfg.block_size + k.shape[2])
+        if n_selected == 0:
+            return AttentionInputs(k, v, b, None, 0, causal=True)
+        pool = SlotPool(self.slot_k, self.slot_v, self.slot_b, self.slot_block, self.tail_slot)
+        fetch_selection(selected, pool, self.host, self.counters)
+        S = self.n_slots
+        keys = torch.cat([self.slot_k[:, :, :S].flatten(2, 3), k], 2)
+        values = torch.cat([self.slot_v[:, :, :S].flatten(2, 3), v], 2)
+        key_bias = torch.cat([self.slot_b[:, :, :S].flatten(2), b], 2)
+        return AttentionInputs(keys, values, key_bias, None, S * self.cfg.block_size, causal=True)
+
+    def _finish_prefill(self, k, v, b, start) -> None:
+        """The prompt is in: drop the staging, and leave the slot pool empty but for the partly written block."""
+        self.staging = None
+        end, P = self.seen, self.cfg.block_size
+        tail = end - end % P
+        if tail >= start:
+            self._reset_slots(k[:, :, tail - start :], v[:, :, tail - start :], b[:, :, tail - start :])
+        else:
+            self._wait_writer()
+            self._reset_slots(*self.host.read(tail, end, self.device))
+
+    def _read_counted(self, start: int, end: int):
+        self._wait_writer()
+        hk, hv, hb = self.host.read(start, end, self.device)
+        self.counters.counts[1].add_(sum(t.numel() * t.element_size() for t in (hk, hv, hb)))
+        return hk, hv, hb
+
+    def _extend_by_decode_rule(self, k, v, q, b, attention_mask, scale) -> AttentionInputs:
+        """Several tokens after a prompt: each attends to what decoding it alone would select."""
+        start, Tq = self.seen, k.shape[2]
+        pad = padding_bias(attention_mask, start, Tq)
+        if pad is not None:
+            b = b + pad.to(b.device)
+        hk, hv, hb = self._read_counted(0, start)
+        self._grow_layout(start + Tq)
+        self._store(start, k, v, b)
+        keys, values, key_bias = torch.cat([hk, k], 2), torch.cat([hv, v], 2), torch.cat([hb, b], 2)
+        self.peak_device_tokens = max(self.peak_device_tokens, self.seen)
+        mask = torch.where(nosa_token_mask(q, keys, key_bias, start, self.cfg, scale), 0.0, MASK_VALUE)
+        if attention_mask is not None:
+            mask = mask + additive_mask(attention_mask, Tq, self.seen, start, self.device)
+        tail = self.seen - self.seen % self.cfg.block_size
+        self._reset_slots(keys[:, :, tail:], values[:, :, tail:], key_bias[:, :, tail:])
+        return AttentionInputs(keys, values, key_bias, mask, start, causal=False)

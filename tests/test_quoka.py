@@ -194,7 +194,7 @@ def test_auto_is_dense_while_the_prompt_fits_and_quoka_beyond(monkeypatch):
     model = _model("llama")
     calls = []
     original = prefill_module.quoka_select
-    monkeypatch.setattr("hf_nosa.cache.quoka_select", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr("hf_nosa.prefill.quoka_select", lambda *a: calls.append(1) or original(*a))
     for length, used in ((60, False), (100, True)):
         calls.clear()
         cache = NosaCache(model.config, cfg)
