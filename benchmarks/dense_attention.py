@@ -19,7 +19,6 @@ import gc
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +27,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
+from benchmarks.train_step import _sync, _timed  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.attend import AttentionInputs, attend  # noqa: E402
 from hf_nosa.dense_attention import biased_attention  # noqa: E402
@@ -42,21 +42,6 @@ NOSA = dict(block_size=64, budget_tokens=4096, query_tokens=1024, sink_tokens=64
             compress_kernel=32, compress_stride=16, prefill="dense")
 SMOKE_NOSA = dict(block_size=16, budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16,
                   compress_kernel=8, compress_stride=4, prefill="dense")
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timed(fn, device, repeats: int) -> float:
-    fn()
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - t0) / repeats
 
 
 def _kernels(fn, device) -> list[str]:

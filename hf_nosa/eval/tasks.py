@@ -221,7 +221,9 @@ def _haystack(kind: str, split: str) -> Haystack:
 # ----- tasks: each returns needles, question, answers and the haystack kind -----
 
 
-def _niah(rng, *, value, keys: int, values_per_key: int, queries: int, kind: str):
+def _needles(rng, value, keys: int, values_per_key: int):
+    """``keys`` distinct key names, each with ``values_per_key`` values: (names, shuffled (name, value) pairs,
+    values by name)."""
     names = _distinct(rng, _key, keys)
     needles, by_key = [], {}
     for name in names:
@@ -230,6 +232,11 @@ def _niah(rng, *, value, keys: int, values_per_key: int, queries: int, kind: str
             by_key.setdefault(name, []).append(v)
             needles.append((name, v))
     rng.shuffle(needles)
+    return names, needles, by_key
+
+
+def _niah(rng, *, value, keys: int, values_per_key: int, queries: int, kind: str):
+    names, needles, by_key = _needles(rng, value, keys, values_per_key)
     lines = [f"One of the special magic {kind}s for {name} is: {v}.\n" for name, v in needles]
     if values_per_key > 1:
         name = names[0]
@@ -397,14 +404,7 @@ def _place(task, rng, length, counter, lines, question, answers, haystack, *, sp
 
 
 def _ruler_niah(rng, *, value, keys: int, values_per_key: int, queries: int, kinds: str):
-    names = _distinct(rng, _key, keys)
-    needles, by_key = [], {}
-    for name in names:
-        for _ in range(values_per_key):
-            v = value(rng)
-            by_key.setdefault(name, []).append(v)
-            needles.append((name, v))
-    rng.shuffle(needles)
+    names, needles, by_key = _needles(rng, value, keys, values_per_key)
     lines = [ruler.NIAH_NEEDLE.format(kinds=kinds, key=name, value=v) + "\n" for name, v in needles]
     asked = rng.sample(names, queries)
     query = asked[0] if queries == 1 else ", ".join(asked[:-1]) + ", and " + asked[-1]
