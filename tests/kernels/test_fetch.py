@@ -187,3 +187,33 @@ def test_unpinned_store_on_cuda(monkeypatch):
     monkeypatch.delenv("HF_NOSA_KERNELS")
     fetch_step(*args, count_locality=False)  # automatic: the torch reference, logged once
     assert int(args[6]) == 41
+
+
+@pytest.mark.parametrize("B,Hk,D,P,K,T,dtype", [(2, 2, 64, 16, 5, 200, torch.float32), (1, 3, 32, 16, 3, 90, torch.bfloat16)])
+def test_fetch_selection_matches_reference_interpreted(interpret, B, Hk, D, P, K, T, dtype):
+    """The no-token mode of the fetch kernel (QUOKA chunks): the pool holds exactly the selection, blocks kept from
+    the previous selection stay in their slots, empty slots carry MASK_VALUE, the counters match."""
+    from hf_nosa.kernels.fetch import fetch_selection, fetch_selection_ref
+
+    gen = torch.Generator().manual_seed(3)
+    device = torch.device("cpu")
+    host_ref, pool_ref = make_state(B, Hk, D, P, K + 2, T, dtype, device, 4, gen)
+    host_ker, pool_ker = clone_host(host_ref), SlotPool(*(x.clone() for x in pool_ref))
+    counters_ref, counters_ker = StepCounters.zeros(device), StepCounters.zeros(device)
+    selected = torch.full((B, Hk, K), -1, dtype=torch.long)
+    for _ in range(4):
+        selected = next_selection(selected, T // P, K, gen, device)
+        fetch_selection_ref(selected, pool_ref, host_ref, counters_ref)
+        fetch_selection(selected, pool_ker, host_ker, counters_ker)
+        S = pool_ref.slot_block.shape[-1]
+        for name, ref, ker in zip(SlotPool._fields, pool_ref, pool_ker):
+            if name == "tail_slot":
+                continue
+            if name in ("slot_k", "slot_v", "slot_b"):
+                ref, ker = ref[:, :, :S], ker[:, :, :S]
+            torch.testing.assert_close(ker, ref, rtol=0, atol=0, equal_nan=True, msg=name)
+        torch.testing.assert_close(counters_ker.counts, counters_ref.counts, rtol=0, atol=0)
+        held = pool_ker.slot_block
+        for b in range(B):
+            for h in range(Hk):
+                assert sorted(x for x in held[b, h].tolist() if x >= 0) == sorted(x for x in selected[b, h].tolist() if x >= 0)
