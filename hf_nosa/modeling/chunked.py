@@ -108,7 +108,10 @@ class NosaForward:
                 out = decoder(use_cache=True, **chunk)
                 rows = keep[a:b].nonzero().flatten()
                 if rows.numel():
-                    hidden_parts.append(out.last_hidden_state[:, rows.to(inputs.device)])
+                    lo, hi = int(rows[0]), int(rows[-1]) + 1
+                    hidden = out.last_hidden_state
+                    # a run of positions (the usual case) is a view; only scattered ones need an index copy
+                    hidden_parts.append(hidden[:, lo:hi] if hi - lo == rows.numel() else hidden[:, rows.to(hidden.device)])
                 if output_hidden:
                     layer_states.append(out.hidden_states)
         finally:
