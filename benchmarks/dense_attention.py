@@ -6,7 +6,9 @@ its last 4096 queries (lower-right causal), and the Triton chunk-attention kerne
 names the sdpa kernels the profiler saw, and the biased rows carry their largest difference from the einsum
 reference ``attend`` over the last 512 queries. Model prefill (1b shape, random weights, ``logits_to_keep=1``, no
 cache): the stock model with sdpa, the converted model (``prefill="dense"``) with random nonzero eviction heads,
-and the converted model with ``A == 0`` (plain sdpa path). Nothing is downloaded.
+and the converted model with ``A == 0`` (plain sdpa path). One QUOKA chunk's attention (2048 queries over 4096
+gathered tokens plus the chunk, batch 4): plain sdpa on that shape, the biased attention and the Triton kernel,
+with TFLOP/s. Nothing is downloaded.
 
     PYTHONPATH=. python benchmarks/dense_attention.py --out benchmarks/results
     python benchmarks/dense_attention.py --smoke        # tiny sizes on the CPU
@@ -102,6 +104,62 @@ def attention_rows(name: str, seq_len: int, args, device, dtype) -> list[dict]:
     return rows
 
 
+def quoka_chunk_rows(name: str, args, device, dtype) -> list[dict]:
+    """One QUOKA prefill chunk's attention: ``chunk`` queries over ``budget`` gathered block tokens then the chunk
+    itself (lower-right causal), batch ``--quoka-batch``. Runs: plain sdpa on that shape without a bias (the dense
+    kernel's rate, what a converted model cannot beat), the library's biased attention (FlashAttention with the bias
+    in extra head dimensions, some slots empty), and the Triton chunk-attention kernel it replaced."""
+    H, Hk, D = HEADS[name] if not args.smoke else (4, 2, 16)
+    chunk, budget = (64, 128) if args.smoke else (2048, 4096)
+    B, S, scale = args.quoka_batch, budget + chunk, D**-0.5
+    g = torch.Generator(device=device).manual_seed(1)
+    q = torch.randn(B, H, chunk, D, device=device, generator=g).to(dtype)
+    k = torch.randn(B, Hk, S, D, device=device, generator=g).to(dtype)
+    v = torch.randn(B, Hk, S, D, device=device, generator=g).to(dtype)
+    bias = 3.0 * torch.randn(B, Hk, S, device=device, generator=g)
+    bias[:, :, : budget // 8] = -1e30  # empty slots of the pool
+    inputs = AttentionInputs(k, v, bias, None, budget, causal=True)
+    flops = 4 * B * H * D * chunk * (budget + chunk / 2)
+    runs = {
+        "sdpa_no_bias": lambda: F.scaled_dot_product_attention(
+            q, k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1), scale=scale,
+            attn_mask=_lower_right_bias(chunk, S, device, dtype)),
+        "biased": lambda: biased_attention(q, inputs, scale),
+    }
+    if device.type == "cuda":
+        from hf_nosa.kernels.chunk_attention import chunk_attention
+
+        index = torch.arange(S, device=device, dtype=torch.int32).expand(B, Hk, 1, S)
+        runs["chunk_attention_kernel"] = lambda: chunk_attention(
+            q, k, v, bias, index, [0, chunk], [budget], scale, out=torch.empty_like(q))
+    rows = []
+    n = min(256, chunk)
+    ref = attend(q[:, :, -n:], AttentionInputs(k, v, bias, None, S - n, causal=True), scale).float()
+    for run, fn in runs.items():
+        row = dict(kind="quoka_chunk", shape=name, batch=B, chunk=chunk, budget=budget, run=run, heads=[H, Hk, D])
+        try:
+            seconds = _timed(fn, device, args.repeats)
+            row.update(seconds=seconds, tflops=flops / seconds / 1e12, kernels=_kernels(fn, device))
+            if run != "sdpa_no_bias":
+                row["max_abs_diff_vs_attend_last_queries"] = float((fn()[:, :, -n:].float() - ref).abs().max())
+        except torch.OutOfMemoryError:
+            row["oom"] = True
+        except Exception as error:
+            row["error"] = f"{type(error).__name__}: {error}"[:500]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def _lower_right_bias(Tq: int, S: int, device, dtype):
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+
+        return causal_lower_right(Tq, S)
+    allowed = torch.arange(S, device=device)[None, :] <= torch.arange(S - Tq, S, device=device)[:, None]
+    return torch.where(allowed, 0.0, float("-inf")).to(dtype)
+
+
 def prefill_rows(seq_len: int, args, device, dtype) -> list[dict]:
     shape = SHAPE_SMOKE if args.smoke else SHAPE_1B
     config = LlamaConfig(**shape)
@@ -141,6 +199,7 @@ def main() -> int:
     parser.add_argument("--lengths", default=None, help="comma-separated sequence lengths (default 8192,32768,65536)")
     parser.add_argument("--batch", type=int, default=1, help="batch of the model prefill")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats after one untimed call")
+    parser.add_argument("--quoka-batch", type=int, default=4, help="batch of the QUOKA chunk rows")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
@@ -150,6 +209,8 @@ def main() -> int:
             parser.error("the full benchmark needs a GPU; use --smoke on the CPU")
         dtype, lengths = torch.bfloat16, [int(x) for x in (args.lengths or "8192,32768,65536").split(",")]
     report = dict(environment(), results=[], targets={})
+    for name in HEADS:
+        report["results"] += quoka_chunk_rows(name, args, device, dtype)
     for seq_len in lengths:
         for name in HEADS:
             report["results"] += attention_rows(name, seq_len, args, device, dtype)
