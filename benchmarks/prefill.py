@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.profiling import gpu_ms_by_kernel  # noqa: E402
 from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
+from hf_nosa.workspace import workspace_of  # noqa: E402
 
 SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256)
@@ -64,7 +65,11 @@ def prefill_dense(model, ids, chunk=None):
 
 @torch.no_grad()
 def prefill_quoka(model, ids, nosa_config):
-    cache = NosaCache(model.config, nosa_config)
+    # As generate builds it: sized for the prompt up front, pinned host chunks reused from the model's workspace
+    # (so repeats time the prefill, not cudaHostAlloc).
+    cache = NosaCache(model.config, nosa_config, max_cache_len=ids.shape[1] + 1)
+    if ids.is_cuda:
+        cache.attach_workspace(workspace_of(model))
     logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     return logits[:, -1].argmax(-1), cache
 
