@@ -10,7 +10,7 @@ compilation, graph capture, pinned host memory), then timed; ``first_call_s`` is
 
 Batch search: stock methods double the batch until the prefill runs out of device memory (probing with 2 new
 tokens, then a bisection); NOSA takes the largest batch whose host store fits 70% of the free host memory, then
-halves while the device (or pinning) says no. ``limit`` says which bound stopped each method.
+steps down by 15% while the device (or pinning) says no. ``limit`` says which bound stopped each method.
 
     python benchmarks/generate.py --shape 1b --contexts 32768 65536 --out benchmarks/results/generate.json
 """
@@ -218,11 +218,13 @@ def run(args):
                     break
                 except (torch.OutOfMemoryError, RuntimeError, MemoryError) as error:
                     print(f"nosa batch {b} at {context}: {type(error).__name__}: {str(error)[:200]}", flush=True)
-                    workspace_of(model).buffers.clear()
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                    torch._C._host_emptyCache()
-                    b, limit = b // 2, f"halved after {type(error).__name__} at batch {b}"
+                    failure = type(error).__name__
+                # Out of the except block, so the traceback's frames (and the failed call's cache) are gone.
+                workspace_of(model).buffers.clear()
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch._C._host_emptyCache()
+                b, limit = b * 17 // 20, f"stepped down by 15% after {failure} at batch {b}"
             for extra in sorted({stock_batches.get(context, 0), 1} - {0, b}, reverse=True):
                 rows.append(timed_row(model, extra, context, args.new_tokens, "nosa", limit="fixed", engine=True))
     return rows
