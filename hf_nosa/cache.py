@@ -27,6 +27,7 @@ from .host_store import HostStore, check_host_memory
 from .kernels.backend import kernel_path
 from .kernels.block_scores import NewToken, append_token, block_select
 from .kernels.fetch import SlotPool, StepCounters, count_share, fetch_blocks, fetch_step, plan_fetch
+from .padding import from_rows
 from .prefill import PrefillPaths, write_to_host
 from .selection import MASK_VALUE, eviction_block_scores, num_windows, query_block_scores, select_blocks
 from .selectors import BlockSelector
@@ -40,6 +41,9 @@ class CacheState:
     def __init__(self, max_tokens: int | None = None):
         self.max_tokens = max_tokens  # longest sequence this cache will hold, when known (generate knows it)
         self.prefill_end: int | None = None  # sequence length at the end of the prefill being chunked
+        # [B] CPU long: the left padding of each row of the prompt being prefilled, whose real tokens arrive moved
+        # to the front (``modeling.chunked``); the layers count every row from its first real token after it
+        self.prefill_offsets: torch.Tensor | None = None
         self.workspace = None  # a DeviceWorkspace shared across generate calls, or None
         self.n_layers = 0
 
@@ -92,7 +96,11 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         if not self.is_initialized:
             return None
         self._wait_writer()
-        return self.host.read(0, self.seen, self.device)[which]
+        if not self.padded:
+            return self.host.read(0, self.seen, self.device)[which]
+        # rows are stored row-relative: back to cache indices, zeros in the padding (which is not stored)
+        stored = self.host.read(0, int(self.row_lengths().max()), self.device)[which]
+        return from_rows(stored, self.offset, dim=2, fill=0.0, length=self.seen)
 
     def offload(self) -> None:
         """Nothing to move: the layer's K/V live in the host store already (transformers' layer offloading)."""
@@ -135,6 +143,10 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         self.compressed = CompressedKeys(self.cfg, key_states, tokens=planned, allocate=self._allocate)
         self._allocate_slots()
         self.step = self._buffer("step", (1,), torch.long).zero_()
+        # Row b's token at cache index t is stored at row-relative index t - offset[b] (``hf_nosa.padding``).
+        self.offset = self._buffer("offset", (B,), torch.long).zero_()
+        self.offsets_host = torch.zeros(B, dtype=torch.long)  # the same on the CPU, for host-side indexing
+        self.padded = False  # whether any offset is nonzero
         self._step_value = 0  # what `step` holds once the queued work has run
         self.counters = StepCounters(self._buffer("counts", (5,), torch.int64).zero_(),
                                      self._buffer("locality", (2,), torch.float32).zero_())
@@ -162,12 +174,14 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         if self.cfg is self.base_cfg or n_tokens // self.cfg.block_size < self.cfg.budget_blocks:
             return
         old = (self.slot_k, self.slot_v, self.slot_b, self.slot_block)
+        tail = self.tail_slot
         S_old = self.n_slots
         self.cfg = self.base_cfg.sized_for(max(2 * n_tokens, n_tokens + self.cfg.block_size))
         self.compressed.cfg = self.cfg
         self._allocate_slots()
         for new, previous in zip((self.slot_k, self.slot_v, self.slot_b, self.slot_block), old):
             new[:, :, :S_old] = previous[:, :, :S_old]
+        self.tail_slot.copy_(tail)  # the block being written stays where it is
 
     def _check_input(self, key_states: torch.Tensor, query, bias) -> None:
         if query is None or bias is None:
@@ -237,18 +251,9 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
             self.selector.observe(self, k, b, start)
 
     def _reset_slots(self, tail_k, tail_v, tail_b) -> None:
-        """Empty the slot pool but for the partly written last block (its tokens given), which becomes slot 0."""
-        P, T = self.cfg.block_size, self.seen
-        self.slot_block.fill_(-1)
-        self.slot_b.fill_(MASK_VALUE)
-        self.tail_slot.zero_()
-        self.warm = False
-        n_tail = T % P
-        if n_tail:
-            self.slot_k[:, :, 0, :n_tail] = tail_k[:, :, -n_tail:]
-            self.slot_v[:, :, 0, :n_tail] = tail_v[:, :, -n_tail:]
-            self.slot_b[:, :, 0, :n_tail] = tail_b[:, :, -n_tail:]
-            self.slot_block[:, :, 0] = T // P
+        """Empty the slot pool but for the partly written last block, from the sequence's last tokens given
+        (``[B, Hk, n, D]``, ending at ``seen``); see ``_settle_rows``."""
+        self._settle_rows((tail_k, tail_v, tail_b, self.seen - tail_k.shape[2]))
 
     # ----- decode: one new token -----
 
@@ -259,10 +264,16 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         P = self.cfg.block_size
         t = self.seen
         self._grow_layout(t + 1)
-        self.host.write(t, k, v, b)
-        self._store_token(k, b, t)
+        rows_t = t - self.offset  # [B] row-relative index of the token in each row
+        if self.padded:
+            self.host.write_rows(t - self.offsets_host, k, v, b)
+            self.host.length = t + 1
+        else:
+            self.host.write(t, k, v, b)
+        self._store_token(k, b, t, rows_t)
         selected = self.select(q, t, scale)  # [B, Hk, K]
-        plan = plan_fetch(selected, self.slot_block, self.tail_slot, new_block=t % P == 0, current_block=t // P)
+        plan = plan_fetch(selected, self.slot_block, self.tail_slot, new_block=rows_t % P == 0,
+                          current_block=rows_t // P)
         fetch_blocks(plan, selected, self.host, self.slot_k, self.slot_v, self.slot_b)
         self.slot_block.copy_(plan.slot_block)
         self.tail_slot.copy_(plan.tail_slot)
@@ -270,9 +281,10 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         B, Hk = self.batch, self.kv_heads
         bi = torch.arange(B, device=self.device)[:, None]
         hi = torch.arange(Hk, device=self.device)[None, :]
-        self.slot_k[bi, hi, self.tail_slot, t % P] = k[:, :, 0]
-        self.slot_v[bi, hi, self.tail_slot, t % P] = v[:, :, 0]
-        self.slot_b[bi, hi, self.tail_slot, t % P] = b[:, :, 0]
+        at = (rows_t % P)[:, None]
+        self.slot_k[bi, hi, self.tail_slot, at] = k[:, :, 0]
+        self.slot_v[bi, hi, self.tail_slot, at] = v[:, :, 0]
+        self.slot_b[bi, hi, self.tail_slot, at] = b[:, :, 0]
 
         counts, locality = self.counters
         loaded = plan.missing.sum()
@@ -284,16 +296,23 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         self.decode_steps += 1
         S = self.n_slots
         pos = self.slot_block[..., None] * P + torch.arange(P, device=self.device)  # [B, Hk, S, P]
-        valid = (self.slot_block[..., None] >= 0) & (pos <= t)
+        valid = (self.slot_block[..., None] >= 0) & (pos <= rows_t[:, None, None, None])
         key_bias = torch.where(valid, self.slot_b[:, :, :S], MASK_VALUE).flatten(2)
         return AttentionInputs(self.slot_k[:, :, :S].flatten(2, 3), self.slot_v[:, :, :S].flatten(2, 3), key_bias,
                                None, 0, causal=False)
 
-    def _store_token(self, k, b, t) -> None:
+    def _store_token(self, k, b, t, rows_t) -> None:
         self.seen = t + 1
-        self.compressed.append(k, b, t)
+        n = num_windows(t + 1, self.cfg)  # at least every row's windows (rows are at t - offset)
+        self.compressed.reserve(n)
+        self.compressed.n = max(self.compressed.n, n)
+        self.compressed.append(k, b, rows_t)
         if self.selector is not None:
             self.selector.observe(self, k, b, t)
+
+    def row_lengths(self) -> torch.Tensor:
+        """``[B]`` CPU long: tokens stored in each row (the cache length less the row's left padding)."""
+        return self.seen - self.offsets_host
 
     def _decode_fused(self, k, v, q, b, scale) -> AttentionInputs:
         """The decode step on device kernels; the attention then reads the whole slot pool.
@@ -310,13 +329,14 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         ck, cb = self.compressed.keys, self.compressed.bias
         token = NewToken(k, b, self.compressed.ring_k, self.compressed.ring_b)
         if self.selector is None:
-            selected = block_select(q, ck, cb, self.step, self.cfg, scale, token=token)
+            selected = block_select(q, ck, cb, self.step, self.cfg, scale, token=token, offsets=self.offset)
         else:
-            append_token(ck, cb, token, self.step, self.cfg)
+            append_token(ck, cb, token, self.step, self.cfg, offsets=self.offset)
             self.selector.observe(self, k, b, t)
             selected = self.selector.select(self, q, t, scale)
         pool = SlotPool(self.slot_k, self.slot_v, self.slot_b, self.slot_block, self.tail_slot)
-        fetch_step(selected, pool, self.host, k, v, b, self.step, self.counters, count_locality=self.warm)
+        fetch_step(selected, pool, self.host, k, v, b, self.step, self.counters, count_locality=self.warm,
+                   offsets=self.offset)
         if not capturing:
             self.finish_fused_step(t)
         S = self.n_slots
@@ -347,22 +367,20 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
 
     def fused_graph_key(self) -> tuple:
         """Addresses and sizes a captured decode step depends on; a CUDA graph must be recaptured when they change."""
-        tensors = (self.slot_k, self.slot_v, self.slot_b, self.slot_block, self.tail_slot, self.step,
+        tensors = (self.slot_k, self.slot_v, self.slot_b, self.slot_block, self.tail_slot, self.step, self.offset,
                    self.compressed.keys, self.compressed.bias, self.compressed.ring_k, self.compressed.ring_b,
                    self.host.block_table(self.device), *self.counters)
         return tuple((x.data_ptr(), tuple(x.shape)) for x in tensors) + (self.warm,)
 
     def select(self, query: torch.Tensor, t: int, scale: float) -> torch.Tensor:
-        """NOSA selection for the decode token at cache index ``t``: ``[B, Hk, K]`` block indices (-1 = none)."""
-        c = t // self.cfg.block_size
-        B, Hk, K = self.batch, self.kv_heads, self.cfg.budget_blocks
+        """NOSA selection for the decode token at cache index ``t``: ``[B, Hk, K]`` block indices (-1 = none),
+        row-relative (row b's token is ``t - offset[b]``)."""
         if self.selector is not None:
             return self.selector.select(self, query, t, scale)
-        if c == 0:
-            return torch.full((B, Hk, K), -1, dtype=torch.long, device=self.device)
+        positions = (t - self.offset)[:, None]  # [B, 1]
         n = self.compressed.n
-        positions = torch.tensor([t], device=self.device)
         keys, bias = self.compressed.keys[:, :, :n], self.compressed.bias[:, :, :n]
+        c = t // self.cfg.block_size  # blocks of the longest row; a shorter row's later blocks are no candidates
         qs = query_block_scores(query, keys, positions, c, self.cfg, scale, compressed_bias=bias)
         es = eviction_block_scores(bias, positions, c, self.cfg)
         return select_blocks(qs, es, positions // self.cfg.block_size, self.cfg)[:, :, 0]
@@ -371,7 +389,8 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         """Largest number of KV tokens on the device for one (sequence, KV head) in the slot pool right now."""
         if not self.is_initialized or self.seen == 0:
             return 0
-        P, t = self.cfg.block_size, self.seen - 1
+        P = self.cfg.block_size
+        t = (self.seen - 1 - self.offset)[:, None, None, None]
         pos = self.slot_block[..., None] * P + torch.arange(P, device=self.device)
         valid = (self.slot_block[..., None] >= 0) & (pos <= t)
         return int(valid.flatten(2).sum(-1).max())
@@ -398,7 +417,9 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         self._writer = None
         self.selector_state = {}
         self.cfg = self.base_cfg
-        for name in ("host", "compressed", "slot_k", "slot_v", "slot_b", "slot_block", "tail_slot", "counters"):
+        self.padded = False
+        for name in ("host", "compressed", "slot_k", "slot_v", "slot_b", "slot_block", "tail_slot", "counters",
+                     "offset", "offsets_host"):
             self.__dict__.pop(name, None)
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -410,11 +431,14 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         new_length = max(0, min(new_length, self.seen))
         if new_length == self.seen:
             return
+        self._wait_writer()
         self.seen = self.host.length = new_length
-        keys, values, bias = self._read_counted(0, new_length)
-        self.compressed.rebuild(keys, bias)
-        tail = new_length - new_length % self.cfg.block_size
-        self._reset_slots(keys[:, :, tail:], values[:, :, tail:], bias[:, :, tail:])
+        if self.padded:  # a row cut inside its padding keeps no token
+            self._set_offsets(torch.minimum(self.offsets_host, torch.tensor(new_length)))
+        lengths = self.row_lengths()
+        keys, values, bias = self._read_counted(0, int(lengths.max()))
+        self.compressed.rebuild(keys, bias, lengths)
+        self._settle_rows((keys, values, bias, 0))
         if self.selector is not None:
             self.selector.observe(self, keys, bias, 0)
 
@@ -426,7 +450,8 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         same_size = index.numel() == self.batch
         self.host.index_batch(index)
         self.compressed.index_batch(index)
-        for name in ("slot_k", "slot_v", "slot_b", "slot_block", "tail_slot"):
+        self.offsets_host = self.offsets_host.index_select(0, index.cpu())
+        for name in ("slot_k", "slot_v", "slot_b", "slot_block", "tail_slot", "offset"):
             current = getattr(self, name)
             if same_size:  # in place: a captured decode graph stays valid through beam reorders
                 current.copy_(current.index_select(0, index))
@@ -480,6 +505,7 @@ class NosaCache(Cache):
                                           or max_cache_len < 1):
             raise ValueError(f"NosaCache max_cache_len={max_cache_len!r} is invalid: it must be a positive int or None")
         self.nosa_config = NosaConfig.from_model_config(config, nosa_config)
+        self.selector = selector
         self.state = CacheState(max_cache_len)
         self.workspace_lost = False
         text_config = config.get_text_config(decoder=True) if config is not None else None
@@ -499,12 +525,23 @@ class NosaCache(Cache):
         if self.get_seq_length() == 0:
             self.state.max_tokens = int(max_tokens)
 
-    def begin_prefill(self, end: int) -> None:
-        """A prompt is about to arrive in several updates and will end at ``end`` tokens (``modeling.chunked``)."""
+    def begin_prefill(self, end: int, offsets: torch.Tensor | None = None) -> None:
+        """A prompt is about to arrive in several updates and will end at ``end`` tokens (``modeling.chunked``).
+
+        ``offsets``: ``[B]`` long, each row's left padding, when the prompt's rows arrive with their real tokens
+        moved to the front (padding last); the layers then count each row from its first real token.
+        """
         self.state.prefill_end = int(end)
+        self.state.prefill_offsets = None if offsets is None else offsets.detach().to("cpu", torch.long)
+
+    @property
+    def has_selector(self) -> bool:
+        """Whether the layers run another block-selection rule than NOSA's (``selectors.py``)."""
+        return self.selector is not None
 
     def end_prefill(self) -> None:
         self.state.prefill_end = None
+        self.state.prefill_offsets = None
 
     def attach_workspace(self, workspace) -> None:
         """Draw device buffers from ``workspace`` (shared by a model's generate calls, so graphs are reused)."""

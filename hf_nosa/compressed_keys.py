@@ -54,40 +54,93 @@ class CompressedKeys:
         bias.zero_()[:, :, : self.n] = self.bias[:, :, : self.n]
         self.keys, self.bias = keys, bias
 
-    def rebuild(self, keys: torch.Tensor, bias: torch.Tensor) -> None:
-        """From the full ``keys [B, Hk, T, D]`` and ``bias [B, Hk, T]`` of the sequence."""
-        T, kernel = keys.shape[2], self.cfg.compress_kernel
+    def rebuild(self, keys: torch.Tensor, bias: torch.Tensor, lengths: torch.Tensor | None = None) -> None:
+        """From the full ``keys [B, Hk, T, D]`` and ``bias [B, Hk, T]`` of the sequence.
+
+        ``lengths``: ``[B]`` long, each row's own length when rows differ (row-relative storage of a left-padded
+        batch, ``hf_nosa.padding``); windows past a row's length are then left as garbage that no rule reads (each
+        counts the windows complete at its row's token) and a decode step overwrites when it completes them.
+        """
+        T = keys.shape[2]
         self.n = num_windows(T, self.cfg)
         self.reserve(self.n)
         self.keys[:, :, : self.n] = compress_keys(keys, self.cfg)
         self.bias[:, :, : self.n] = compress_keys(bias, self.cfg)
-        recent = torch.arange(max(0, T - kernel), T, device=keys.device)
-        self.ring_k[:, :, recent % kernel] = keys[:, :, recent]
-        self.ring_b[:, :, recent % kernel] = bias[:, :, recent]
+        if lengths is None:
+            lengths = torch.full((keys.shape[0],), T, dtype=torch.long)
+        self.set_rings(keys, bias, 0, lengths)
 
-    def extend(self, keys: torch.Tensor, bias: torch.Tensor, start: int) -> None:
+    def set_rings(self, keys: torch.Tensor, bias: torch.Tensor, lo: int, lengths: torch.Tensor) -> None:
+        """Refill each row's ring with its last ``compress_kernel`` tokens before ``lengths[b]``, read from
+        ``keys [B, Hk, S, D]`` / ``bias [B, Hk, S]`` that hold tokens ``lo .. lo + S - 1`` (positions before 0
+        keep the ring's old content, as ``extend`` leaves it)."""
+        kernel = self.cfg.compress_kernel
+        if keys.shape[2] == 0:
+            return
+        lengths = lengths.to(keys.device)
+        p = torch.arange(kernel, device=keys.device)
+        first = lengths[:, None] - kernel  # [B, 1]
+        token = first + (p - first) % kernel  # [B, kernel]: the token whose ring slot is p
+        valid = token >= 0
+        index = (token - lo).clamp(0, max(keys.shape[2] - 1, 0))
+        B, Hk, _, D = keys.shape
+        new_k = keys.gather(2, index[:, None, :, None].expand(B, Hk, kernel, D))
+        new_b = bias.gather(2, index[:, None, :].expand(B, Hk, kernel))
+        self.ring_k.copy_(torch.where(valid[:, None, :, None], new_k, self.ring_k))
+        self.ring_b.copy_(torch.where(valid[:, None, :], new_b, self.ring_b))
+
+    def extend(self, keys: torch.Tensor, bias: torch.Tensor, start) -> None:
         """Tokens ``start .. start + T - 1`` arrive (``keys [B, Hk, T, D]``, ``bias [B, Hk, T]``): finish every window
-        they complete and refill the ring, leaving the state ``rebuild`` over the whole sequence would."""
+        they complete and refill the ring, leaving the state ``rebuild`` over the whole sequence would.
+
+        ``start``: an int, or a ``[B]`` CPU long tensor of row-relative starts (rows of a left-padded batch).
+        """
+        if isinstance(start, int):
+            self._extend_rows(slice(None), keys, bias, start)
+            return
+        for b, row_start in enumerate(start.tolist()):
+            self._extend_rows(slice(b, b + 1), keys[b : b + 1], bias[b : b + 1], row_start)
+
+    def _extend_rows(self, rows: slice, keys: torch.Tensor, bias: torch.Tensor, start: int) -> None:
         cfg = self.cfg
         kernel, stride = cfg.compress_kernel, cfg.compress_stride
         end = start + keys.shape[2]
-        n_old, n_new = self.n, num_windows(end, cfg)
+        n_old, n_new = num_windows(start, cfg), num_windows(end, cfg)
+        ring_k, ring_b = self.ring_k[rows], self.ring_b[rows]
         if n_new > n_old:
             first = n_old * stride  # first token of the first new window; the ring holds it if it precedes start
             past = torch.arange(first, start, device=keys.device) % kernel
-            span_k = torch.cat([self.ring_k[:, :, past], keys[:, :, max(0, first - start) :]], 2)
-            span_b = torch.cat([self.ring_b[:, :, past], bias[:, :, max(0, first - start) :]], 2)
+            span_k = torch.cat([ring_k[:, :, past], keys[:, :, max(0, first - start) :]], 2)
+            span_b = torch.cat([ring_b[:, :, past], bias[:, :, max(0, first - start) :]], 2)
             self.reserve(n_new)
-            self.keys[:, :, n_old:n_new] = compress_keys(span_k, cfg)
-            self.bias[:, :, n_old:n_new] = compress_keys(span_b, cfg)
-            self.n = n_new
+            self.keys[rows, :, n_old:n_new] = compress_keys(span_k, cfg)
+            self.bias[rows, :, n_old:n_new] = compress_keys(span_b, cfg)
+        self.n = max(self.n, n_new)
         recent = torch.arange(max(start, end - kernel), end, device=keys.device)
-        self.ring_k[:, :, recent % kernel] = keys[:, :, recent - start]
-        self.ring_b[:, :, recent % kernel] = bias[:, :, recent - start]
+        ring_k[:, :, recent % kernel] = keys[:, :, recent - start]
+        ring_b[:, :, recent % kernel] = bias[:, :, recent - start]
 
-    def append(self, k: torch.Tensor, b: torch.Tensor, t: int) -> None:
-        """Token ``t`` (``k [B, Hk, 1, D]``, ``b [B, Hk, 1]``) arrives (the torch decode path)."""
-        self.extend(k, b, t)
+    def append(self, k: torch.Tensor, b: torch.Tensor, t) -> None:
+        """Token ``t`` (``k [B, Hk, 1, D]``, ``b [B, Hk, 1]``) arrives (the torch decode path); ``t`` an int, or a
+        ``[B]`` long tensor on the device of row-relative indices (one token per row, vectorised: no host sync)."""
+        if isinstance(t, int):
+            self.extend(k, b, t)
+            return
+        cfg = self.cfg
+        kernel, stride = cfg.compress_kernel, cfg.compress_stride
+        B, Hk, _, D = k.shape
+        rows = torch.arange(B, device=k.device)
+        self.ring_k[rows, :, t % kernel] = k[:, :, 0]
+        self.ring_b[rows, :, t % kernel] = b[:, :, 0]
+        completes = (t + 1 >= kernel) & ((t + 1 - kernel) % stride == 0)  # [B]
+        order = (t[:, None] + 1 - kernel + torch.arange(kernel, device=k.device)) % kernel  # oldest first
+        window_k = self.ring_k.gather(2, order[:, None, :, None].expand(B, Hk, kernel, D))
+        window_b = self.ring_b.gather(2, order[:, None, :].expand(B, Hk, kernel))
+        w = ((t + 1 - kernel).div(stride, rounding_mode="floor")).clamp(min=0)  # the window ending at t
+        mean_k = window_k.float().mean(2).to(self.keys.dtype)
+        mean_b = window_b.float().mean(2)
+        self.keys[rows, :, w] = torch.where(completes[:, None, None], mean_k, self.keys[rows, :, w])
+        self.bias[rows, :, w] = torch.where(completes[:, None], mean_b, self.bias[rows, :, w])
 
     def index_batch(self, index: torch.Tensor) -> None:
         for name in ("keys", "bias", "ring_k", "ring_b"):

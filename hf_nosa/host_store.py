@@ -187,6 +187,28 @@ class HostStore:
             self._pending = torch.cuda.Event()
             self._pending.record()
 
+    def write_rows(self, starts: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor) -> None:
+        """Like ``write``, with a start per row (``starts [B]`` CPU long): row i's tokens go to ``starts[i] ..``.
+
+        Rows of a left-padded batch are stored row-relative (``hf_nosa.padding``), so the same new token lands at
+        a different index in each row. One indexed copy per chunk touched, whatever the batch.
+        """
+        T = k.shape[2]
+        pos = starts.cpu()[:, None] + torch.arange(T)  # [B, T]
+        end = int(pos.max()) + 1 if pos.numel() else 0
+        self._grow(end)
+        k, v, b = k.to("cpu"), v.to("cpu"), b.to("cpu")
+        for i, first in enumerate(self.starts):
+            inside = (pos >= first) & (pos < first + self.k_chunks[i].shape[2])
+            if not bool(inside.any()):
+                continue
+            rows, tokens = inside.nonzero(as_tuple=True)
+            local = pos[rows, tokens] - first
+            self.k_chunks[i][rows, :, local] = k[rows, :, tokens]
+            self.v_chunks[i][rows, :, local] = v[rows, :, tokens]
+            self.b_chunks[i][rows, :, local] = b[rows, :, tokens]
+        self.length = max(self.length, end)
+
     def wait_writes(self) -> None:
         """Block until asynchronous device-to-host writes have landed (before the CPU itself reads the store)."""
         if self._pending is not None:

@@ -26,6 +26,7 @@ from .kernels.fetch import SlotPool, fetch_selection
 from .kernels.host_write import host_write
 from .kernels.quoka_score import quoka_score
 from .masks import additive_mask, padding_bias
+from .padding import from_rows
 from .selection import MASK_VALUE, nosa_token_mask, quoka_query_choice, quoka_select_blocks, windows_available
 
 _WRITERS: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -154,15 +155,53 @@ class PrefillPaths:
         return AttentionInputs(keys, values, key_bias, None, S * self.cfg.block_size, causal=True)
 
     def _finish_prefill(self, k, v, b, start) -> None:
-        """The prompt is in: drop the staging, and leave the slot pool empty but for the partly written block."""
+        """The prompt is in: drop the staging, count each row from its first real token (when the prompt came
+        with its padding moved to the end, ``modeling.chunked``), and leave the slot pool empty but for each row's
+        partly written block."""
         self.staging = None
-        end, P = self.seen, self.cfg.block_size
-        tail = end - end % P
-        if tail >= start:
-            self._reset_slots(k[:, :, tail - start :], v[:, :, tail - start :], b[:, :, tail - start :])
-        else:
+        offsets = self.state.prefill_offsets
+        if offsets is not None and offsets.numel() == self.batch and self.selector is None:
+            self._set_offsets(offsets)
+        self._settle_rows((k, v, b, start))
+
+    def _set_offsets(self, offsets: torch.Tensor) -> None:
+        """Each row's left padding (``[B]`` CPU long): row b's token at cache index t is stored at t - offsets[b]."""
+        self.offsets_host = offsets.to(torch.long).clone()
+        self.offset.copy_(self.offsets_host)
+        self.padded = bool(self.offsets_host.any())
+
+    def _settle_rows(self, source=None) -> None:
+        """Empty the slot pool but for each row's partly written last block, which becomes its slot 0, and refill
+        each row's ring of recent tokens (rows end at different row-relative lengths in a padded batch).
+
+        ``source``: ``(k, v, b, lo)`` holding row-relative tokens ``lo ..`` when they cover what is needed (the
+        last chunk of a prompt); otherwise the tokens are read from the host store.
+        """
+        P = self.cfg.block_size
+        lengths = self.row_lengths()
+        lo = max(0, int(lengths.min()) - P)  # covers every row's last block and last compress_kernel tokens
+        if source is None or source[3] > lo or source[3] + source[0].shape[2] < int(lengths.max()):
             self._wait_writer()
-            self._reset_slots(*self.host.read(tail, end, self.device))
+            source = (*self.host.read(lo, int(lengths.max()), self.device), lo)
+        k, v, b, lo = source
+        rows = lengths.to(self.device)
+        self.compressed.set_rings(k, b, lo, rows)
+        B, Hk, S, D = k.shape
+        n_tail = rows % P
+        index = (rows - n_tail - lo)[:, None] + torch.arange(P, device=self.device)  # [B, P]
+        valid = torch.arange(P, device=self.device) < n_tail[:, None]
+        index = index.clamp(0, max(S - 1, 0))[:, None, :].expand(B, Hk, P)
+        self.slot_block.fill_(-1)
+        self.slot_b.fill_(MASK_VALUE)
+        self.tail_slot.zero_()
+        self.warm = False
+        if S == 0:
+            return
+        # torch.where, not a product: positions past a row's tokens may hold anything, NaN included
+        self.slot_k[:, :, 0] = torch.where(valid[:, None, :, None], k.gather(2, index[..., None].expand(B, Hk, P, D)), 0.0)
+        self.slot_v[:, :, 0] = torch.where(valid[:, None, :, None], v.gather(2, index[..., None].expand(B, Hk, P, D)), 0.0)
+        self.slot_b[:, :, 0] = torch.where(valid[:, None, :], b.gather(2, index), MASK_VALUE)
+        self.slot_block[:, :, 0] = torch.where(n_tail > 0, rows // P, -1)[:, None]
 
     def _read_counted(self, start: int, end: int):
         self._wait_writer()
@@ -171,19 +210,38 @@ class PrefillPaths:
         return hk, hv, hb
 
     def _extend_by_decode_rule(self, k, v, q, b, attention_mask, scale) -> AttentionInputs:
-        """Several tokens after a prompt: each attends to what decoding it alone would select."""
+        """Several tokens after a prompt: each attends to what decoding it alone would select.
+
+        The attention gets every earlier key at its cache index (rows stored row-relative are moved back, their
+        padding hidden), and the decode rule counts each row from its first real token (``offsets``).
+        """
         start, Tq = self.seen, k.shape[2]
         pad = padding_bias(attention_mask, start, Tq)
         if pad is not None:
             b = b + pad.to(b.device)
-        hk, hv, hb = self._read_counted(0, start)
+        lengths = self.row_lengths()
+        hk, hv, hb = self._read_counted(0, int(lengths.max()))
+        if self.padded:
+            hk = from_rows(hk, self.offset, dim=2, fill=0.0, length=start)
+            hv = from_rows(hv, self.offset, dim=2, fill=0.0, length=start)
+            hb = from_rows(hb, self.offset, dim=2, fill=MASK_VALUE, length=start)
         self._grow_layout(start + Tq)
-        self._store(start, k, v, b)
+        if self.padded:
+            self._wait_writer()
+            self.host.write_rows(lengths, k, v, b)
+            self.host.length = start + Tq
+            self.compressed.extend(k, b, lengths)
+            self.seen = start + Tq
+            if self.selector is not None:
+                self.selector.observe(self, k, b, start)
+        else:
+            self._store(start, k, v, b)
         keys, values, key_bias = torch.cat([hk, k], 2), torch.cat([hv, v], 2), torch.cat([hb, b], 2)
         self.peak_device_tokens = max(self.peak_device_tokens, self.seen)
-        mask = torch.where(nosa_token_mask(q, keys, key_bias, start, self.cfg, scale), 0.0, MASK_VALUE)
+        offsets = self.offset if self.padded else None
+        rule = nosa_token_mask(q, keys, key_bias, start, self.cfg, scale, offsets=offsets)
+        mask = torch.where(rule, 0.0, MASK_VALUE)
         if attention_mask is not None:
             mask = mask + additive_mask(attention_mask, Tq, self.seen, start, self.device)
-        tail = self.seen - self.seen % self.cfg.block_size
-        self._reset_slots(keys[:, :, tail:], values[:, :, tail:], key_bias[:, :, tail:])
+        self._settle_rows()
         return AttentionInputs(keys, values, key_bias, mask, start, causal=False)

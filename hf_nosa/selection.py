@@ -115,6 +115,12 @@ def windows_available(positions: torch.Tensor, cfg: NosaConfig) -> torch.Tensor:
     return n.clamp(min=0)
 
 
+def _rows(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """A mask over query tokens, ``[Tq, ...]`` (shared by the rows) or ``[B, Tq, ...]`` (per row), made to broadcast
+    against ``[B, <heads dims>, Tq, ...]``: a per-row mask gets ``heads`` singleton dims after B."""
+    return x if x.dim() == 2 else x.view(x.shape[0], *([1] * heads), *x.shape[1:])
+
+
 def _padding_windows(compressed_bias: torch.Tensor, shape, caller: str) -> torch.Tensor:
     """``[B, Hk, W]`` bool, True for padding windows (``PADDING_WINDOW_BIAS``); ``shape`` is the expected one."""
     if tuple(compressed_bias.shape) != tuple(shape):
@@ -147,7 +153,8 @@ def query_block_scores(
     Args:
         query: ``[B, H, Tq, D]``.
         compressed_keys: ``[B, Hk, W, D]``.
-        positions: ``[Tq]`` cache index of each query token (windows complete at that token are used).
+        positions: ``[Tq]`` index of each query token (windows complete at that token are used), or ``[B, Tq]``
+            per row (row-relative indices of a left-padded batch, see ``hf_nosa.padding``).
         compressed_bias: ``[B, Hk, W]`` window means of the eviction scores (padding folded in), which mark the
             padding windows; None when the batch has no padding.
 
@@ -159,7 +166,7 @@ def query_block_scores(
     G = H // Hk
     q = query.float().view(B, Hk, G, Tq, D)
     logits = torch.einsum("bkgtd,bkwd->bkgtw", q, compressed_keys.float()) * scale  # [B, Hk, G, Tq, W]
-    available = torch.arange(W, device=query.device) < windows_available(positions, cfg)[:, None]  # [Tq, W]
+    available = _rows(torch.arange(W, device=query.device) < windows_available(positions, cfg)[..., None], 2)
     logits = logits.masked_fill(~available, float("-inf"))
     if compressed_bias is not None:
         padding = _padding_windows(compressed_bias, compressed_keys.shape[:3], "query_block_scores")  # [B, Hk, W]
@@ -175,13 +182,13 @@ def eviction_block_scores(
 
     Args:
         compressed_bias: ``[B, Hk, W]`` window means of b.
-        positions: ``[Tq]``.
+        positions: ``[Tq]``, or ``[B, Tq]`` per row.
 
     Returns:
         ``[B, Hk, Tq, N]`` float32; higher means the block is kept.
     """
     W = compressed_bias.shape[-1]
-    available = torch.arange(W, device=compressed_bias.device) < windows_available(positions, cfg)[:, None]
+    available = _rows(torch.arange(W, device=compressed_bias.device) < windows_available(positions, cfg)[..., None], 1)
     scores = compressed_bias.float()[:, :, None, :].masked_fill(~available, float("-inf"))  # [B, Hk, Tq, W]
     return pool_windows_to_blocks(scores, n_blocks, cfg, fill=float("-inf"))
 
@@ -205,13 +212,15 @@ def force_sink_and_local(scores: torch.Tensor, current_block: torch.Tensor, cfg:
     """Candidate blocks are those before ``current_block``; sink blocks and the local window among them score +inf.
 
     Args:
-        scores: ``[..., Q, N]`` block scores of Q query tokens (or chunks); current_block: ``[Q]`` long.
+        scores: ``[B, Hk, Q, N]`` block scores of Q query tokens (or chunks); current_block: ``[Q]`` long, or
+            ``[B, Q]`` per row (row-relative blocks of a left-padded batch).
 
     Returns:
-        (scores with +inf forced and -inf for non-candidates, fp32; ``[Q, N]`` bool mask of the candidates).
+        (scores with +inf forced and -inf for non-candidates, fp32; ``[Q, N]`` (or ``[B, 1, Q, N]``) bool mask of
+        the candidates).
     """
     block = torch.arange(scores.shape[-1], device=scores.device)
-    current = current_block.to(scores.device)[:, None]  # [Q, 1]
+    current = _rows(current_block.to(scores.device)[..., None], 1)  # [Q, 1] or [B, 1, Q, 1]
     valid = block < current
     forced = valid & ((block < cfg.sink_blocks) | (block >= current - cfg.local_blocks))
     return scores.float().masked_fill(forced, float("inf")).masked_fill(~valid, float("-inf")), valid
@@ -233,7 +242,7 @@ def select_blocks(
 
     Args:
         query_scores, eviction_scores: ``[B, Hk, Tq, N]``.
-        current_block: ``[Tq]`` long, the block each query token writes into.
+        current_block: ``[Tq]`` long, the block each query token writes into, or ``[B, Tq]`` per row.
         budget_blocks: K, default ``cfg.budget_blocks``.
 
     Returns:
@@ -256,7 +265,7 @@ def blocks_to_token_mask(selected: torch.Tensor, positions: torch.Tensor, n_toke
 
     Args:
         selected: ``[B, Hk, Tq, K]`` from ``select_blocks``.
-        positions: ``[Tq]`` cache index of each query token.
+        positions: ``[Tq]`` index of each query token, or ``[B, Tq]`` per row.
 
     Returns:
         ``[B, Hk, Tq, n_tokens]`` bool, True where the query attends.
@@ -267,21 +276,33 @@ def blocks_to_token_mask(selected: torch.Tensor, positions: torch.Tensor, n_toke
     block_mask.scatter_(-1, torch.where(selected < 0, n_blocks, selected), True)
     mask = block_mask[..., :n_blocks].repeat_interleave(P, dim=-1)[..., :n_tokens]
     token = torch.arange(n_tokens, device=selected.device)
-    pos = positions.to(selected.device)[:, None]
-    current = (token // P == pos // P) & (token <= pos)  # [Tq, T]
+    pos = positions.to(selected.device)[..., None]
+    current = _rows((token // P == pos.div(P, rounding_mode="floor")) & (token <= pos), 1)  # [Tq, T] / [B, 1, Tq, T]
     return mask | current
 
 
 def nosa_token_mask(
-    query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, q_offset: int, cfg: NosaConfig, scale: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    bias: torch.Tensor,
+    q_offset: int,
+    cfg: NosaConfig,
+    scale: float,
+    *,
+    offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The decode rule applied to every query token at once (prefill="nosa" and training).
+    """The decode rule applied to every query token at once (prefill="nosa", updates after a prompt, training).
 
     Token ``t = q_offset + i`` sees exactly the blocks that decoding token t would select.
 
     Args:
         query: ``[B, H, Tq, D]``; keys: ``[B, Hk, T, D]`` with ``T = q_offset + Tq``; bias: ``[B, Hk, T]`` with
             padding folded in (``MASK_VALUE``), so padding windows leave the query-aware score as in decoding.
+        offsets: ``[B]`` long, the left padding of each row (``padding.leading_padding``), or None for none.
+            Row b's blocks, windows, sink and local window are then counted from its first real token
+            ``offsets[b]``, as if the row were alone: the rule runs on the row's tokens moved to the front
+            (``padding.to_rows``) and the mask comes back in the keys' layout. A query inside the padding sees
+            nothing.
 
     Returns:
         ``[B, Hk, Tq, T]`` bool.
@@ -290,14 +311,21 @@ def nosa_token_mask(
     Tq = query.shape[2]
     P = cfg.block_size
     positions = torch.arange(q_offset, q_offset + Tq, device=query.device)
+    if offsets is not None:
+        from .padding import from_rows, to_rows
+
+        offsets = offsets.to(query.device)
+        keys, bias = to_rows(keys, offsets), to_rows(bias, offsets, fill=MASK_VALUE)
+        positions = positions - offsets[:, None]  # [B, Tq] row-relative; negative inside the padding
     n_blocks = (T + P - 1) // P
     compressed_bias = compress_keys(bias, cfg)
     qs = query_block_scores(
         query, compress_keys(keys, cfg), positions, n_blocks, cfg, scale, compressed_bias=compressed_bias
     )
     es = eviction_block_scores(compressed_bias, positions, n_blocks, cfg)
-    selected = select_blocks(qs, es, positions // P, cfg)
-    return blocks_to_token_mask(selected, positions, T, cfg)
+    selected = select_blocks(qs, es, positions.div(P, rounding_mode="floor"), cfg)
+    mask = blocks_to_token_mask(selected, positions, T, cfg)
+    return mask if offsets is None else from_rows(mask, offsets)
 
 
 # ----- QUOKA: query-oriented block selection for chunked prefill (design Sec. 4) -----

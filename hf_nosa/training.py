@@ -20,6 +20,11 @@ In training the selection is computed once per layer and step: under gradient ch
 the layer's forward, which finds the first forward's selection (kept by the autograd graph until the backward has
 passed, looked up by a fingerprint of the inputs) instead of selecting again.
 
+Left padding (``attention_mask`` with leading zeros): every row is selected as if alone, its blocks, windows, sink
+and local window counted from its first real token (``hf_nosa.padding``): the selection runs on each row's tokens
+moved to the front (``offsets`` = its padding length) and its blocks are row-relative; the token masks (explicit)
+and ``mask_mod`` (flex) map them back to the keys' positions.
+
 Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, Tq queries, T keys, D head dim, P block size, N blocks.
 """
 
@@ -36,6 +41,7 @@ from .config import NosaConfig
 from .dense_attention import biased_attention
 from .kernels.window_probs import window_probs
 from .masks import additive_mask, padding_bias
+from .padding import from_rows, leading_padding, to_rows
 from .selection import (
     MASK_VALUE,
     PADDING_WINDOW_BIAS,
@@ -85,6 +91,7 @@ def selected_block_indices(
     *,
     q_offset: int = 0,
     chunk_size: int | None = None,
+    offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """For every query token, the blocks the decode rule selects (its own block excluded), as indices.
 
@@ -96,6 +103,8 @@ def selected_block_indices(
         bias: ``[B, Hk, T]`` eviction scores (padding already folded in; windows holding padding then take no part
             in the query-aware score, as in decoding: ``selection.PADDING_WINDOW_BIAS``).
         chunk_size: queries per chunk (default: as many as fit ``2**26`` fp32 scores).
+        offsets: ``[B]`` long left padding of each row (``padding.leading_padding``), or None. Blocks are then
+            row-relative: block n of row b holds keys ``offsets[b] + n * P ..``.
 
     Returns:
         ``[B, Hk, Tq, K]`` int16 (int32 past 32767 blocks) block indices, ``N = ceil(T / P)`` where fewer than K
@@ -105,6 +114,8 @@ def selected_block_indices(
     Hk, T = keys.shape[1], keys.shape[2]
     P = cfg.block_size
     N = (T + P - 1) // P
+    if offsets is not None:
+        keys, bias = to_rows(keys, offsets), to_rows(bias, offsets, fill=MASK_VALUE)
     compressed_keys = compress_keys(keys, cfg)  # [B, Hk, W, D]
     compressed_bias = compress_keys(bias, cfg)  # [B, Hk, W]
     W = compressed_keys.shape[2]
@@ -118,7 +129,7 @@ def selected_block_indices(
     no_autocast = torch.autocast(query.device.type, enabled=False)
     for lo in range(0, Tq, chunk):
         hi = min(Tq, lo + chunk)
-        positions = torch.arange(q_offset + lo, q_offset + hi, device=query.device)
+        positions = _positions(q_offset + lo, q_offset + hi, offsets, query.device)
         with no_autocast:
             if SELECTION_KERNEL:
                 probs = window_probs(query[:, :, lo:hi], compressed_keys, windows_available(positions, cfg), scale,
@@ -129,9 +140,15 @@ def selected_block_indices(
                     query[:, :, lo:hi], compressed_keys, positions, N, cfg, scale, compressed_bias=compressed_bias
                 )
             es = eviction_block_scores(compressed_bias, positions, N, cfg)
-            chosen = select_blocks(qs, es, positions // P, cfg)  # [B, Hk, chunk, K]
+            chosen = select_blocks(qs, es, positions.div(P, rounding_mode="floor"), cfg)  # [B, Hk, chunk, K]
         out[:, :, lo:hi] = torch.where(chosen < 0, N, chosen)
     return out
+
+
+def _positions(lo: int, hi: int, offsets: torch.Tensor | None, device) -> torch.Tensor:
+    """Query positions ``lo .. hi - 1``: ``[Tq]``, or ``[B, Tq]`` row-relative (negative inside the padding)."""
+    positions = torch.arange(lo, hi, device=device)
+    return positions if offsets is None else positions - offsets.to(device)[:, None]
 
 
 def _bitmap(indices: torch.Tensor, n_blocks: int) -> torch.Tensor:
@@ -150,10 +167,12 @@ def selected_blocks(
     *,
     q_offset: int = 0,
     chunk_size: int | None = None,
+    offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``selected_block_indices`` as a bitmap: ``[B, Hk, Tq, N]`` bool, True where query ``t`` selected block ``n``
-    (``N = ceil(T / P)``)."""
-    indices = selected_block_indices(query, keys, bias, cfg, scale, q_offset=q_offset, chunk_size=chunk_size)
+    (``N = ceil(T / P)``; row-relative blocks with ``offsets``)."""
+    indices = selected_block_indices(query, keys, bias, cfg, scale, q_offset=q_offset, chunk_size=chunk_size,
+                                     offsets=offsets)
     return _bitmap(indices, (keys.shape[2] + cfg.block_size - 1) // cfg.block_size)
 
 
@@ -200,15 +219,20 @@ def _fingerprint(query, key, bias, cfg, scale, q_offset) -> tuple:
             tuple(sorted(cfg.to_dict().items())), *numbers)
 
 
-def _token_mask(bitmap: torch.Tensor, positions: torch.Tensor, T: int, P: int) -> torch.Tensor:
-    """``[B, Hk, Tq, N]`` block bitmap -> ``[B, Hk, Tq, T]`` bool: selected blocks plus the own block up to t."""
+def _token_mask(bitmap: torch.Tensor, positions: torch.Tensor, T: int, P: int, offsets=None) -> torch.Tensor:
+    """``[B, Hk, Tq, N]`` block bitmap -> ``[B, Hk, Tq, T]`` bool: selected blocks plus the own block up to t
+    (``positions`` ``[Tq]``, or ``[B, Tq]`` row-relative with ``offsets``: the mask comes back at key positions)."""
     mask = bitmap.repeat_interleave(P, dim=-1)[..., :T]
     token = torch.arange(T, device=bitmap.device)
-    pos = positions[:, None]
-    return mask | ((token // P == pos // P) & (token <= pos))
+    pos = positions[..., None]
+    own = (token // P == pos.div(P, rounding_mode="floor")) & (token <= pos)
+    if offsets is None:
+        return mask | own
+    return from_rows(mask | own[:, None], offsets)
 
 
-def _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_offset, attention) -> torch.Tensor:
+def _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_offset, attention, offsets=None
+              ) -> torch.Tensor:
     B, H, Tq, D = query.shape
     T, P = key.shape[2], cfg.block_size
     rows = attention_mask[..., -Tq:, :T] if attention_mask is not None else None
@@ -216,8 +240,8 @@ def _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_off
     outs = []
     for lo in range(0, Tq, chunk):
         hi = min(Tq, lo + chunk)
-        positions = torch.arange(q_offset + lo, q_offset + hi, device=query.device)
-        mask = torch.where(_token_mask(bitmap[:, :, lo:hi], positions, T, P), 0.0, MASK_VALUE)
+        positions = _positions(q_offset + lo, q_offset + hi, offsets, query.device)
+        mask = torch.where(_token_mask(bitmap[:, :, lo:hi], positions, T, P, offsets), 0.0, MASK_VALUE)
         if rows is not None:
             mask = mask + additive_mask(rows[..., lo:hi, :], hi - lo, T, q_offset + lo, query.device)
         inputs = AttentionInputs(key, value, bias, mask, q_offset + lo, causal=False)
@@ -238,7 +262,7 @@ def flex_fold(heads: int, kv_heads: int, tile: int | None = None, limit: int | N
 
 
 def flex_block_mask(bitmap: torch.Tensor, cfg: NosaConfig, *, heads: int, q_offset: int = 0, tile: int = FLEX_TILE,
-                    fold: int = 1, kv_tile: int | None = None):
+                    fold: int = 1, kv_tile: int | None = None, offsets: torch.Tensor | None = None):
     """The FlexAttention ``BlockMask`` of a selection bitmap.
 
     A (query tile, key tile) pair is visited when a query of the tile selected a block in the key tile, or the key
@@ -255,6 +279,9 @@ def flex_block_mask(bitmap: torch.Tensor, cfg: NosaConfig, *, heads: int, q_offs
         tile: query tile in rows (a power of two).
         fold: rows per token; it must divide both ``H / Hk`` and ``tile``.
         kv_tile: key tile in tokens, a multiple of the block size; default ``max(tile, block_size)``.
+        offsets: ``[B]`` long left padding of each row when ``bitmap`` holds row-relative blocks (``selected_blocks``
+            with offsets): a row's block may then straddle two key tiles, so the tiles its blocks touch are visited
+            (none counts as full) and ``mask_mod`` reads the row's offset.
 
     Returns:
         ``BlockMask`` for ``heads / fold`` heads, queries ``[Tq * fold]`` and keys ``[T = q_offset + Tq]``.
@@ -279,11 +306,18 @@ def flex_block_mask(bitmap: torch.Tensor, cfg: NosaConfig, *, heads: int, q_offs
     tiles = F.pad(bitmap, (0, pad_cols, 0, pad_rows)).view(B, Hk, n_qt, q_tokens, n_kt, per_tile)
     row_ok = (torch.arange(n_qt * q_tokens, device=bitmap.device) < Tq).view(n_qt, q_tokens, 1, 1)
     col_ok = (torch.arange(n_kt * per_tile, device=bitmap.device) < N).view(n_kt, per_tile)
-    any_selected = tiles.any(5).any(3)  # [B, Hk, n_qt, n_kt]
-    all_selected = (tiles | ~row_ok | ~col_ok).all(5).all(3)
-    # Key tiles holding the own block of some query of the tile: causal inside, always partial.
     starts = torch.arange(n_qt, device=bitmap.device) * q_tokens
-    first = (q_offset + starts) // kv_tile
+    if offsets is None:
+        any_selected = tiles.any(5).any(3)  # [B, Hk, n_qt, n_kt]
+        all_selected = (tiles | ~row_ok | ~col_ok).all(5).all(3)
+        first = (q_offset + starts) // kv_tile
+    else:
+        offsets = offsets.to(bitmap.device)
+        any_selected = _row_block_tiles(tiles.flatten(4).any(3)[..., :N], offsets, P, kv_tile, n_kt)
+        all_selected = torch.zeros_like(any_selected)
+        # a row-relative own block begins at most P - 1 keys before its query
+        first = (q_offset + starts - (P - 1)).clamp(min=0) // kv_tile
+    # Key tiles holding the own block of some query of the tile: causal inside, always partial.
     last = (q_offset + torch.clamp(starts + q_tokens, max=Tq) - 1) // kv_tile
     kt = torch.arange(n_kt, device=bitmap.device)
     own = (kt >= first[:, None]) & (kt <= last[:, None])  # [n_qt, n_kt]
@@ -300,17 +334,39 @@ def flex_block_mask(bitmap: torch.Tensor, cfg: NosaConfig, *, heads: int, q_offs
     full_num, full_idx = table(full)
     selected = bitmap
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        block = kv_idx // P
-        token = q_idx // fold
-        pos = token + q_offset
-        own_block = (block == pos // P) & (kv_idx <= pos)
-        return selected[b, h // G2, token, block] | own_block
+    if offsets is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            block = kv_idx // P
+            token = q_idx // fold
+            pos = token + q_offset
+            own_block = (block == pos // P) & (kv_idx <= pos)
+            return selected[b, h // G2, token, block] | own_block
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            key = kv_idx - offsets[b]  # row-relative; negative inside the padding
+            real = key >= 0
+            block = torch.where(real, key, 0) // P
+            token = q_idx // fold
+            pos = token + q_offset - offsets[b]
+            own_block = real & (block == torch.where(pos >= 0, pos, -P) // P) & (key <= pos)
+            return (selected[b, h // G2, token, block] & real) | own_block
 
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(tile, kv_tile), mask_mod=mask_mod,
         seq_lengths=(Tq * fold, T),
     )
+
+
+def _row_block_tiles(blocks: torch.Tensor, offsets: torch.Tensor, P: int, kv_tile: int, n_kt: int) -> torch.Tensor:
+    """``[B, Hk, n_qt, N]`` bool (a query of the tile selected row-relative block n) -> ``[B, Hk, n_qt, n_kt]``
+    bool: the key tiles those blocks touch, row b's block n holding keys ``offsets[b] + n * P ..``."""
+    B, Hk, n_qt, N = blocks.shape
+    first = offsets[:, None] + torch.arange(N, device=blocks.device) * P  # [B, N]
+    touched = torch.zeros(B, Hk, n_qt, n_kt + 1, dtype=torch.int32, device=blocks.device)
+    for key in (first, first + P - 1):
+        index = (key // kv_tile).clamp(max=n_kt)[:, None, None, :].expand(B, Hk, n_qt, N)
+        touched.scatter_add_(-1, index, blocks.to(torch.int32))
+    return touched[..., :n_kt] > 0
 
 
 def _fold_queries(query: torch.Tensor, fold: int) -> torch.Tensor:
@@ -326,14 +382,14 @@ def _unfold_rows(out: torch.Tensor, fold: int) -> torch.Tensor:
     return out.view(B, Hf, rows // fold, fold, D).transpose(2, 3).reshape(B, Hf * fold, rows // fold, D)
 
 
-def _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold) -> torch.Tensor:
+def _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold, offsets=None) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
     H, Hk = query.shape[1], key.shape[1]
     G2 = H // Hk // fold  # attention heads per KV head after folding
     block_mask = flex_block_mask(bitmap, cfg, heads=H, q_offset=q_offset, tile=FLEX_TILE, fold=fold,
-                                 kv_tile=FLEX_KV_TILE)
+                                 kv_tile=FLEX_KV_TILE, offsets=offsets)
     key_bias = bias.float()
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -375,8 +431,9 @@ def nosa_training_attention(
         attention_mask: the model's mask (bool or additive, ``[B or 1, 1, Tq, T]``) or None for causal. Keys the
             last query row may not see are padding: like the cache, they get ``MASK_VALUE`` in their bias. The
             rule is causal by itself, so a causal + padding mask is all the flex backend honours; the explicit
-            backend also adds the mask as given. Rows of padding queries are arbitrary (and differ between the
-            backends); train on packed sequences, which have none.
+            backend also adds the mask as given. Left padding is counted out: each row selects as it would alone
+            (module docstring). Rows of padding queries are arbitrary (and differ between the backends); train on
+            packed sequences, which have none.
         backend: ``"flex"``, ``"explicit"`` or ``"reference"``; default flex on CUDA, explicit elsewhere.
         fold: flex only: query heads of a GQA group folded into the rows of one attention head (it must divide the
             group and ``FLEX_TILE``); default ``flex_fold(H, Hk)``.
@@ -406,8 +463,12 @@ def nosa_training_attention(
         raise ValueError(f"fold={fold} is invalid: it must divide the group size {H // Hk} and FLEX_TILE={FLEX_TILE}")
     bias = bias.float()
     pad = padding_bias(attention_mask, 0, T)
+    offsets = None
     if pad is not None:
         bias = bias + pad.to(bias.device)
+        offsets = leading_padding(attention_mask).to(query.device)
+        if attention_mask.dim() == 4 and attention_mask.shape[0] == 1 and query.shape[0] > 1:
+            offsets = offsets.expand(query.shape[0])
     N = (T + cfg.block_size - 1) // cfg.block_size
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, bias)):
         # Training: the step's backward recomputes this forward under gradient checkpointing; the selection (no
@@ -415,13 +476,14 @@ def nosa_training_attention(
         fingerprint = _fingerprint(query, key, bias, cfg, scale, q_offset)
         selection = _selections.get(fingerprint)
         if selection is None:
-            selection = _Selection(selected_block_indices(query, key, bias, cfg, scale, q_offset=q_offset))
+            selection = _Selection(selected_block_indices(query, key, bias, cfg, scale, q_offset=q_offset,
+                                                          offsets=offsets))
             _selections[fingerprint] = selection
         query = _Hold.apply(query, selection)
         bitmap = _bitmap(selection.indices, N)
     else:
-        bitmap = _bitmap(selected_block_indices(query, key, bias, cfg, scale, q_offset=q_offset), N)
+        bitmap = _bitmap(selected_block_indices(query, key, bias, cfg, scale, q_offset=q_offset, offsets=offsets), N)
     if backend == "flex":
-        return _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold)
+        return _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold, offsets)
     attention = biased_attention if backend == "explicit" else attend
-    return _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_offset, attention)
+    return _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_offset, attention, offsets)

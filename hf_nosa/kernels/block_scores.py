@@ -61,7 +61,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _window_logits_kernel(
-        q_ptr, ck_ptr, cb_ptr, ring_k_ptr, ring_b_ptr, k_new_ptr, b_new_ptr, step_ptr, logits_ptr,
+        q_ptr, ck_ptr, cb_ptr, ring_k_ptr, ring_b_ptr, k_new_ptr, b_new_ptr, step_ptr, offset_ptr, logits_ptr,
         stride_q_b, stride_q_h, stride_ck_b, stride_ck_h, stride_ck_w, stride_cb_b, stride_cb_h,
         stride_rk_b, stride_rk_h, stride_rk_t, stride_rb_b, stride_rb_h, stride_kn_b, stride_kn_h,
         stride_bn_b, stride_bn_h,
@@ -74,7 +74,7 @@ if HAS_TRITON:
         i_w = tl.program_id(1)
         i_b = i_bh // HK
         i_h = i_bh % HK
-        t = tl.load(step_ptr)
+        t = tl.load(step_ptr) - tl.load(offset_ptr + i_b)  # row-relative (hf_nosa.padding)
         n_win = tl.where(t + 1 >= KER, (t + 1 - KER) // STRIDE + 1, 0).to(tl.int32)
         o_w = i_w * BW + tl.arange(0, BW)
         o_d = tl.arange(0, D_PAD)
@@ -151,7 +151,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _select_kernel(
-        logits_ptr, cb_ptr, step_ptr, out_ptr, qs_ptr, es_ptr,
+        logits_ptr, cb_ptr, step_ptr, offset_ptr, out_ptr, qs_ptr, es_ptr,
         stride_cb_b, stride_cb_h, stride_o_b, stride_o_h,
         W_CAP,
         HK: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BW: tl.constexpr, N_SORT: tl.constexpr,
@@ -162,7 +162,7 @@ if HAS_TRITON:
         i_bh = tl.program_id(0)
         i_b = i_bh // HK
         i_h = i_bh % HK
-        t = tl.load(step_ptr)
+        t = tl.load(step_ptr) - tl.load(offset_ptr + i_b)  # row-relative (hf_nosa.padding)
         c = (t // P).to(tl.int32)
         n_win = tl.where(t + 1 >= KER, (t + 1 - KER) // STRIDE + 1, 0).to(tl.int32)
         p_logits = logits_ptr + (i_bh * G).to(tl.int64) * W_CAP
@@ -240,7 +240,7 @@ def window_capacity_for(n_windows: int) -> int:
     return max(MIN_WINDOW_CAPACITY, next_power_of_2(n_windows))
 
 
-def _launch_logits(query, ck, cb, token: NewToken | None, step, cfg: NosaConfig, scale: float, score: bool):
+def _launch_logits(query, ck, cb, token: NewToken | None, step, offsets, cfg: NosaConfig, scale: float, score: bool):
     B, Hk, W_CAP, D = ck.shape
     H = query.shape[1] if query is not None else Hk
     G = H // Hk
@@ -251,7 +251,7 @@ def _launch_logits(query, ck, cb, token: NewToken | None, step, cfg: NosaConfig,
     ieee = ck.dtype == torch.float32 or interpreting()
     grid = (B * Hk, triton.cdiv(W_CAP, BLOCK_W) if score else 1)
     launcher(_window_logits_kernel)[grid](
-        q, ck, cb, ring_k, ring_b, k_new, b_new, step, logits,
+        q, ck, cb, ring_k, ring_b, k_new, b_new, step, offsets, logits,
         q.stride(0), q.stride(1), ck.stride(0), ck.stride(1), ck.stride(2), cb.stride(0), cb.stride(1),
         ring_k.stride(0), ring_k.stride(1), ring_k.stride(2), ring_b.stride(0), ring_b.stride(1),
         k_new.stride(0), k_new.stride(1), b_new.stride(0), b_new.stride(1),
@@ -264,7 +264,7 @@ def _launch_logits(query, ck, cb, token: NewToken | None, step, cfg: NosaConfig,
     return logits
 
 
-def _block_select_triton(query, ck, cb, step, cfg, scale, token, K, return_scores):
+def _block_select_triton(query, ck, cb, step, offsets, cfg, scale, token, K, return_scores):
     B, Hk, W_CAP, _ = ck.shape
     G = query.shape[1] // Hk
     R, off0, M = _geometry(cfg)
@@ -273,9 +273,9 @@ def _block_select_triton(query, ck, cb, step, cfg, scale, token, K, return_score
     out = _empty(B, Hk, K, dtype=torch.long, device=ck.device)
     scores = _empty(2, B * Hk, N_SORT, dtype=torch.float32, device=ck.device) if return_scores else out
     with on_device(ck):
-        logits = _launch_logits(query, ck, cb, token, step, cfg, scale, score=True)
+        logits = _launch_logits(query, ck, cb, token, step, offsets, cfg, scale, score=True)
         launcher(_select_kernel)[(B * Hk,)](
-            logits, cb, step, out, scores[0] if return_scores else out, scores[1] if return_scores else out,
+            logits, cb, step, offsets, out, scores[0] if return_scores else out, scores[1] if return_scores else out,
             cb.stride(0), cb.stride(1), out.stride(0), out.stride(1),
             W_CAP,
             HK=Hk, G=G, G_PAD=next_power_of_2(G), BW=BLOCK_W, N_SORT=N_SORT, K=K, K_PAD=next_power_of_2(K),
@@ -291,36 +291,44 @@ def _block_select_triton(query, ck, cb, step, cfg, scale, token, K, return_score
 # ----- torch references -----
 
 
-def append_token_ref(ck, cb, token: NewToken, step, cfg: NosaConfig) -> None:
-    """Put the token into the ring; when a window ends at it, store the window's mean key and score."""
-    t = int(step.reshape(-1)[0])
+def _row_steps(step, offsets, B: int, device) -> torch.Tensor:
+    """``[B]`` row-relative index of the decode token: the step minus each row's left padding (reads the step)."""
+    t = torch.full((B,), int(step.reshape(-1)[0]), dtype=torch.long, device=device)
+    return t if offsets is None else t - offsets.to(device)
+
+
+def append_token_ref(ck, cb, token: NewToken, step, cfg: NosaConfig, offsets=None) -> None:
+    """Put the token into the ring; when a window ends at it, store the window's mean key and score (per row)."""
+    B = ck.shape[0]
+    t = _row_steps(step, offsets, B, ck.device)
     kernel = cfg.compress_kernel
-    token.ring_k[:, :, t % kernel] = token.key[:, :, 0]
-    token.ring_b[:, :, t % kernel] = token.bias[:, :, 0]
-    n = num_windows(t + 1, cfg)
-    if n == num_windows(t, cfg):
-        return
-    order = torch.arange(t + 1 - kernel, t + 1, device=ck.device) % kernel
-    ck[:, :, n - 1] = compress_keys(token.ring_k[:, :, order], cfg)[:, :, 0]
-    cb[:, :, n - 1] = compress_keys(token.ring_b[:, :, order], cfg)[:, :, 0]
+    rows = torch.arange(B, device=ck.device)
+    token.ring_k[rows, :, t % kernel] = token.key[:, :, 0]
+    token.ring_b[rows, :, t % kernel] = token.bias[:, :, 0]
+    for b in range(B):
+        tb = int(t[b])
+        n = num_windows(tb + 1, cfg)
+        if n == num_windows(tb, cfg):
+            continue
+        order = torch.arange(tb + 1 - kernel, tb + 1, device=ck.device) % kernel
+        ck[b, :, n - 1] = compress_keys(token.ring_k[b : b + 1, :, order], cfg)[0, :, 0]
+        cb[b, :, n - 1] = compress_keys(token.ring_b[b : b + 1, :, order], cfg)[0, :, 0]
 
 
 def block_select_ref(query, ck, cb, step, cfg: NosaConfig, scale: float, token=None, budget_blocks=None,
-                     return_scores=False):
-    """``selection.py`` applied to the decode token at ``step`` (reads it with a host sync)."""
+                     return_scores=False, offsets=None):
+    """``selection.py`` applied to the decode token at ``step`` (reads it with a host sync), row-relative."""
     if token is not None:
-        append_token_ref(ck, cb, token, step, cfg)
-    t = int(step.reshape(-1)[0])
+        append_token_ref(ck, cb, token, step, cfg, offsets)
     K = cfg.budget_blocks if budget_blocks is None else budget_blocks
     B, Hk = ck.shape[:2]
-    c, n = t // cfg.block_size, num_windows(t + 1, cfg)
-    positions = torch.tensor([t], device=ck.device)
+    t = _row_steps(step, offsets, B, ck.device)
+    positions = t[:, None]  # [B, 1]
+    c = int(t.max()) // cfg.block_size
+    n = num_windows(int(t.max()) + 1, cfg)
     qs = query_block_scores(query, ck[:, :, :n], positions, c, cfg, scale, compressed_bias=cb[:, :, :n])[:, :, 0]
     es = eviction_block_scores(cb[:, :, :n], positions, c, cfg)[:, :, 0]
-    if c == 0:
-        selected = torch.full((B, Hk, K), -1, dtype=torch.long, device=ck.device)
-    else:
-        selected = select_blocks(qs[:, :, None], es[:, :, None], positions // cfg.block_size, cfg, K)[:, :, 0]
+    selected = select_blocks(qs[:, :, None], es[:, :, None], positions // cfg.block_size, cfg, K)[:, :, 0]
     # ascending, -1 last: the kernel's order
     selected = torch.where(selected < 0, torch.iinfo(torch.long).max, selected).sort(-1).values
     selected = selected.masked_fill(selected == torch.iinfo(torch.long).max, -1)
@@ -330,7 +338,8 @@ def block_select_ref(query, ck, cb, step, cfg: NosaConfig, scale: float, token=N
 # ----- public -----
 
 
-def append_token(compressed_keys, compressed_bias, token: NewToken, step: torch.Tensor, cfg: NosaConfig) -> None:
+def append_token(compressed_keys, compressed_bias, token: NewToken, step: torch.Tensor, cfg: NosaConfig, *,
+                 offsets: torch.Tensor | None = None) -> None:
     """Append the decode token to the ring and, when a window ends at it, to the compressed keys (in place).
 
     Args:
@@ -338,12 +347,13 @@ def append_token(compressed_keys, compressed_bias, token: NewToken, step: torch.
             the token; compressed_bias: ``[B, Hk, W]`` float32 window means of the eviction scores.
         token: the token and the ring of the last ``compress_kernel`` tokens.
         step: ``[1]`` long on the device, the cache index t of the token (not advanced).
+        offsets: ``[B]`` long on the device, each row's left padding (row b's token is ``t - offsets[b]``), or None.
     """
-    _check(None, compressed_keys, compressed_bias, step, token)
+    offsets = _check(None, compressed_keys, compressed_bias, step, token, offsets)
     if kernel_path("block_select", compressed_keys) == "torch":
-        return append_token_ref(compressed_keys, compressed_bias, token, step, cfg)
+        return append_token_ref(compressed_keys, compressed_bias, token, step, cfg, offsets)
     with on_device(compressed_keys):
-        _launch_logits(None, compressed_keys, compressed_bias, token, step, cfg, 1.0, score=False)
+        _launch_logits(None, compressed_keys, compressed_bias, token, step, offsets, cfg, 1.0, score=False)
 
 
 def block_select(
@@ -357,6 +367,7 @@ def block_select(
     token: NewToken | None = None,
     budget_blocks: int | None = None,
     return_scores: bool = False,
+    offsets: torch.Tensor | None = None,
 ):
     """The blocks the decode token at cache index t attends to (NOSA rule of ``selection.py``), on the device.
 
@@ -370,6 +381,9 @@ def block_select(
         budget_blocks: K, default ``cfg.budget_blocks``.
         return_scores: also return the pooled query and eviction scores ``[B, Hk, N]`` (the kernel's N is its
             capacity; the reference's is t // block_size), for tests.
+        offsets: ``[B]`` long on the device, each row's left padding, or None (zeros). Row b's token is then
+            ``t - offsets[b]`` for every rule: blocks, windows, sink and local window counted from the row's first
+            real token (``hf_nosa.padding``).
 
     Returns:
         ``[B, Hk, K]`` long block indices in ascending order, -1 after them.
@@ -381,16 +395,19 @@ def block_select(
         >>> block_select(torch.randn(1, 4, 1, 8), ck, cb, torch.tensor([200]), cfg, 0.35).shape
         torch.Size([1, 2, 4])
     """
-    _check(query, compressed_keys, compressed_bias, step, token)
+    offsets = _check(query, compressed_keys, compressed_bias, step, token, offsets)
     K = cfg.budget_blocks if budget_blocks is None else budget_blocks
     if not isinstance(K, int) or K < 1:
         raise ValueError(f"budget_blocks must be a positive int; got {budget_blocks!r}")
     if kernel_path("block_select", compressed_keys) == "torch":
-        return block_select_ref(query, compressed_keys, compressed_bias, step, cfg, scale, token, K, return_scores)
-    return _block_select_triton(query, compressed_keys, compressed_bias, step, cfg, scale, token, K, return_scores)
+        return block_select_ref(query, compressed_keys, compressed_bias, step, cfg, scale, token, K, return_scores,
+                                offsets)
+    return _block_select_triton(query, compressed_keys, compressed_bias, step, offsets, cfg, scale, token, K,
+                                return_scores)
 
 
-def _check(query, ck, cb, step, token) -> None:
+def _check(query, ck, cb, step, token, offsets=None) -> torch.Tensor:
+    """Validate; returns the offsets (zeros when None)."""
     if ck.dim() != 4 or ck.stride(-1) != 1:
         raise ValueError(f"compressed_keys must be [B, Hk, W, D] with a contiguous last dim; got {tuple(ck.shape)}")
     B, Hk, W, D = ck.shape
@@ -412,3 +429,9 @@ def _check(query, ck, cb, step, token) -> None:
             raise ValueError("token.ring_k must be [B, Hk, compress_kernel, D] with a contiguous last dim")
         if token.ring_b.shape != token.ring_k.shape[:3] or token.ring_b.stride(-1) != 1:
             raise ValueError("token.ring_b must be float32 [B, Hk, compress_kernel]")
+    if offsets is None:
+        return torch.zeros(B, dtype=torch.long, device=ck.device)
+    if tuple(offsets.shape) != (B,) or offsets.dtype != torch.long or offsets.device != ck.device:
+        raise ValueError(f"offsets must be long [B={B}] on the compressed keys' device; got {offsets.dtype} "
+                         f"{tuple(offsets.shape)} on {offsets.device}")
+    return offsets

@@ -42,39 +42,44 @@ class FetchPlan(NamedTuple):
 
 
 def plan_fetch(
-    selected: torch.Tensor, slot_block: torch.Tensor, tail_slot: torch.Tensor, new_block: bool, current_block: int
+    selected: torch.Tensor, slot_block: torch.Tensor, tail_slot: torch.Tensor, new_block, current_block
 ) -> FetchPlan:
     """Set difference between selected and resident blocks, and the slot each missing block lands in.
 
     Args:
         selected: ``[B, Hk, K]`` block indices (-1 = none).
         slot_block: ``[B, Hk, S]`` blocks held now.
-        tail_slot: ``[B, Hk]`` slot of the block being written (ignored when ``new_block``).
-        new_block: the token of this step starts block ``current_block``; it gets a fresh slot.
+        tail_slot: ``[B, Hk]`` slot of the block being written (ignored where ``new_block``).
+        new_block: the token of this step starts block ``current_block``; it gets a fresh slot. A bool, or a
+            ``[B]`` bool tensor per row (rows of a left-padded batch are at different row-relative indices).
+        current_block: int, or ``[B]`` long tensor per row.
     """
     S = slot_block.shape[-1]
-    slots = torch.arange(S, device=slot_block.device)
+    device = slot_block.device
+    lead = slot_block.shape[:-1]  # (B, Hk)
+    new_block = torch.as_tensor(new_block, device=device).reshape(-1, *([1] * (len(lead) - 1))).expand(lead)
+    current_block = torch.as_tensor(current_block, device=device).reshape(-1, *([1] * (len(lead) - 1))).expand(lead)
+    slots = torch.arange(S, device=device)
     is_selected = selected >= 0
     match = (slot_block[..., :, None] == selected[..., None, :]) & is_selected[..., None, :]  # [B, Hk, S, K]
-    keep = match.any(-1)
-    if not new_block:
-        keep = keep | (slots == tail_slot[..., None])
+    keep = match.any(-1) | ((slots == tail_slot[..., None]) & ~new_block[..., None])
     resident = match.any(-2)  # [B, Hk, K]
     missing = is_selected & ~resident
 
     free = ~keep
     free_rank = torch.cumsum(free.long(), -1) - 1
-    free_by_rank = torch.full((*slot_block.shape[:-1], S + 1), S, dtype=torch.long, device=slot_block.device)
+    free_by_rank = torch.full((*lead, S + 1), S, dtype=torch.long, device=device)
     free_by_rank.scatter_(-1, torch.where(free, free_rank, S), slots.expand_as(slot_block))
     miss_rank = torch.cumsum(missing.long(), -1) - 1
     dst_slot = torch.where(missing, free_by_rank.gather(-1, miss_rank.clamp(min=0)), S)
 
     new_slot_block = torch.where(keep, slot_block, -1)
-    padded = torch.cat([new_slot_block, new_slot_block.new_full((*new_slot_block.shape[:-1], 1), -1)], -1)
+    padded = torch.cat([new_slot_block, new_slot_block.new_full((*lead, 1), -1)], -1)
     padded.scatter_(-1, dst_slot, torch.where(missing, selected, -1))
-    if new_block:
-        tail_slot = free_by_rank.gather(-1, missing.sum(-1, keepdim=True)).squeeze(-1)
-        padded.scatter_(-1, tail_slot[..., None], current_block)
+    fresh = free_by_rank.gather(-1, missing.sum(-1, keepdim=True)).squeeze(-1)
+    tail_slot = torch.where(new_block, fresh, tail_slot)
+    target = torch.where(new_block, tail_slot, S)[..., None]  # column S is scratch: rows without a new block
+    padded.scatter_(-1, target, torch.where(new_block[..., None], current_block[..., None], -1))
     return FetchPlan(
         missing=missing,
         dst_slot=dst_slot,
@@ -154,7 +159,7 @@ if HAS_TRITON:
     @triton.jit
     def _fetch_step_kernel(
         sel_ptr, slot_block_ptr, tail_ptr, slot_k_ptr, slot_v_ptr, slot_b_ptr, table_ptr,
-        k_new_ptr, v_new_ptr, b_new_ptr, step_ptr, counts_ptr, locality_ptr,
+        k_new_ptr, v_new_ptr, b_new_ptr, step_ptr, offset_ptr, counts_ptr, locality_ptr,
         stride_sel_b, stride_sel_h, stride_sb_b, stride_sb_h, stride_tail_b, stride_tail_h,
         stride_k_b, stride_k_h, stride_k_s, stride_v_b, stride_v_h, stride_v_s, stride_b_b, stride_b_h, stride_b_s,
         stride_kn_b, stride_kn_h, stride_vn_b, stride_vn_h, stride_bn_b, stride_bn_h,
@@ -166,7 +171,8 @@ if HAS_TRITON:
         i_bh = tl.program_id(0)
         i_b = i_bh // HK
         i_h = i_bh % HK
-        t = tl.load(step_ptr)
+        t_step = tl.load(step_ptr)
+        t = t_step - tl.load(offset_ptr + i_b)  # the row-relative index of the token (hf_nosa.padding)
         pos = (t % P).to(tl.int32)
         c = (t // P).to(tl.int32)
         new_block = (pos == 0) & DECODE  # a QUOKA prefill fetch (not DECODE) writes no token and has no tail
@@ -270,7 +276,7 @@ if HAS_TRITON:
             ticket = 0
         if DECODE and ticket == n_programs - 1:
             # Every other program has read the step and added its counts before taking its ticket.
-            tl.store(step_ptr, t + 1)
+            tl.store(step_ptr, t_step + 1)
             if count_locality != 0:
                 resident = tl.atomic_xchg(counts_ptr + 2, 0)
                 selected = tl.atomic_xchg(counts_ptr + 3, 0)
@@ -280,8 +286,8 @@ if HAS_TRITON:
             tl.atomic_xchg(counts_ptr + 4, 0)
 
 
-def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, b_new, step, counters, count_locality,
-                       decode: bool = True):
+def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, b_new, step, offsets, counters,
+                       count_locality, decode: bool = True):
     B, Hk, K = selected.shape
     S = pool.slot_block.shape[-1]
     P, D = pool.slot_k.shape[3], pool.slot_k.shape[4]
@@ -290,7 +296,7 @@ def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, 
     with on_device(pool.slot_k):
         launcher(_fetch_step_kernel)[(B * Hk,)](
             selected, pool.slot_block, pool.tail_slot, pool.slot_k, pool.slot_v, pool.slot_b, table,
-            k_new, v_new, b_new, step, counters.counts, counters.locality,
+            k_new, v_new, b_new, step, offsets, counters.counts, counters.locality,
             selected.stride(0), selected.stride(1), pool.slot_block.stride(0), pool.slot_block.stride(1),
             pool.tail_slot.stride(0), pool.tail_slot.stride(1),
             pool.slot_k.stride(0), pool.slot_k.stride(1), pool.slot_k.stride(2),
@@ -304,27 +310,31 @@ def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, 
         )
 
 
-def fetch_step_ref(selected, pool: SlotPool, host: HostStore, k_new, v_new, b_new, step, counters, count_locality):
+def fetch_step_ref(selected, pool: SlotPool, host: HostStore, k_new, v_new, b_new, step, counters, count_locality,
+                   offsets=None):
     """Torch reference of ``fetch_step`` (reads the step with a host sync; CPU tensors in the tests)."""
-    t = int(step.reshape(-1)[0])
+    B, Hk = pool.tail_slot.shape
+    device = pool.slot_k.device
     P, S = pool.slot_k.shape[3], pool.slot_block.shape[-1]
-    pos = t % P
+    t = int(step.reshape(-1)[0]) - (offsets.to(device) if offsets is not None else torch.zeros(B, dtype=torch.long,
+                                                                                               device=device))
+    pos = t % P  # [B]
     plan = plan_fetch(selected, pool.slot_block, pool.tail_slot, new_block=pos == 0, current_block=t // P)
     fetch_blocks_ref(plan, selected, host, pool.slot_k, pool.slot_v, pool.slot_b)
     pool.slot_block.copy_(plan.slot_block)
     pool.tail_slot.copy_(plan.tail_slot)
     pool.slot_b[:, :, :S].masked_fill_((pool.slot_block < 0)[..., None], MASK_VALUE)
-    B, Hk = pool.tail_slot.shape
-    bi = torch.arange(B, device=pool.slot_k.device)[:, None]
-    hi = torch.arange(Hk, device=pool.slot_k.device)[None, :]
+    bi = torch.arange(B, device=device)[:, None]
+    hi = torch.arange(Hk, device=device)[None, :]
     tail = pool.tail_slot
     row = pool.slot_b[bi, hi, tail]  # [B, Hk, P]
-    o_p = torch.arange(P, device=row.device)
-    row = torch.where(o_p < pos, row, torch.where(o_p == pos, b_new.reshape(B, Hk, 1).float(), MASK_VALUE))
+    o_p = torch.arange(P, device=device)
+    at = pos[:, None, None]
+    row = torch.where(o_p < at, row, torch.where(o_p == at, b_new.reshape(B, Hk, 1).float(), MASK_VALUE))
     pool.slot_b[bi, hi, tail] = row
-    pool.slot_k[bi, hi, tail, pos] = k_new.reshape(B, Hk, -1)
-    pool.slot_v[bi, hi, tail, pos] = v_new.reshape(B, Hk, -1)
-    host.write(t, k_new.reshape(B, Hk, 1, -1), v_new.reshape(B, Hk, 1, -1), b_new.reshape(B, Hk, 1).float())
+    pool.slot_k[bi, hi, tail, pos[:, None]] = k_new.reshape(B, Hk, -1)
+    pool.slot_v[bi, hi, tail, pos[:, None]] = v_new.reshape(B, Hk, -1)
+    host.write_rows(t.cpu(), k_new.reshape(B, Hk, 1, -1), v_new.reshape(B, Hk, 1, -1), b_new.reshape(B, Hk, 1).float())
     loaded = plan.missing.sum()
     block_bytes = P * (2 * pool.slot_k.shape[4] * pool.slot_k.element_size() + 4)
     counters.counts[0].add_(loaded)
@@ -345,6 +355,7 @@ def fetch_step(
     counters: StepCounters,
     *,
     count_locality: bool,
+    offsets: torch.Tensor | None = None,
 ) -> None:
     """One decode step of a layer's slot pool, in place: fetch the selection, write the new token, count.
 
@@ -357,14 +368,22 @@ def fetch_step(
         k_new, v_new: ``[B, Hk, 1, D]`` the new token's key and value; ``b_new``: ``[B, Hk, 1]`` float32 its score.
         step: ``[1]`` long on the pool's device, the cache index t of the new token; advanced by one.
         counters: advanced on the device (blocks and bytes loaded; locality when ``count_locality``).
+        offsets: ``[B]`` long on the pool's device, each row's left padding: row b's token is row-relative index
+            ``t - offsets[b]`` (blocks, tail position, host index; ``hf_nosa.padding``). None: zeros.
     """
     _check_step(selected, pool, host, k_new, v_new, b_new, step, counters)
+    B = pool.tail_slot.shape[0]
+    if offsets is None:
+        offsets = torch.zeros(B, dtype=torch.long, device=pool.slot_k.device)
+    elif offsets.shape != (B,) or offsets.dtype != torch.long or offsets.device != pool.slot_k.device:
+        raise ValueError(f"offsets must be long [B={B}] on the slot pool's device; got {offsets.dtype} "
+                         f"{tuple(offsets.shape)} on {offsets.device}")
     path = kernel_path("fetch", pool.slot_k)
     if path == "triton" and pool.slot_k.is_cuda and not host.pin:
         path = _unpinned_fallback()
     if path == "torch":
-        return fetch_step_ref(selected, pool, host, k_new, v_new, b_new, step, counters, count_locality)
-    _fetch_step_triton(selected, pool, host, k_new, v_new, b_new, step, counters, count_locality)
+        return fetch_step_ref(selected, pool, host, k_new, v_new, b_new, step, counters, count_locality, offsets)
+    _fetch_step_triton(selected, pool, host, k_new, v_new, b_new, step, offsets, counters, count_locality)
 
 
 def fetch_selection_ref(selected, pool: SlotPool, host: HostStore, counters: StepCounters) -> None:
@@ -402,7 +421,8 @@ def fetch_selection(selected: torch.Tensor, pool: SlotPool, host: HostStore, cou
         path = _unpinned_fallback()
     if path == "torch":
         return fetch_selection_ref(selected, pool, host, counters)
-    _fetch_step_triton(selected, pool, host, dummy_kv, dummy_kv, dummy_b, step, counters, False, decode=False)
+    offsets = torch.zeros(B, dtype=torch.long, device=pool.slot_k.device)
+    _fetch_step_triton(selected, pool, host, dummy_kv, dummy_kv, dummy_b, step, offsets, counters, False, decode=False)
 
 
 def _unpinned_fallback() -> str:

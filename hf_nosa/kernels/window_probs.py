@@ -20,7 +20,7 @@ if HAS_TRITON:
     def _window_probs_kernel(
         q_ptr, k_ptr, pad_ptr, n_ptr, out_ptr, m_ptr, l_ptr,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kw, stride_pb, stride_ph,
-        stride_ob, stride_oh, stride_ot, stride_mb, stride_mh,
+        stride_ob, stride_oh, stride_ot, stride_mb, stride_mh, stride_nb,
         Tq, W, scale,
         HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, HAS_PAD: tl.constexpr, IEEE: tl.constexpr,
@@ -33,7 +33,7 @@ if HAS_TRITON:
         o_d = tl.arange(0, BLOCK_D)
         m_t = o_t < Tq
         m_d = o_d < D
-        b_n = tl.load(n_ptr + o_t, mask=m_t, other=0)  # complete windows per query (non-decreasing in t)
+        b_n = tl.load(n_ptr + i_b * stride_nb + o_t, mask=m_t, other=0)  # complete windows per query (non-decreasing)
         w_hi = tl.max(b_n, axis=0)
         p_k0 = k_ptr + i_b.to(tl.int64) * stride_kb + i_h * stride_kh
 
@@ -127,6 +127,7 @@ def _launch(query, compressed_keys, n_windows, padding, scale):
             query.stride(0), query.stride(1), query.stride(2),
             compressed_keys.stride(0), compressed_keys.stride(1), compressed_keys.stride(2),
             *pad_strides, out.stride(0), out.stride(1), out.stride(2), m.stride(0), m.stride(1),
+            n_windows.stride(0) if n_windows.dim() == 2 else 0,
             Tq, W, scale,
             HK=Hk, G=H // Hk, D=D, BLOCK_D=max(16, next_power_of_2(D)), BLOCK_T=block_t, BLOCK_W=block_w,
             HAS_PAD=has_pad, IEEE=ieee,
@@ -140,7 +141,9 @@ def window_probs_ref(query, compressed_keys, n_windows, padding, scale) -> torch
     Hk, W = compressed_keys.shape[1], compressed_keys.shape[2]
     q = query.float().view(B, Hk, H // Hk, Tq, D)
     logits = torch.einsum("bkgtd,bkwd->bkgtw", q, compressed_keys.float()) * scale
-    available = torch.arange(W, device=query.device) < n_windows.to(query.device)[:, None]
+    available = torch.arange(W, device=query.device) < n_windows.to(query.device)[..., None]  # [(B,) Tq, W]
+    if available.dim() == 3:
+        available = available[:, None, None]
     logits = logits.masked_fill(~available, float("-inf"))
     if padding is not None:
         logits = logits.masked_fill(padding[:, :, None, None, :], float("-inf"))
@@ -159,7 +162,8 @@ def window_probs(
 
     Args:
         query: ``[B, H, Tq, D]``; compressed_keys: ``[B, Hk, W, D]``.
-        n_windows: ``[Tq]`` complete windows at each query token (``selection.windows_available``), non-decreasing.
+        n_windows: ``[Tq]`` complete windows at each query token (``selection.windows_available``), non-decreasing;
+            or ``[B, Tq]`` per row (row-relative positions of a left-padded batch).
         padding: ``[B, Hk, W]`` bool, True for padding windows (left out of the softmax), or None.
 
     Returns:
@@ -174,8 +178,9 @@ def window_probs(
     if query.dim() != 4 or compressed_keys.dim() != 4 or query.shape[1] % compressed_keys.shape[1]:
         raise ValueError(f"query must be [B, H, Tq, D] and compressed_keys [B, Hk, W, D] with H % Hk == 0; got "
                          f"{tuple(query.shape)} and {tuple(compressed_keys.shape)}")
-    if tuple(n_windows.shape) != (query.shape[2],):
-        raise ValueError(f"n_windows has shape {tuple(n_windows.shape)}; expected [Tq] = [{query.shape[2]}]")
+    if tuple(n_windows.shape) not in ((query.shape[2],), (query.shape[0], query.shape[2])):
+        raise ValueError(f"n_windows has shape {tuple(n_windows.shape)}; expected [Tq] = [{query.shape[2]}] or "
+                         f"[B, Tq] = [{query.shape[0]}, {query.shape[2]}]")
     if kernel_path("window_probs", query) == "triton":
         return _launch(query, compressed_keys, n_windows, padding, scale)
     return window_probs_ref(query, compressed_keys, n_windows, padding, scale)

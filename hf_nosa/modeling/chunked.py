@@ -8,6 +8,14 @@ Decode: a one-token step on CUDA replays a CUDA graph of the model's decode forw
 captured once per shapes and buffers; caches built by ``generate(cache_implementation="nosa")`` draw their buffers
 from the model's workspace, so the graph also survives from one generate call to the next.
 
+Left padding: a prompt whose rows start with padding (a 2D ``attention_mask`` with leading zeros) is sent through
+with each row's real tokens moved to the front and its padding to the end (``padding.roll_rows``; ids, positions
+and mask alike), and the cache is told each row's padding (``NosaCache.begin_prefill``). Every chunk boundary,
+block, compressed window and sink block then falls where it would for the row alone, QUOKA's chunked selection
+included, and the cache counts the row's later tokens from its first real one (``hf_nosa.padding``). The outputs
+are moved back: logits and hidden states come out at the positions the caller asked for, as the stock forward
+would give them. Such a prompt goes through this path even when it fits one chunk.
+
 Any other call (no NosaCache, or labels) runs the stock forward; output_attentions is refused by name.
 """
 
@@ -23,6 +31,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..cache import NosaCache
 from ..kernels.backend import kernel_path
 from ..kernels.cuda_graph import DecodeGraph, cache_keyword, in_stock_forward
+from ..padding import leading_padding, roll_rows
 
 logger = logging.getLogger(__name__)
 GRAPH_ENV_VAR = "HF_NOSA_CUDA_GRAPH"  # "0" decodes eagerly (the reference the graph is tested against)
@@ -66,9 +75,20 @@ class NosaForward:
         T = inputs.shape[1]
         if T == 1 and cache.get_seq_length() > 0 and self._graph_eligible(kwargs):
             return self._decode_with_graph(cache, cache_name, kwargs)
-        if T <= cache.nosa_config.prefill_chunk_size:
+        if T <= cache.nosa_config.prefill_chunk_size and self._left_padding(cache, kwargs) is None:
             return self.original(**kwargs)
         return self._chunked(cache, cache_name, kwargs)
+
+    @staticmethod
+    def _left_padding(cache: NosaCache, kwargs: dict) -> torch.Tensor | None:
+        """``[B]`` CPU long left padding of a new prompt's rows (one host read), or None when there is none to move:
+        the cache holds tokens already, the mask is not a 2D padding mask, or the cache runs another selector
+        (``selectors.py``; those count from cache index 0)."""
+        mask = kwargs.get("attention_mask")
+        if cache.get_seq_length() != 0 or mask is None or mask.dim() != 2 or cache.has_selector:
+            return None
+        lead = leading_padding(mask).cpu()
+        return lead if bool(lead.any()) else None
 
     # ----- prefill -----
 
@@ -82,8 +102,18 @@ class NosaForward:
         position_ids = kwargs.pop("position_ids", None)
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=inputs.device).expand(B, T)
+        lead = self._left_padding(cache, kwargs)
         attention_mask = kwargs.pop("attention_mask", None)
         keep = _kept_positions(kwargs.pop("logits_to_keep", 0), T)
+        need = keep
+        if lead is not None:  # real tokens first; row b's cache position j is then its position (j - lead[b]) mod T
+            attention_mask = attention_mask[:, :T]
+            inputs, position_ids, attention_mask = (roll_rows(x, lead, dim=1) for x in
+                                                    (inputs, position_ids.expand(B, T), attention_mask))
+            kept = keep.nonzero().flatten()
+            moved = (kept[None, :] - lead[:, None]) % T  # [B, kept]
+            need = torch.zeros(T, dtype=torch.bool)
+            need[moved.flatten()] = True
         output_hidden = kwargs.get("output_hidden_states")
         return_dict = kwargs.pop("return_dict", True)
         kwargs.pop(cache_name)
@@ -93,7 +123,7 @@ class NosaForward:
 
         starting = past == 0
         if starting:
-            cache.begin_prefill(T)
+            cache.begin_prefill(T, lead)
         hidden_parts, layer_states = [], []
         try:
             for a in range(0, T, C):
@@ -106,7 +136,7 @@ class NosaForward:
                                                else attention_mask[..., a:b, : past + b])
                 chunk[decoder_cache] = cache
                 out = decoder(use_cache=True, **chunk)
-                rows = keep[a:b].nonzero().flatten()
+                rows = need[a:b].nonzero().flatten()
                 if rows.numel():
                     lo, hi = int(rows[0]), int(rows[-1]) + 1
                     hidden = out.last_hidden_state
@@ -117,10 +147,16 @@ class NosaForward:
         finally:
             if starting:
                 cache.end_prefill()
-        logits = model.lm_head(torch.cat(hidden_parts, 1))
+        hidden = torch.cat(hidden_parts, 1)
+        if lead is not None:  # back to the caller's positions: row b's kept position j is need's (j - lead[b]) mod T
+            slot = (torch.cumsum(need.long(), 0) - 1)[moved].to(hidden.device)  # [B, kept]
+            hidden = hidden.gather(1, slot[..., None].expand(-1, -1, hidden.shape[-1]))
+        logits = model.lm_head(hidden)
         hidden_states = None
         if output_hidden:
             hidden_states = tuple(torch.cat(parts, 1) for parts in zip(*layer_states))
+            if lead is not None:
+                hidden_states = tuple(roll_rows(h, -lead, dim=1) for h in hidden_states)
         result = CausalLMOutputWithPast(logits=logits, hidden_states=hidden_states, **{_OUTPUT_CACHE_FIELD: cache})
         return result if return_dict else result.to_tuple()
 
