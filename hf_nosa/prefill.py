@@ -32,13 +32,14 @@ from .selection import MASK_VALUE, nosa_token_mask, quoka_query_choice, quoka_se
 _WRITERS: dict[torch.device, "torch.cuda.Stream"] = {}
 
 
-def write_to_host(host, start: int, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor):
-    """Store tokens ``start ..`` in ``host``; on CUDA from a side stream, so the copy overlaps the attention.
+def write_to_host(host, start: int, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, offsets=None):
+    """Store tokens ``start ..`` in ``host`` (row b's at ``start - offsets[b]`` when given, ``kernels.host_write``);
+    on CUDA from a side stream, so the copy overlaps the attention.
 
     Returns that stream (None on CPU): the caller makes its stream wait for it before anything reads the store.
     """
     if not k.is_cuda:
-        host_write(host, start, k, v, b)
+        host_write(host, start, k, v, b, offsets=offsets)
         return None
     main = torch.cuda.current_stream(k.device)
     writer = _WRITERS.get(k.device)
@@ -46,7 +47,7 @@ def write_to_host(host, start: int, k: torch.Tensor, v: torch.Tensor, b: torch.T
         writer = _WRITERS[k.device] = torch.cuda.Stream(k.device)
     writer.wait_stream(main)
     with torch.cuda.stream(writer):
-        host_write(host, start, k, v, b)
+        host_write(host, start, k, v, b, offsets=offsets)
     for t in (k, v, b):
         t.record_stream(writer)
     return writer
@@ -227,8 +228,7 @@ class PrefillPaths:
             hb = from_rows(hb, self.offset, dim=2, fill=MASK_VALUE, length=start)
         self._grow_layout(start + Tq)
         if self.padded:
-            self._wait_writer()
-            self.host.write_rows(lengths, k, v, b)
+            self._writer = write_to_host(self.host, start, k, v, b, self.offset) or self._writer
             self.host.length = start + Tq
             self.compressed.extend(k, b, lengths)
             self.seen = start + Tq

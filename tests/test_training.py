@@ -125,6 +125,57 @@ def test_flex_and_explicit_agree_on_real_rows_under_padding():
     assert_close(outs[0][real], outs[1][real], atol=1e-5)
 
 
+PADS = (0, 13, 40)  # left padding of the rows; 13 and 40 are not whole blocks of 16
+
+
+def _left_padded(seed, q_offset=0, T=150):
+    """Inputs of a left-padded batch: the padding keeps random (garbage) keys, and the model's 4D mask."""
+    q, k, v, bias = _inputs(seed, B=len(PADS), T=T)
+    keep = torch.ones(len(PADS), T, dtype=torch.bool)
+    for row, pad in enumerate(PADS):
+        keep[row, :pad] = False
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    mask = (causal[None] & keep[:, None, :])[:, None, q_offset:]  # [B, 1, Tq, T] as transformers builds it
+    return q[:, :, q_offset:], k, v, bias, mask, keep
+
+
+@pytest.mark.parametrize("q_offset", [0, 45])
+def test_left_padded_rows_select_as_the_rows_alone(q_offset):
+    """The decode rule on a left-padded batch (``offsets``): every real query of a row sees exactly the tokens the
+    same row alone sees, whatever the padding length, and never a padding token."""
+    cfg = small_nosa_config(**SPARSE)
+    q, k, _, bias, _, _ = _left_padded(8, q_offset)
+    for row, pad in enumerate(PADS):
+        bias[row, :, :pad] = -1e30  # padding folded into the scores, as the cache and the training path do
+    together = nosa_token_mask(q, k, bias, q_offset, cfg, 0.25, offsets=torch.tensor(PADS))
+    for row, pad in enumerate(PADS):
+        first = max(0, pad - q_offset)  # the row's first real query
+        alone = nosa_token_mask(q[row : row + 1, :, first:], k[row : row + 1, :, pad:], bias[row : row + 1, :, pad:],
+                                q_offset + first - pad, cfg, 0.25)
+        assert torch.equal(together[row, :, first:, pad:], alone[0]), row
+        assert not together[row, :, first:, :pad].any()
+        assert int(alone.sum(-1).max()) < alone.shape[-1]  # the budget bites
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("selection_kernel", [False, True])
+def test_left_padded_training_attention_equals_the_rows_alone(selection_kernel, monkeypatch):
+    """Training attention (every backend) on a left-padded batch: each real query's output is the row's alone."""
+    import hf_nosa.training as training
+
+    monkeypatch.setattr(training, "SELECTION_KERNEL", selection_kernel)
+    monkeypatch.setattr(training, "FLEX_TILE", 32)
+    cfg = small_nosa_config(**SPARSE)
+    q, k, v, bias, mask, keep = _left_padded(9)
+    for backend in BACKENDS:
+        out = nosa_training_attention(q, k, v, bias, cfg, 0.25, attention_mask=mask, backend=backend)
+        for row, pad in enumerate(PADS):
+            alone = nosa_training_attention(q[row : row + 1, :, pad:], k[row : row + 1, :, pad:],
+                                            v[row : row + 1, :, pad:], bias[row : row + 1, :, pad:], cfg, 0.25,
+                                            backend=backend)
+            assert_close(out[row, :, pad:], alone[0], atol=1e-5, msg=f"{backend} row {row}")
+
+
 @pytest.mark.parametrize("q_offset", [0, 40])
 def test_flex_block_table_covers_exactly_the_tiles_the_rule_touches(q_offset):
     cfg = small_nosa_config(**SPARSE)

@@ -22,7 +22,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _host_write_kernel(
-        k_ptr, v_ptr, b_ptr, table_ptr,
+        k_ptr, v_ptr, b_ptr, table_ptr, offset_ptr,
         stride_k_b, stride_k_h, stride_k_t, stride_v_b, stride_v_h, stride_v_t, stride_b_b, stride_b_h, stride_b_t,
         table_stride, start, n_tokens,
         HK: tl.constexpr, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BT: tl.constexpr,
@@ -33,10 +33,10 @@ if HAS_TRITON:
         i_h = i_bh % HK
         o_t = i_t * BT + tl.arange(0, BT)
         o_d = tl.arange(0, D_PAD)
-        m_t = o_t < n_tokens
+        t = start + o_t.to(tl.int64) - tl.load(offset_ptr + i_b)  # row-relative index of each token
+        m_t = (o_t < n_tokens) & (t >= 0)  # a token before the row's first real one is padding: not stored
         m_td = m_t[:, None] & (o_d < D)[None, :]
-        t = start + o_t.to(tl.int64)  # cache index of each token
-        blk = t // P
+        blk = tl.where(m_t, t, 0) // P
         row_len = tl.load(table_ptr + 3 * table_stride + blk, mask=m_t, other=0)
         row = (i_b * HK + i_h).to(tl.int64) * row_len + t % P  # token offset from its block's address
         b_k = tl.load(k_ptr + i_b.to(tl.int64) * stride_k_b + i_h * stride_k_h + o_t[:, None] * stride_k_t + o_d[None, :],
@@ -52,8 +52,12 @@ if HAS_TRITON:
         tl.store(host_b + row, b_b, mask=m_t)
 
 
-def host_write(host: HostStore, start: int, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor) -> None:
+def host_write(host: HostStore, start: int, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, *,
+               offsets: torch.Tensor | None = None) -> None:
     """Store tokens ``start .. start + T - 1`` (``k, v [B, Hk, T, D]``, ``b [B, Hk, T]`` float32) in ``host``.
+
+    ``offsets``: ``[B]`` long on k's device, each row's left padding: row b's token ``start + i`` then goes to
+    row-relative index ``start + i - offsets[b]`` (``hf_nosa.padding``; negative ones are not stored). None: zeros.
 
     On CUDA with a pinned store: one launch, asynchronous, on the current stream (the store's ``wait_writes``
     synchronises before the CPU reads it); on CPU under ``HF_NOSA_KERNELS=triton`` and ``TRITON_INTERPRET=1``
@@ -74,15 +78,23 @@ def host_write(host: HostStore, start: int, k: torch.Tensor, v: torch.Tensor, b:
         log_fallback("host_write", "cuda", "the host store is not pinned (NosaConfig.offload=False)")
         path = "torch"
     if path == "torch":
-        host.write(start, k, v, b)
+        if offsets is None:
+            host.write(start, k, v, b)
+        else:
+            host.write_rows(start - offsets.to("cpu", torch.long), k, v, b)
         return
+    if offsets is None:
+        offsets = torch.zeros(B, dtype=torch.long, device=k.device)
+    elif tuple(offsets.shape) != (B,) or offsets.dtype != torch.long or offsets.device != k.device:
+        raise ValueError(f"host_write: offsets must be long [B={B}] on {k.device}; got {offsets.dtype} "
+                         f"{tuple(offsets.shape)} on {offsets.device}")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
     host.ensure_capacity(start + T)
     table = host.block_table(k.device)
     with on_device(k):
         launcher(_host_write_kernel)[(B * Hk, triton.cdiv(T, BLOCK_T))](
-            k, v, b, table,
+            k, v, b, table, offsets,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             b.stride(0), b.stride(1), b.stride(2),
             table.stride(0), start, T,

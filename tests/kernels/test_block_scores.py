@@ -142,6 +142,41 @@ def test_padding_windows_match_reference_interpreted(interpret, poison, B, H, Hk
         assert (qs[row, :, n_dead:c] > 0).all()
 
 
+ROW_CASES = [  # H, Hk, D, t, dtype, cfg, append, offsets (the rows' left padding; row b's token is t - offsets[b])
+    (4, 2, 64, 200, torch.float32, SMALL, True, (0, 13, 40)),
+    (8, 1, 64, 301, torch.float32, SMALL, False, (5, 0, 290)),  # a row at its third token
+    (4, 2, 64, 150, torch.bfloat16, SMALL, True, (16, 3)),
+    (2, 2, 64, 211, torch.float32, NARROW, True, (0, 77)),
+]
+
+
+@pytest.mark.parametrize("H,Hk,D,t,dtype,cfg,append,offsets", ROW_CASES)
+def test_row_offsets_select_like_each_row_alone_interpreted(interpret, poison, monkeypatch, H, Hk, D, t, dtype, cfg,
+                                                            append, offsets):
+    """Rows stored row-relative (hf_nosa.padding): with ``offsets`` the kernel gives every row what the reference
+    gives that row alone at its own token t - offsets[b] (appended window, ring and selection)."""
+    scale = D ** -0.5
+    rows = [make_state(1, H, Hk, D, t - off, dtype, 256, cfg, append, seed=b) for b, off in enumerate(offsets)]
+    q, ck, cb = (torch.cat([row[i] for row in rows]) for i in range(3))
+    token = None if not append else NewToken(*(torch.cat([row[3][i] for row in rows]) for i in range(4)))
+    step, offs = torch.tensor([t]), torch.tensor(offsets)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    sel = {}
+    for path in ("torch", "triton"):
+        monkeypatch.setenv("HF_NOSA_KERNELS", path)
+        ck_p, cb_p, tok_p = ck.clone(), cb.clone(), clone_token(token)
+        sel[path] = block_select(q, ck_p, cb_p, step, cfg, scale, token=tok_p, offsets=offs)
+        for b, (off, row) in enumerate(zip(offsets, rows)):
+            ck_b, cb_b, tok_b = row[1].clone(), row[2].clone(), clone_token(row[3])
+            alone = block_select_ref(row[0], ck_b, cb_b, torch.tensor([t - off]), cfg, scale, tok_b)
+            assert torch.equal(sel[path][b], alone[0]), (path, b)
+            n = num_windows(t - off + 1, cfg)
+            assert_close(ck_p[b, :, :n], ck_b[0, :, :n], **tol)
+            assert_close(cb_p[b, :, :n], cb_b[0, :, :n], atol=1e-6, rtol=1e-6)
+            if append:
+                assert torch.equal(tok_p.ring_k[b], tok_b.ring_k[0]) and torch.equal(tok_p.ring_b[b], tok_b.ring_b[0])
+
+
 def test_ties_go_to_the_most_recent_block(interpret):
     """Equal keys everywhere: every block scores the same, so the budget is the sink plus the newest blocks."""
     cfg = SMALL

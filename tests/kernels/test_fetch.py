@@ -23,8 +23,11 @@ def interpret(monkeypatch):
     monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
 
 
-def make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen):
-    """A host store holding T tokens (several chunks) and a slot pool poisoned with NaN, tail holding T's block."""
+def make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen, offsets=None):
+    """A host store holding T tokens (several chunks) and a slot pool poisoned with NaN, tail holding T's block.
+
+    With ``offsets`` row b is stored row-relative (``hf_nosa.padding``): its tokens end at ``T - offsets[b]`` and its
+    tail holds that block."""
     host = HostStore(B, Hk, D, dtype, P, pin=device.type == "cuda")
     host.chunk_tokens = chunk_blocks * P  # several host chunks: blocks are found through the block table
     k = torch.randn(B, Hk, T, D, generator=gen).to(dtype)
@@ -40,12 +43,15 @@ def make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen):
         torch.full((B, Hk, S), -1, dtype=torch.long, device=device),
         torch.zeros(B, Hk, dtype=torch.long, device=device),
     )
-    n_tail = T % P
-    if n_tail:  # like NosaLayer._reset_slots: the partly written block sits in slot 0
-        pool.slot_k[:, :, 0, :n_tail] = k[:, :, T - n_tail :].to(device)
-        pool.slot_v[:, :, 0, :n_tail] = v[:, :, T - n_tail :].to(device)
-        pool.slot_b[:, :, 0, :n_tail] = host.read(T - n_tail, T, device)[2]
-        pool.slot_block[:, :, 0] = T // P
+    hb = host.read(0, T, device)[2]
+    for b in range(B):
+        L = T - (0 if offsets is None else int(offsets[b]))
+        n_tail = L % P
+        if n_tail:  # like NosaLayer._settle_rows: the partly written block sits in slot 0
+            pool.slot_k[b, :, 0, :n_tail] = k[b, :, L - n_tail : L].to(device)
+            pool.slot_v[b, :, 0, :n_tail] = v[b, :, L - n_tail : L].to(device)
+            pool.slot_b[b, :, 0, :n_tail] = hb[b, :, L - n_tail : L]
+            pool.slot_block[b, :, 0] = L // P
     return host, pool
 
 
@@ -59,10 +65,13 @@ def clone_host(host: HostStore) -> HostStore:
 
 
 def next_selection(prev, c, K, gen, device):
-    """Mostly the previous blocks (locality), some new ones, a few rows with fewer than K; all < c, unique."""
+    """Mostly the previous blocks (locality), some new ones, a few rows with fewer than K; all < c (an int, or a
+    list per row), unique."""
     B, Hk, _ = prev.shape
     out = torch.full((B, Hk, K), -1, dtype=torch.long)
+    rows_c = c if isinstance(c, list) else [c] * B
     for b in range(B):
+        c = rows_c[b]
         for h in range(Hk):
             keep = [int(x) for x in prev[b, h] if 0 <= x < c and torch.rand(1, generator=gen) < 0.7]
             rest = [int(x) for x in torch.randperm(c, generator=gen) if int(x) not in keep]
@@ -72,13 +81,16 @@ def next_selection(prev, c, K, gen, device):
     return out.to(device)
 
 
-def check_pool_against_host(pool: SlotPool, host: HostStore, t: int):
-    """Every slot position holding a token equals the host store there; every other position has b = MASK."""
+def check_pool_against_host(pool: SlotPool, host: HostStore, t):
+    """Every slot position holding a token equals the host store there; every other position has b = MASK.
+    ``t``: the last token, an int or a list per row (row-relative)."""
     B, Hk, S = pool.slot_block.shape
     P = pool.slot_k.shape[3]
-    hk, hv, hb = host.read(0, t + 1, "cpu")
+    rows_t = t if isinstance(t, list) else [t] * B
+    hk, hv, hb = host.read(0, max(rows_t) + 1, "cpu")
     blocks = pool.slot_block.cpu()
     for b in range(B):
+        t = rows_t[b]
         for h in range(Hk):
             for s in range(S):
                 blk = int(blocks[b, h, s])
@@ -92,10 +104,12 @@ def check_pool_against_host(pool: SlotPool, host: HostStore, t: int):
                     assert torch.equal(got_b[:n], hb[b, h, lo : lo + n])
 
 
-def run_trajectory(B, Hk, D, P, K, T, dtype, device, steps, chunk_blocks=4, seed=0):
+def run_trajectory(B, Hk, D, P, K, T, dtype, device, steps, chunk_blocks=4, seed=0, offsets=None):
     gen = torch.Generator().manual_seed(seed)
     device = torch.device(device)
-    host_ref, pool_ref = make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen)
+    offs = [0] * B if offsets is None else list(offsets)
+    offsets = None if offsets is None else torch.tensor(offsets, device=device)
+    host_ref, pool_ref = make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen, offsets)
     host_ker, pool_ker = clone_host(host_ref), SlotPool(*(x.clone() for x in pool_ref))
     counters_ref, counters_ker = StepCounters.zeros(device), StepCounters.zeros(device)
     step_ref = torch.tensor([T], device=device)
@@ -103,14 +117,16 @@ def run_trajectory(B, Hk, D, P, K, T, dtype, device, steps, chunk_blocks=4, seed
     selected = torch.full((B, Hk, K), -1, dtype=torch.long, device=device)
     for i in range(steps):
         t = T + i
-        selected = next_selection(selected.cpu(), t // P, K, gen, device)
+        rows_t = [t - off for off in offs]  # row-relative index of each row's new token
+        selected = next_selection(selected.cpu(), [r // P for r in rows_t], K, gen, device)
         k_new = torch.randn(B, 1, Hk, D, generator=gen).to(dtype).to(device).transpose(1, 2)  # model layout
         v_new = torch.randn(B, 1, Hk, D, generator=gen).to(dtype).to(device).transpose(1, 2)
         b_new = torch.randn(B, 1, Hk, generator=gen).to(device).transpose(1, 2)
         for host in (host_ref, host_ker):
             host.ensure_capacity(t + 1)
-        fetch_step_ref(selected, pool_ref, host_ref, k_new, v_new, b_new, step_ref, counters_ref, i > 0)
-        fetch_step(selected, pool_ker, host_ker, k_new, v_new, b_new, step_ker, counters_ker, count_locality=i > 0)
+        fetch_step_ref(selected, pool_ref, host_ref, k_new, v_new, b_new, step_ref, counters_ref, i > 0, offsets)
+        fetch_step(selected, pool_ker, host_ker, k_new, v_new, b_new, step_ker, counters_ker, count_locality=i > 0,
+                   offsets=offsets)
         host_ker.mark_device_written(t + 1, device)
         S = K + 1
         for name, ref, ker in zip(SlotPool._fields, pool_ref, pool_ker):
@@ -120,9 +136,16 @@ def run_trajectory(B, Hk, D, P, K, T, dtype, device, steps, chunk_blocks=4, seed
         assert int(step_ker) == int(step_ref) == t + 1
         torch.testing.assert_close(counters_ker.counts, counters_ref.counts, rtol=0, atol=0)
         torch.testing.assert_close(counters_ker.locality, counters_ref.locality, rtol=1e-6, atol=1e-6)
-        check_pool_against_host(pool_ker, host_ker, t)
+        check_pool_against_host(pool_ker, host_ker, rows_t)
+        if offsets is not None:  # the new token went to each row's own index
+            stored = host_ker.read(0, t + 1, "cpu")[0]
+            for b, r in enumerate(rows_t):
+                assert torch.equal(stored[b, :, r], k_new[b, :, 0].cpu())
     for which in range(3):
-        torch.testing.assert_close(host_ker.read(0, T + steps, "cpu")[which], host_ref.read(0, T + steps, "cpu")[which], rtol=0, atol=0)
+        for b, off in enumerate(offs):  # what each row wrote (a row-relative row ends `off` tokens early)
+            end = T + steps - off
+            torch.testing.assert_close(host_ker.read(0, end, "cpu")[which][b], host_ref.read(0, end, "cpu")[which][b],
+                                       rtol=0, atol=0)
     assert int(counters_ker.counts[2:].abs().sum()) == 0  # the kernel's scratch counters return to zero
 
 
@@ -137,6 +160,13 @@ CPU_CASES = [  # B, Hk, D, P, K, T, dtype, steps
 @pytest.mark.parametrize("B,Hk,D,P,K,T,dtype,steps", CPU_CASES)
 def test_trajectory_matches_reference_interpreted(interpret, B, Hk, D, P, K, T, dtype, steps):
     run_trajectory(B, Hk, D, P, K, T, dtype, "cpu", steps)
+
+
+@pytest.mark.parametrize("offsets", [(0, 13, 40), (7, 0, 100)])
+def test_row_offsets_trajectory_matches_reference_interpreted(interpret, offsets):
+    """Rows at different row-relative indices (left padding 0..100 tokens): new blocks start, tails fill and tokens
+    land in the host store at each row's own index, in the kernel as in the reference."""
+    run_trajectory(3, 2, 64, 16, 4, 150, torch.float32, "cpu", 12, offsets=offsets)
 
 
 def test_bad_input(interpret):

@@ -48,6 +48,31 @@ def test_matches_the_torch_copy_interpreted(interpret, B, Hk, D, P, dtype, piece
     _check(B, Hk, D, P, dtype, torch.device("cpu"), pieces)
 
 
+@pytest.mark.parametrize("path", ["torch", "triton"])
+def test_row_offsets_store_each_row_from_its_first_real_token(interpret, monkeypatch, path):
+    """With ``offsets`` (rows of a left-padded batch) row b's token ``start + i`` lands at ``start + i - offsets[b]``
+    and tokens before the row's first real one are dropped, on both paths."""
+    monkeypatch.setenv("HF_NOSA_KERNELS", path)
+    gen = torch.Generator().manual_seed(1)
+    B, Hk, D, P = 3, 2, 16, 16
+    offsets = torch.tensor([0, 13, 40])
+    (host,) = _stores(B, Hk, D, P, torch.float32, torch.device("cpu"), 2)[:1]
+    expected = [torch.zeros(Hk, 200, D) for _ in range(B)]
+    start = 0
+    for n in (30, 27, 1, 50):  # the first pieces are partly padding for rows 1 and 2
+        k = torch.randn(B, Hk, n, D, generator=gen)
+        host_write(host, start, k, k + 1, torch.randn(B, Hk, n, generator=gen), offsets=offsets)
+        for row, off in enumerate(offsets.tolist()):
+            for i in range(n):
+                if start + i >= off:
+                    expected[row][:, start + i - off] = k[row, :, i]
+        start += n
+    keys, values, _ = host.read(0, start, "cpu")
+    for row, off in enumerate(offsets.tolist()):
+        torch.testing.assert_close(keys[row, :, : start - off], expected[row][:, : start - off], rtol=0, atol=0)
+        torch.testing.assert_close(values[row, :, : start - off], expected[row][:, : start - off] + 1, rtol=0, atol=0)
+
+
 def test_bad_input(interpret):
     host = HostStore(1, 2, 16, torch.float32, 16, pin=False)
     k = torch.randn(1, 2, 4, 16)

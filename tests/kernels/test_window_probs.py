@@ -68,6 +68,23 @@ def test_kernel_matches_reference(interpret, B, H, Hk, T, D, q_offset, padded):
     assert_close(actual, expected, atol=1e-6, rtol=1e-5)
 
 
+def test_row_positions_match_reference_and_query_block_scores(interpret):
+    """``n_windows [B, Tq]``: rows of a left-padded batch at their own row-relative positions (one with no window
+    yet), in the kernel as in the reference, and the reference as ``query_block_scores`` with ``[B, Tq]``."""
+    cfg, q, ck, _, _, _, _ = _case(3, 4, 2, 90, 16, torch.float32, "cpu", 11)
+    positions = torch.arange(90)[None, :] - torch.tensor([0, 13, 85])[:, None]  # [B, Tq]; negative in the padding
+    n_windows = windows_available(positions, cfg)
+    actual = window_module.window_probs(q, ck, n_windows, 0.25)
+    expected = window_module.window_probs_ref(q, ck, n_windows, None, 0.25)
+    assert_close(actual, expected, atol=1e-6, rtol=1e-5)
+    N = -(-90 // cfg.block_size)
+    scores = query_block_scores(q, ck, positions, N, cfg, 0.25)
+    assert_close(pool_windows_to_blocks(expected, N, cfg, fill=0.0), scores, atol=1e-6, rtol=1e-6)
+    for row in range(3):  # and each row as if alone, at shared positions
+        alone = window_module.window_probs_ref(q[row : row + 1], ck[row : row + 1], n_windows[row], None, 0.25)
+        assert torch.equal(expected[row : row + 1], alone)
+
+
 def test_bf16_inputs_in_the_interpreter(interpret):
     _, q, ck, _, n_windows, _, _ = _case(1, 4, 2, 80, 16, torch.bfloat16, "cpu", 3)
     actual = window_module.window_probs(q, ck, n_windows, 0.25)
