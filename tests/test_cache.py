@@ -125,3 +125,19 @@ def test_nosa_cache_constructor_errors():
     with pytest.raises(ValueError, match="Unknown NosaConfig"):
         model.config.nosa = {"budget": 1}
         NosaCache(model.config)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_slot_pool_widened_mid_block_keeps_the_block_being_written(sparse_model):
+    """A cache of unknown length starts with its budget cut to the prompt and widens the slot pool as the sequence
+    grows, also in the middle of a block: the block being written stays in its slot, so one-token decoding keeps
+    equal to the decode rule applied to the whole sequence at once (prefill="nosa")."""
+    cfg = small_nosa_config(budget_tokens=128, query_tokens=32)
+    ids = torch.randint(3, 97, (2, 130), generator=torch.Generator().manual_seed(6))
+    cache = NosaCache(sparse_model.config, cfg)  # no max_cache_len: the pool grows
+    with torch.no_grad():
+        steps = [sparse_model(ids[:, :39], past_key_values=cache).logits[:, -1:]]
+        steps += [sparse_model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(39, 129)]
+        rule = sparse_model(ids[:, :129], past_key_values=NosaCache(sparse_model.config, cfg.replace(prefill="nosa")))
+    assert cache.layers[0].n_slots > 1 + cfg.sized_for(39).budget_blocks  # it did widen
+    torch.testing.assert_close(torch.cat(steps, 1), rule.logits[:, 38:], atol=1e-4, rtol=1e-4)
