@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
+import subprocess
 import sys
 
 import torch
@@ -28,6 +30,19 @@ def package_version(name: str) -> str:
         return "absent"
 
 
+def source_commit() -> str:
+    """The git commit of the code that ran: ``HF_NOSA_COMMIT`` when set (a copy of the tree without its .git),
+    else ``git rev-parse`` beside this file, else "unknown"."""
+    if os.environ.get("HF_NOSA_COMMIT"):
+        return os.environ["HF_NOSA_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
 def environment() -> dict:
     return dict(
         gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
@@ -38,5 +53,6 @@ def environment() -> dict:
         hf_nosa=hf_nosa.__version__,
         python=platform.python_version(),
         command=command_line(),
+        commit=source_commit(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
