@@ -25,4 +25,7 @@ def attend_cache_inputs(query: torch.Tensor, inputs: AttentionInputs, scale: flo
     if query.shape[2] == 1 and not inputs.causal and inputs.attn_mask is None \
             and kernel_path("cache_attention", query) == "triton":
         return decode_attention(query, inputs.keys, inputs.values, inputs.key_bias, scale)
-    return biased_attention(query, inputs, scale)
+    # A cache's bias is nonzero in nearly every call (eviction scores, empty slots, padding); looking first would
+    # read it on the host once per layer and chunk, which drains the launch queue and leaves the GPU idle while
+    # the next layer's work is queued.
+    return biased_attention(query, inputs, scale, fold=True if query.is_cuda else None)

@@ -125,12 +125,14 @@ def _sdpa(q, k, v, mask, is_causal: bool, scale: float, *, gqa_with_mask: bool) 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def biased_attention(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.Tensor:
+def biased_attention(query: torch.Tensor, inputs: AttentionInputs, scale: float, *, fold: bool | None = None
+                     ) -> torch.Tensor:
     """``softmax(q . k * scale + key_bias [+ attn_mask | causal]) . v`` with GQA, through sdpa's fused kernels.
 
     Computes what ``attend.attend`` computes (its reference), on the fast kernels: the bias rides in extra head
     dimensions (module docstring). An all-zero bias that needs no gradient is plain sdpa. Deciding that reads the
-    bias on the host (one sync); under ``torch.compile`` the bias is always folded in instead.
+    bias on the host (one sync); under ``torch.compile`` the bias is always folded in instead, and ``fold=True``
+    skips the check (for callers whose bias is nearly always nonzero, where the sync would only stall the queue).
 
     Args:
         query: ``[B, H, Tq, D]``.
@@ -138,6 +140,7 @@ def biased_attention(query: torch.Tensor, inputs: AttentionInputs, scale: float)
             ``[B, Hk, S]`` (``MASK_VALUE`` hides a key), attn_mask additive ``[B or 1, 1 or Hk, Tq, S]`` or None,
             q_offset and causal (used when attn_mask is None: query ``i`` sees keys ``j <= q_offset + i``).
         scale: the logit scaling, applied before the bias.
+        fold: True folds the bias in without looking at it; None (default) looks first.
 
     Returns:
         ``[B, H, Tq, D]`` in the query's dtype. Rows that see no key (every key masked) are arbitrary, as in the
@@ -173,7 +176,7 @@ def biased_attention(query: torch.Tensor, inputs: AttentionInputs, scale: float)
     dtype = query.dtype
     q, k, v = query, keys.to(dtype), values.to(dtype)
     # A zero bias that is being trained (A == 0 at the start of a retrofit) still needs its gradient.
-    if torch.compiler.is_compiling() or (bias.requires_grad and torch.is_grad_enabled()) or bool(bias.any()):
+    if fold or torch.compiler.is_compiling() or (bias.requires_grad and torch.is_grad_enabled()) or bool(bias.any()):
         q, k, v = bias_columns(q, k, v, bias, scale)
 
     mask, is_causal = None, False

@@ -244,3 +244,18 @@ def _fused_case(device, dtype, D, Tq, S, q_offset, causal, masked):
     expected = attend(q.float(), inputs._replace(keys=k.float(), values=v.float()), D**-0.5)
     live = _live(inputs, B, Hk * G, Tq)
     assert_close(actual[live], expected[live], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("zero_bias", [False, True])
+def test_fold_without_looking_equals_the_reference(dtype, zero_bias):
+    """``fold=True`` (what a cache on CUDA asks for) folds the bias in unread, a zero bias too: same function."""
+    q, k, v, bias = _inputs(2, 4, 2, 24, 40, 16, dtype, seed=11)
+    if zero_bias:
+        bias.zero_()
+    inputs = AttentionInputs(k, v, bias, None, 16, causal=True)
+    expected = attend(q.float(), inputs._replace(keys=k.float(), values=v.float()), 0.3)
+    folded = biased_attention(q, inputs, 0.3, fold=True)
+    live = _live(inputs, 2, 4, 24)
+    assert_close(folded[live], expected[live], **TOL[dtype])
+    assert_close(folded, biased_attention(q, inputs, 0.3), **TOL[dtype])
