@@ -169,9 +169,11 @@ def test_a_cache_used_by_another_model_names_both_values():
         with pytest.raises(ValueError, match="KV heads 2, but this update has KV heads 4"):
             other(ids[:, :1], past_key_values=cache)
     deeper = to_nosa(tiny_model("llama", num_hidden_layers=3), small_nosa_config())
-    with pytest.raises(ValueError, match="built for 2 layers"):
+    with pytest.raises(ValueError, match="built for 2 layers, but this model has 3"):
         with torch.no_grad():
             deeper(ids, past_key_values=NosaCache(small.config))
+    with pytest.raises(ValueError, match="built for 3 layers, but this model has 2"):  # fewer layers: caught too
+        small.generate(ids, max_new_tokens=2, past_key_values=NosaCache(deeper.config))
 
 
 

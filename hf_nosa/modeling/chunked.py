@@ -63,6 +63,12 @@ class NosaForward:
         cache = kwargs.get(cache_name)
         if not isinstance(cache, NosaCache):
             return self.original(**kwargs)
+        layers = getattr(self.model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+        if cache.state.n_layers is not None and layers is not None and cache.state.n_layers != layers:
+            raise ValueError(
+                f"NosaCache was built for {cache.state.n_layers} layers, but this model has {layers}: a cache belongs "
+                "to one model. Build it from this model's config: NosaCache(model.config)."
+            )
         if cache.get_seq_length() == 0:
             from . import check_eviction_heads  # the package imports this module
 
