@@ -32,7 +32,7 @@ from benchmarks.environment import environment  # noqa: E402
 from benchmarks.train_step import _sync, _timed  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.attend import AttentionInputs, attend  # noqa: E402
-from hf_nosa.dense_attention import biased_attention  # noqa: E402
+from hf_nosa.dense_attention import bias_columns, biased_attention  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 
 HEADS = {"1b": (32, 8, 64), "8b": (32, 8, 128)}
@@ -132,6 +132,7 @@ def quoka_chunk_rows(name: str, args, device, dtype) -> list[dict]:
         index = torch.arange(S, device=device, dtype=torch.int32).expand(B, Hk, 1, S)
         runs["chunk_attention_kernel"] = lambda: chunk_attention(
             q, k, v, bias, index, [0, chunk], [budget], scale, out=torch.empty_like(q))
+        runs.update(_quoka_chunk_candidates(q, k, v, bias, budget, scale))
     rows = []
     n = min(256, chunk)
     ref = attend(q[:, :, -n:], AttentionInputs(k, v, bias, None, S - n, causal=True), scale).float()
@@ -149,6 +150,58 @@ def quoka_chunk_rows(name: str, args, device, dtype) -> list[dict]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _quoka_chunk_candidates(q, k, v, bias, budget: int, scale: float) -> dict:
+    """Other ways to run one chunk's biased attention on CUDA, measured beside the library's (not used by it):
+
+    - ``biased_flash_gqa``: the same bias columns, FlashAttention called with the KV heads as they are (its kernel
+      takes GQA itself), instead of repeating keys and values over the group for sdpa's lower-right mask;
+    - ``biased_split_lse``: the pool part without a mask (the GQA group folded into the query rows, which a
+      maskless call allows) and the chunk part with sdpa's square causal mask, both on cuDNN, merged by their
+      log-sum-exp;
+    - ``flex_score_mod``: FlexAttention (compiled) adding the bias in ``score_mod``, lower-right causal in
+      ``mask_mod``, at the original head dimension.
+    """
+    B, H, C, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    G = H // Hk
+    q2, k2, v2 = bias_columns(q, k, v, bias, scale)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention
+
+    def flash_gqa():
+        return flash(q2, k2, v2, 0.0, True, False, scale=scale)[0][..., :D]
+
+    def split_lse():
+        qp = q2.reshape(B, Hk, G * C, -1)  # a maskless call: every query row sees the same keys
+        o1, l1 = cudnn(qp, k2[:, :, :budget], v2[:, :, :budget], None, True, 0.0, False, False, scale=scale)[:2]
+        kc = k2[:, :, budget:].repeat_interleave(G, 1)
+        vc = v2[:, :, budget:].repeat_interleave(G, 1)
+        o2, l2 = cudnn(q2, kc, vc, None, True, 0.0, True, False, scale=scale)[:2]
+        o1, l1 = o1.reshape(B, H, C, -1).float(), l1.reshape(B, H, C, 1).float()
+        o2, l2 = o2.float(), l2.reshape(B, H, C, 1).float()
+        m = torch.maximum(l1, l2)
+        w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+        return ((o1 * w1 + o2 * w2) / (w1 + w2))[..., :D].to(q.dtype)
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention)
+    offset = S - C
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[b, h // G, kv_idx]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + offset
+
+    block_mask = create_block_mask(mask_mod, None, None, C, S, device=q.device)
+
+    def flex():
+        return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+    return {"biased_flash_gqa": flash_gqa, "biased_split_lse": split_lse, "flex_score_mod": flex}
 
 
 def _lower_right_bias(Tq: int, S: int, device, dtype):
