@@ -10,6 +10,9 @@ block being written). Every update hands the attention what to attend to (``Atte
   earlier token ("dense", "nosa") or QUOKA's blocks in the slot pool ("quoka", ``prefill.py``), then the chunk;
 - several tokens after a prompt (assisted decoding, prompt lookup): every earlier token, masked by the decode rule
   token by token, so they see what one-token decoding would.
+
+Rows of a left-padded batch are stored from their first real token (``padding.py``): ``offset [B]`` on the device
+says by how much each row's row-relative index trails the cache index.
 """
 
 from __future__ import annotations
@@ -250,11 +253,6 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
                 start = 0
             self.selector.observe(self, k, b, start)
 
-    def _reset_slots(self, tail_k, tail_v, tail_b) -> None:
-        """Empty the slot pool but for the partly written last block, from the sequence's last tokens given
-        (``[B, Hk, n, D]``, ending at ``seen``); see ``_settle_rows``."""
-        self._settle_rows((tail_k, tail_v, tail_b, self.seen - tail_k.shape[2]))
-
     # ----- decode: one new token -----
 
     def _decode(self, k, v, q, b, scale) -> AttentionInputs:
@@ -309,10 +307,6 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         self.compressed.append(k, b, rows_t)
         if self.selector is not None:
             self.selector.observe(self, k, b, t)
-
-    def row_lengths(self) -> torch.Tensor:
-        """``[B]`` CPU long: tokens stored in each row (the cache length less the row's left padding)."""
-        return self.seen - self.offsets_host
 
     def _decode_fused(self, k, v, q, b, scale) -> AttentionInputs:
         """The decode step on device kernels; the attention then reads the whole slot pool.

@@ -14,6 +14,10 @@ prompt, decoding token ``t`` of row b is storage index ``t - offsets[b]``; the k
 device tensor) next to the step counter, so a decode step stays free of host syncs and capturable. The cache's
 length (``get_seq_length``) stays the padded one transformers expects.
 
+A prompt that reaches the cache by another route (the decoder called directly, a 4D mask, a cache running another
+selector from ``selectors.py``) is stored as it comes, padding included: the padding is hidden from attention by
+its eviction score (``masks.padding_bias``), but blocks are then counted from cache index 0.
+
 Rules that see a whole padded sequence at once (``selection.nosa_token_mask``, the training mask) move each row's
 tokens to the front with ``to_rows``, select, and bring the result back with ``from_rows``.
 """

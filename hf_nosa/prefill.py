@@ -165,6 +165,15 @@ class PrefillPaths:
             self._set_offsets(offsets)
         self._settle_rows((k, v, b, start))
 
+    def row_lengths(self) -> torch.Tensor:
+        """``[B]`` CPU long: tokens stored in each row (the cache length less the row's left padding)."""
+        return self.seen - self.offsets_host
+
+    def _reset_slots(self, tail_k, tail_v, tail_b) -> None:
+        """Empty the slot pool but for the partly written last block, from the sequence's last tokens given
+        (``[B, Hk, n, D]``, ending at ``seen``); see ``_settle_rows``."""
+        self._settle_rows((tail_k, tail_v, tail_b, self.seen - tail_k.shape[2]))
+
     def _set_offsets(self, offsets: torch.Tensor) -> None:
         """Each row's left padding (``[B]`` CPU long): row b's token at cache index t is stored at t - offsets[b]."""
         self.offsets_host = offsets.to(torch.long).clone()
