@@ -203,6 +203,32 @@ def test_flex_block_table_covers_exactly_the_tiles_the_rule_touches(q_offset):
     assert full.any() and bool((everything | ~full).all())
 
 
+@pytest.mark.parametrize("q_offset,kv_tile", [(0, None), (45, 16)])
+def test_flex_block_table_with_row_offsets_covers_every_allowed_key(q_offset, kv_tile):
+    """With left padding a row-relative block straddles key tiles: every tile holding a key the rule allows is
+    visited, none is skipped as full, and ``mask_mod`` is the exact rule (equal to the token mask)."""
+    cfg = small_nosa_config(**SPARSE)
+    q, k, _, bias, _, _ = _left_padded(4, q_offset, T=200)
+    offsets = torch.tensor(PADS)
+    for row, pad in enumerate(PADS):
+        bias[row, :, :pad] = -1e30
+    bitmap = selected_blocks(q, k, bias, cfg, 0.25, q_offset=q_offset, offsets=offsets)
+    tokens = nosa_token_mask(q, k, bias, q_offset, cfg, 0.25, offsets=offsets)  # [B, Hk, Tq, T]
+    tile = 32
+    mask = flex_block_mask(bitmap, cfg, heads=4, q_offset=q_offset, tile=tile, kv_tile=kv_tile, offsets=offsets)
+    kv = mask.BLOCK_SIZE[1]
+    Tq, T = tokens.shape[2:]
+    padded = torch.nn.functional.pad(tokens, (0, -T % kv, 0, -Tq % tile))
+    B, Hk = tokens.shape[:2]
+    tiles = padded.view(B, Hk, padded.shape[2] // tile, tile, padded.shape[3] // kv, kv)
+    touched = tiles.any(5).any(3).repeat_interleave(2, dim=1)
+    visited = mask.to_dense().bool()
+    assert bool((visited | ~touched).all())
+    assert int(mask.full_kv_num_blocks.sum()) == 0
+    b, h, qi, ki = (torch.arange(n).view(*([1] * i), n, *([1] * (3 - i))) for i, n in enumerate((B, 4, Tq, T)))
+    assert torch.equal(mask.mask_mod(b, h, qi, ki), tokens.repeat_interleave(2, dim=1))
+
+
 def test_eviction_head_learns_through_the_bias_only():
     model = _sparse_model("llama")
     model.train()

@@ -18,6 +18,9 @@ kernels recompile only when that buffer grows (to the next power of two of windo
 
 The torch reference is ``selection.py`` (``query_block_scores``, ``eviction_block_scores``, ``select_blocks``).
 Selected blocks come back in ascending order, -1 after them (the reference orders by score; as sets they agree).
+
+Rows of a left-padded batch are stored row-relative (``hf_nosa.padding``): both kernels read ``offsets [B]`` beside
+the step, and row b's token is ``t - offsets[b]`` for its windows, blocks, sink and local window.
 """
 
 from __future__ import annotations

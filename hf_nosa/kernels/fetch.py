@@ -17,6 +17,9 @@ Two levels:
   the GPU; the kernel gets an int64 table of block addresses), writes the new token into the tail slot and into
   the host store, keeps ``slot_b == MASK_VALUE`` at every position that holds no token (so the attention can read
   the pool with no extra mask), counts what moved, and advances the step counter. No host sync.
+
+Rows of a left-padded batch are stored row-relative (``hf_nosa.padding``): with ``offsets [B]`` (on the device)
+row b's token at step t is ``t - offsets[b]`` for its block, tail position and host index.
 """
 
 from __future__ import annotations
