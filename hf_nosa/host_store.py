@@ -5,6 +5,16 @@ stored. The first chunk covers what the caller reserved (``reserve``: generate k
 ``max_new_tokens``); later chunks add at least a tenth of what is held, so the store never holds more than
 1.1x the tokens it stores plus one block. Pinned when the model runs on CUDA, so blocks can be read straight from
 the device (UVA) through a per-block address table, and written back asynchronously.
+
+Quantized store (``host_dtype`` "float8_e4m3fn" or "int8", ``hf_nosa.host_quant``): K and V chunks hold one byte
+per value and one fp32 scale per (block, KV head) in chunks of their own, so a block costs about half its bf16
+bytes in host memory and across PCIe. Only complete blocks are quantized, each exactly once, with a scale that saw
+all its ``P x D`` values: a row's last, incomplete block stays in the model's dtype in a pinned tail
+(``tail_k, tail_v [B, Hk, P, D]``, one block per row since rows of a padded batch end at different indices) until
+the write that completes it quantizes it. The decode step never fetches that block (it is the slot pool's tail
+slot, resident on the device), so only reads on the host (``read``, ``gather_blocks``) put the tail back in place.
+Writes are appends: every row's tokens are a prefix ``0 .. length - offsets[b] - 1``; a row that gets shorter
+(``length`` lowered by a crop, ``set_offsets``) reloads its tail from the stored block, dequantized.
 """
 
 from __future__ import annotations
@@ -12,6 +22,8 @@ from __future__ import annotations
 import bisect
 
 import torch
+
+from .host_quant import dequantize_blocks, host_format, quantize_blocks
 
 GROWTH = 0.1  # a chunk added past the reservation holds at least this share of the tokens already held
 
@@ -61,39 +73,109 @@ class HostStore:
     Chunk i holds tokens ``starts[i] .. starts[i] + C_i - 1``; every ``C_i`` is a multiple of ``block_size``.
     A chunk's K (or V) holds at most ``chunk_bytes`` (or ``chunk_tokens`` tokens, when set): torch's pinned
     allocator rounds each allocation up to a power of two, so chunks of 256 MiB waste at most the last one's slack.
+
+    With ``host_dtype`` a quantized format, K and V chunks are in that format (``store_dtype``), ``ks_chunks[i]``,
+    ``vs_chunks[i]`` ``[B, Hk, C_i / P]`` fp32 hold their scales, and ``tail_k, tail_v`` each row's incomplete
+    block; reads return the model's ``dtype``.
     """
 
     chunk_bytes: int = 256 << 20
     chunk_tokens: int | None = None
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int, pin: bool,
-                 *, table: torch.Tensor | None = None, allocate=None):
+                 *, table: torch.Tensor | None = None, allocate=None, host_dtype: str = "auto"):
         self.batch, self.kv_heads, self.head_dim, self.dtype = batch, kv_heads, head_dim, dtype
         self.block_size = block_size
         self.pin = pin
+        self.host_dtype = host_dtype
+        self.format = None if host_dtype == "auto" else host_format(host_dtype)
+        self.store_dtype = dtype if self.format is None else self.format.dtype
         self.k_chunks: list[torch.Tensor] = []
         self.v_chunks: list[torch.Tensor] = []
         self.b_chunks: list[torch.Tensor] = []
+        self.ks_chunks: list[torch.Tensor] = []  # quantized store: K and V scales per (block, KV head)
+        self.vs_chunks: list[torch.Tensor] = []
+        self.tail_k = self.tail_v = None  # quantized store: each row's incomplete block, [B, Hk, P, D]
         self.starts: list[int] = []
-        self.length = 0
+        self._length = 0
+        self.offsets = torch.zeros(batch, dtype=torch.long)  # row b holds tokens 0 .. length - offsets[b] - 1
         self.reserved = 0
         self._pending: torch.cuda.Event | None = None
         self._device_writer: torch.device | None = None  # a device whose kernels write the store directly
         self._version = 0  # bumped whenever a chunk is added or replaced
-        self._table = table  # [4, n] int64 on a device: per block, K/V/b addresses and the chunk's row length
+        self._table = table  # [4 or 8, n] int64 on a device: per block, addresses and row length (block_table)
         self._allocate = allocate  # (name, shape, dtype, pin) -> tensor: chunks drawn from a workspace, or None
         self._table_version = -1
+        if self.format is not None:  # zeros: a tail is read before its row has tokens (padding, empty rows)
+            shape = (batch, kv_heads, block_size, head_dim)
+            self.tail_k = self._chunk("tail_k", shape, dtype).zero_()
+            self.tail_v = self._chunk("tail_v", shape, dtype).zero_()
+
+    @staticmethod
+    def table_rows(host_dtype: str) -> int:
+        """Rows of ``block_table`` for a store of ``host_dtype``: 4, and 4 more for the scales and tails."""
+        return 4 if host_dtype == "auto" else 8
 
     @property
     def capacity(self) -> int:
         return self.starts[-1] + self.k_chunks[-1].shape[2] if self.k_chunks else 0
 
+    @property
+    def length(self) -> int:
+        """Tokens stored in a row without padding (the cache length)."""
+        return self._length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        value = int(value)
+        if self.format is not None and value < self._length:  # a crop: a row's tail may now be a stored block
+            old = self.row_lengths()
+            self._length = value
+            self._reload_tails(old, self.row_lengths())
+        self._length = value
+
+    def row_lengths(self) -> torch.Tensor:
+        """``[B]`` CPU long: tokens stored in each row (``length`` less the row's left padding)."""
+        return (self._length - self.offsets).clamp(min=0)
+
+    def set_offsets(self, offsets: torch.Tensor) -> None:
+        """Row b now holds ``length - offsets[b]`` tokens (``[B]`` long: rows of a left-padded batch are stored from
+        their first real token, ``hf_nosa.padding``)."""
+        old = self.row_lengths()
+        self.offsets = offsets.to("cpu", torch.long).clone()
+        self._reload_tails(old, self.row_lengths())
+
+    def block_bytes(self) -> int:
+        """Bytes one block of one (sequence, KV head) takes in the store, and so what fetching it moves: K, V in the
+        store's format, the scores and, in a quantized store, the block's two scales."""
+        kv = torch.empty(0, dtype=self.store_dtype).element_size()
+        return self.block_size * (2 * self.head_dim * kv + 4) + (8 if self.format is not None else 0)
+
     def token_bytes(self) -> int:
-        """Bytes one token of one sequence takes in the store (K, V of every KV head and their scores)."""
-        return self.kv_heads * (2 * self.head_dim * torch.empty(0, dtype=self.dtype).element_size() + 4)
+        """Bytes one token of one sequence takes in the store (K, V of every KV head, their scores, and a block's
+        scales shared out over its tokens, rounded up)."""
+        return -(-self.kv_heads * self.block_bytes() // self.block_size)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k_chunks, *self.v_chunks, *self.b_chunks))
+        tails = [t for t in (self.tail_k, self.tail_v) if t is not None]
+        held = (*self.k_chunks, *self.v_chunks, *self.b_chunks, *self.ks_chunks, *self.vs_chunks, *tails)
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def read_bytes(self, start: int, end: int) -> int:
+        """Bytes ``read(start, end, device)`` moves out of the store: K, V in the store's format (quantized: with
+        the scales of the blocks touched and, where a row's incomplete block is in range, the tails), and scores."""
+        n = max(0, end - start)
+        if n == 0:
+            return 0
+        P, rows = self.block_size, self.batch * self.kv_heads
+        kv = torch.empty(0, dtype=self.store_dtype).element_size()
+        moved = rows * n * (2 * self.head_dim * kv + 4)
+        if self.format is not None:
+            moved += rows * 8 * ((end - 1) // P - start // P + 1)
+            tail_blocks = self.row_lengths() // P
+            if bool(((tail_blocks * P < end) & (tail_blocks * P + P > start)).any()):
+                moved += 2 * self.tail_k.numel() * self.tail_k.element_size()
+        return moved
 
     def reserve(self, n_tokens: int) -> None:
         """Say that tokens ``0 .. n_tokens - 1`` will be stored: the next allocation covers them in one go."""
@@ -119,11 +201,14 @@ class HostStore:
             check_host_memory(B * (want - capacity) * self.token_bytes(), batch=B, tokens=want, pin=self.pin)
         while capacity < want:
             size = want - capacity
-            most = self.chunk_tokens or self.chunk_bytes // (B * Hk * D * torch.empty(0, dtype=self.dtype).element_size())
+            most = self.chunk_tokens or self.chunk_bytes // (B * Hk * D * torch.empty(0, dtype=self.store_dtype).element_size())
             size = min(size, max(P, most // P * P))
-            self.v_chunks.append(self._chunk("v", (B, Hk, size, D), self.dtype))
+            self.v_chunks.append(self._chunk("v", (B, Hk, size, D), self.store_dtype))
             self.b_chunks.append(self._chunk("b", (B, Hk, size), torch.float32))
-            self.k_chunks.append(self._chunk("k", (B, Hk, size, D), self.dtype))
+            if self.format is not None:
+                self.ks_chunks.append(self._chunk("ks", (B, Hk, size // P), torch.float32))
+                self.vs_chunks.append(self._chunk("vs", (B, Hk, size // P), torch.float32))
+            self.k_chunks.append(self._chunk("k", (B, Hk, size, D), self.store_dtype))
             self.starts.append(capacity)
             capacity += size
             self._version += 1
@@ -136,24 +221,36 @@ class HostStore:
         """``[4, n]`` int64 on ``device``, per block j: the addresses of token ``j * P`` of sequence 0, KV head 0 in
         the K, V and b chunks, and the row length (tokens per (sequence, KV head)) of its chunk. Kernels read and
         write the pinned store through it (UVA). Updated in place when chunks are added, so its address stays
-        fixed until the store outgrows it."""
+        fixed until the store outgrows it.
+
+        A quantized store's table has 8 rows: then the addresses of block j's K and V scales for sequence 0, KV head
+        0 (a row's scales follow each other: row length / P per (sequence, KV head)), and those of ``tail_k`` and
+        ``tail_v`` (the same in every column)."""
         P = self.block_size
         n_blocks = self.capacity // P
-        if self._table is None or self._table.device != torch.device(device) or self._table.shape[1] < n_blocks:
+        rows = self.table_rows(self.host_dtype)
+        if (self._table is None or self._table.device != torch.device(device) or self._table.shape[0] != rows
+                or self._table.shape[1] < n_blocks):
             size = 1 << max(6, (max(n_blocks, 1) - 1).bit_length())
-            self._table = torch.zeros(4, size, dtype=torch.int64, device=device)
+            self._table = torch.zeros(rows, size, dtype=torch.int64, device=device)
             self._table_version = -1
         if self._table_version != self._version:
             host = torch.zeros(self._table.shape, dtype=torch.int64)
-            kv_size = torch.empty(0, dtype=self.dtype).element_size()
-            for start, k, v, b in zip(self.starts, self.k_chunks, self.v_chunks, self.b_chunks):
-                rows = k.shape[2]
-                first, n = start // P, rows // P
+            kv_size = torch.empty(0, dtype=self.store_dtype).element_size()
+            for i, (start, k, v, b) in enumerate(zip(self.starts, self.k_chunks, self.v_chunks, self.b_chunks)):
+                n_rows = k.shape[2]
+                first, n = start // P, n_rows // P
                 offsets = torch.arange(n, dtype=torch.int64) * P
                 host[0, first : first + n] = k.data_ptr() + offsets * self.head_dim * kv_size
                 host[1, first : first + n] = v.data_ptr() + offsets * self.head_dim * kv_size
                 host[2, first : first + n] = b.data_ptr() + offsets * 4
-                host[3, first : first + n] = rows
+                host[3, first : first + n] = n_rows
+                if self.format is not None:
+                    host[4, first : first + n] = self.ks_chunks[i].data_ptr() + torch.arange(n, dtype=torch.int64) * 4
+                    host[5, first : first + n] = self.vs_chunks[i].data_ptr() + torch.arange(n, dtype=torch.int64) * 4
+            if self.format is not None:
+                host[6] = self.tail_k.data_ptr()
+                host[7] = self.tail_v.data_ptr()
             self._table.copy_(host, non_blocking=True)
             self._table_version = self._version
         return self._table
@@ -174,18 +271,24 @@ class HostStore:
             yield i, off, pos - start, n
             pos += n
 
+    def _record_pending(self, source: torch.Tensor) -> None:
+        if source.is_cuda:
+            self._pending = torch.cuda.Event()
+            self._pending.record()
+
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor) -> None:
         """Store tokens ``start .. start + T - 1`` from ``k, v [B, Hk, T, D]`` and ``b [B, Hk, T]``."""
         end = start + k.shape[2]
         self._grow(end)
+        if self.format is not None:
+            self._write_quantized(torch.full((self.batch,), start, dtype=torch.long), k, v)
         for i, off, src, n in self._spans(start, end):
-            self.k_chunks[i][:, :, off : off + n].copy_(k[:, :, src : src + n], non_blocking=True)
-            self.v_chunks[i][:, :, off : off + n].copy_(v[:, :, src : src + n], non_blocking=True)
+            if self.format is None:
+                self.k_chunks[i][:, :, off : off + n].copy_(k[:, :, src : src + n], non_blocking=True)
+                self.v_chunks[i][:, :, off : off + n].copy_(v[:, :, src : src + n], non_blocking=True)
             self.b_chunks[i][:, :, off : off + n].copy_(b[:, :, src : src + n], non_blocking=True)
         self.length = max(self.length, end)
-        if k.is_cuda:
-            self._pending = torch.cuda.Event()
-            self._pending.record()
+        self._record_pending(k)
 
     def write_rows(self, starts: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor) -> None:
         """Like ``write``, with a start per row (``starts [B]`` CPU long): row i's tokens go to ``starts[i] ..``.
@@ -194,9 +297,12 @@ class HostStore:
         a different index in each row. One indexed copy per chunk touched, whatever the batch.
         """
         T = k.shape[2]
-        pos = starts.cpu()[:, None] + torch.arange(T)  # [B, T]
+        starts = starts.cpu()
+        pos = starts[:, None] + torch.arange(T)  # [B, T]
         end = int(pos.max()) + 1 if pos.numel() else 0
         self._grow(end)
+        if self.format is not None:
+            self._write_quantized(starts, k, v)
         k, v, b = k.to("cpu"), v.to("cpu"), b.to("cpu")
         for i, first in enumerate(self.starts):
             inside = (pos >= first) & (pos < first + self.k_chunks[i].shape[2])
@@ -204,10 +310,53 @@ class HostStore:
                 continue
             rows, tokens = inside.nonzero(as_tuple=True)
             local = pos[rows, tokens] - first
-            self.k_chunks[i][rows, :, local] = k[rows, :, tokens]
-            self.v_chunks[i][rows, :, local] = v[rows, :, tokens]
+            if self.format is None:
+                self.k_chunks[i][rows, :, local] = k[rows, :, tokens]
+                self.v_chunks[i][rows, :, local] = v[rows, :, tokens]
             self.b_chunks[i][rows, :, local] = b[rows, :, tokens]
         self.length = max(self.length, end)
+
+    def _write_quantized(self, starts: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K, V of tokens ``starts[b] ..`` of each row (``[B]`` CPU long; negative indices are padding, not stored)
+        into a quantized store: every block the write completes is quantized from the row's tail (its earlier
+        tokens) and the new tokens, and stored with its scales; the new tokens of a block left incomplete go to the
+        tail. The torch reference of the host-write kernel (computed on k's device, then copied to the store)."""
+        self.wait_writes()  # the tails may be on their way from the device (set_tails)
+        P = self.block_size
+        B, Hk, T, D = k.shape
+        device = k.device
+        first_block = starts.clamp(min=0) // P  # the block holding each row's first stored token
+        lead = starts.clamp(min=0) - first_block * P  # tokens of that block already in the tail
+        length = (starts + T - first_block * P).clamp(min=0)  # tokens from that block's start to the write's end
+        n_full = length // P  # blocks the write completes
+        n_blocks = int(length.max()) // P + 1
+        j = torch.arange(n_blocks * P)
+        # position j from the first block's start: the tail (j < lead), else new token first_block * P + j - start
+        src = torch.where(j < lead[:, None], j, P + first_block[:, None] * P + j - starts[:, None])
+        valid = j < length[:, None]
+        src = torch.where(valid, src, 0).clamp(0, P + T - 1)
+        index = src.to(device)[:, None, :, None].expand(B, Hk, n_blocks * P, D)
+        valid_dev = valid.to(device)[:, None, :, None]
+        rows, blocks = (torch.arange(n_blocks) < n_full[:, None]).nonzero(as_tuple=True)
+        block_index = first_block[rows] + blocks
+        n_tail = length % P
+        tail_mask = (torch.arange(P) < n_tail[:, None])[:, None, :, None]  # [B, 1, P, 1]
+        for x, tail, q_chunks, s_chunks in ((k, self.tail_k, self.k_chunks, self.ks_chunks),
+                                            (v, self.tail_v, self.v_chunks, self.vs_chunks)):
+            joined = torch.cat([tail.to(device), x], 2)  # [B, Hk, P + T, D]
+            ext = torch.where(valid_dev, joined.gather(2, index), 0).view(B, Hk, n_blocks, P, D)
+            q, scale = quantize_blocks(ext, self.host_dtype)
+            q, scale = q.view(torch.uint8).cpu(), scale.cpu()
+            for i, first in enumerate(self.starts):
+                lo, hi = first // P, (first + q_chunks[i].shape[2]) // P
+                inside = (block_index >= lo) & (block_index < hi)
+                if not bool(inside.any()):
+                    continue
+                r, jj, local = rows[inside], blocks[inside], block_index[inside] - lo
+                q_chunks[i].view(torch.uint8).view(B, Hk, -1, P, D)[r, :, local] = q[r, :, jj]
+                s_chunks[i][r, :, local] = scale[r, :, jj]
+            new_tail = ext[torch.arange(B, device=device), :, n_full.to(device)].cpu()  # [B, Hk, P, D]
+            tail.copy_(torch.where(tail_mask, new_tail, tail))
 
     def wait_writes(self) -> None:
         """Block until asynchronous device-to-host writes have landed (before the CPU itself reads the store)."""
@@ -219,25 +368,44 @@ class HostStore:
             self._device_writer = None
 
     def read(self, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Tokens ``start .. end - 1`` as ``k, v [B, Hk, T, D]`` and ``b [B, Hk, T]`` on ``device``."""
+        """Tokens ``start .. end - 1`` as ``k, v [B, Hk, T, D]`` and ``b [B, Hk, T]`` on ``device`` (in the model's
+        dtype: a quantized store moves its bytes and scales and dequantizes them on ``device``)."""
         self.wait_writes()
-        parts = [(self.k_chunks[i], self.v_chunks[i], self.b_chunks[i], off, n) for i, off, _, n in self._spans(start, end)]
-        if not parts:
+        spans = list(self._spans(start, end))
+        if not spans:
             B, Hk, D = self.batch, self.kv_heads, self.head_dim
             return (
                 torch.empty(B, Hk, 0, D, dtype=self.dtype, device=device),
                 torch.empty(B, Hk, 0, D, dtype=self.dtype, device=device),
                 torch.empty(B, Hk, 0, dtype=torch.float32, device=device),
             )
+        P = self.block_size
         out = []
-        for which in range(3):
-            pieces = [p[which][:, :, off : off + n].to(device, non_blocking=True) for *p, off, n in parts]
+        for which, chunks in enumerate((self.k_chunks, self.v_chunks, self.b_chunks)):
+            pieces = []
+            for i, off, _, n in spans:
+                piece = chunks[i][:, :, off : off + n].to(device, non_blocking=True)
+                if which < 2 and self.format is not None:  # every token times its block's scale
+                    scales = (self.ks_chunks, self.vs_chunks)[which][i][:, :, off // P : (off + n - 1) // P + 1]
+                    per_token = (torch.arange(off, off + n, device=device) // P) - off // P
+                    piece = dequantize_blocks(piece[:, :, :, None], scales.to(device)[:, :, per_token], self.dtype)
+                    piece = piece[:, :, :, 0]
+                pieces.append(piece)
             out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2))
+        if self.format is not None:  # each row's incomplete block is in its tail, in the model's dtype
+            position = torch.arange(start, end)
+            in_tail = (position // P)[None, :] == (self.row_lengths() // P)[:, None]  # [B, T]
+            cols = in_tail.any(0).nonzero().squeeze(1)
+            if cols.numel():
+                pick = in_tail[:, cols].to(device)[:, None, :, None]
+                for which, tail in ((0, self.tail_k), (1, self.tail_v)):
+                    held = tail.to(device, non_blocking=True)[:, :, (position[cols] % P).to(device)]
+                    out[which][:, :, cols.to(device)] = torch.where(pick, held, out[which][:, :, cols.to(device)])
         return out[0], out[1], out[2]
 
-    def gather_blocks(self, b_idx: torch.Tensor, h_idx: torch.Tensor, block_idx: torch.Tensor):
-        """Blocks ``block_idx`` of (sequence, KV head) pairs, all CPU long ``[n]``: ``k, v [n, P, D]``, ``b [n, P]``."""
-        self.wait_writes()
+    def _stored_blocks(self, b_idx: torch.Tensor, h_idx: torch.Tensor, block_idx: torch.Tensor):
+        """Blocks ``block_idx`` of (sequence, KV head) pairs as the chunks hold them (a quantized store dequantized,
+        tails not consulted), all CPU long ``[n]``: ``k, v [n, P, D]``, ``b [n, P]``."""
         P, n = self.block_size, b_idx.numel()
         k = torch.empty(n, P, self.head_dim, dtype=self.dtype, pin_memory=self.pin)
         v = torch.empty_like(k)
@@ -247,20 +415,74 @@ class HostStore:
         local = block_idx - first_block[chunk_of]
         for i in torch.unique(chunk_of).tolist():
             rows = (chunk_of == i).nonzero(as_tuple=True)[0]
+            where = (b_idx[rows], h_idx[rows], local[rows])
             shape = (self.batch, self.kv_heads, self.k_chunks[i].shape[2] // P, P)
-            k[rows] = self.k_chunks[i].view(*shape, -1)[b_idx[rows], h_idx[rows], local[rows]]
-            v[rows] = self.v_chunks[i].view(*shape, -1)[b_idx[rows], h_idx[rows], local[rows]]
-            b[rows] = self.b_chunks[i].view(*shape)[b_idx[rows], h_idx[rows], local[rows]]
+            if self.format is None:
+                k[rows] = self.k_chunks[i].view(*shape, -1)[where]
+                v[rows] = self.v_chunks[i].view(*shape, -1)[where]
+            else:
+                for out, chunk, scales in ((k, self.k_chunks[i], self.ks_chunks[i]), (v, self.v_chunks[i], self.vs_chunks[i])):
+                    q = chunk.view(torch.uint8).view(*shape, -1)[where].view(self.store_dtype)
+                    out[rows] = dequantize_blocks(q, scales[where], self.dtype)
+            b[rows] = self.b_chunks[i].view(*shape)[where]
         return k, v, b
+
+    def gather_blocks(self, b_idx: torch.Tensor, h_idx: torch.Tensor, block_idx: torch.Tensor):
+        """Blocks ``block_idx`` of (sequence, KV head) pairs, all CPU long ``[n]``: ``k, v [n, P, D]``, ``b [n, P]``."""
+        self.wait_writes()
+        k, v, b = self._stored_blocks(b_idx, h_idx, block_idx)
+        if self.format is not None:  # a row's incomplete block is its tail
+            in_tail = block_idx == (self.row_lengths() // self.block_size)[b_idx]
+            if bool(in_tail.any()):
+                k[in_tail] = self.tail_k[b_idx[in_tail], h_idx[in_tail]]
+                v[in_tail] = self.tail_v[b_idx[in_tail], h_idx[in_tail]]
+        return k, v, b
+
+    def _reload_tails(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Rows that now end in an earlier block than their tail held (row lengths ``old`` -> ``new``, ``[B]``):
+        that block, complete in the store, comes back into the tail, dequantized; writing to it again quantizes it
+        anew (a crop's cost: those tokens are rounded twice)."""
+        P = self.block_size
+        if self.format is None:
+            return
+        rows = ((new % P != 0) & (new // P < old // P)).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return
+        self.wait_writes()
+        Hk = self.kv_heads
+        b_idx = rows.repeat_interleave(Hk)
+        h_idx = torch.arange(Hk).repeat(rows.numel())
+        k, v, _ = self._stored_blocks(b_idx, h_idx, (new[rows] // P).repeat_interleave(Hk))
+        self.tail_k[b_idx, h_idx] = k
+        self.tail_v[b_idx, h_idx] = v
+
+    def set_tails(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Each row's incomplete block, ``k, v [B, Hk, P, D]`` in the model's dtype (the slot pool's tail slot when a
+        prompt is settled): the exact values, where ``set_offsets`` could only reload them from a quantized block.
+        Keeps the store's tails equal to the device's tail slots. Nothing to do in an unquantized store."""
+        if self.format is None:
+            return
+        self.tail_k.copy_(k, non_blocking=True)
+        self.tail_v.copy_(v, non_blocking=True)
+        self._record_pending(k)
 
     def index_batch(self, index: torch.Tensor) -> None:
         """Keep/reorder/repeat sequences: sequence i becomes old sequence ``index[i]``."""
         self.wait_writes()
         index = index.cpu()
         self.batch = index.numel()
-        for chunks in (self.k_chunks, self.v_chunks, self.b_chunks):
+        for chunks in (self.k_chunks, self.v_chunks, self.b_chunks, self.ks_chunks, self.vs_chunks):
             for j, chunk in enumerate(chunks):
                 out = self._empty(index.numel(), *chunk.shape[1:], dtype=chunk.dtype)
-                torch.index_select(chunk, 0, index, out=out)
+                if chunk.element_size() == 1:  # quantized K/V: move the bytes (float8 has no index_select)
+                    torch.index_select(chunk.view(torch.uint8), 0, index, out=out.view(torch.uint8))
+                else:
+                    torch.index_select(chunk, 0, index, out=out)
                 chunks[j] = out
+        if self.format is not None:
+            self.tail_k = self.tail_k.index_select(0, index)
+            self.tail_v = self.tail_v.index_select(0, index)
+            if self.pin:
+                self.tail_k, self.tail_v = self.tail_k.pin_memory(), self.tail_v.pin_memory()
+        self.offsets = self.offsets.index_select(0, index)
         self._version += 1

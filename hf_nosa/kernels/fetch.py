@@ -18,6 +18,12 @@ Two levels:
   the host store, keeps ``slot_b == MASK_VALUE`` at every position that holds no token (so the attention can read
   the pool with no extra mask), counts what moved, and advances the step counter. No host sync.
 
+A quantized host store (``host_dtype``, ``hf_nosa.host_quant``): the kernel copies each block's bytes and its two
+scales across PCIe and dequantizes into the slot pool (in the model's dtype); the new token goes to the row's tail
+in the store and, when it completes its block, the block is quantized from the slot pool's tail slot (the block's
+earlier tokens are there on the device) and stored with its scales. ``fetch_step_ref`` does the same through
+``HostStore.write_rows``, whose tail holds the same values as the tail slot.
+
 Rows of a left-padded batch are stored row-relative (``hf_nosa.padding``): with ``offsets [B]`` (on the device)
 row b's token at step t is ``t - offsets[b]`` for its block, tail position and host index.
 """
@@ -31,6 +37,7 @@ import torch
 from ..host_store import HostStore
 from ..selection import MASK_VALUE
 from .backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
+from .host_format import cast_rtne, dequantize, quantize_block
 
 
 class FetchPlan(NamedTuple):
@@ -170,6 +177,7 @@ if HAS_TRITON:
         HK: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
         P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NB: tl.constexpr,
         MASK: tl.constexpr, WRITE_HOST: tl.constexpr, DECODE: tl.constexpr,
+        QUANT: tl.constexpr, FP8: tl.constexpr, QMAX: tl.constexpr,
     ):
         i_bh = tl.program_id(0)
         i_b = i_bh // HK
@@ -230,12 +238,27 @@ if HAS_TRITON:
             tok = (i_row * row_len)[:, None] + o_p[None, :]  # [NB, P] token offset from the block's address
             m_nd = m_n[:, None, None] & m_d[None, None, :]
             # Chunk addresses are page-aligned pinned allocations: saying so lets the loads be vectorised.
-            host_k = tl.multiple_of(tl.load(table_ptr + blk, mask=m_n, other=0), 16).to(slot_k_ptr.dtype)
-            host_v = tl.multiple_of(tl.load(table_ptr + table_stride + blk, mask=m_n, other=0), 16).to(slot_v_ptr.dtype)
             host_b = tl.multiple_of(tl.load(table_ptr + 2 * table_stride + blk, mask=m_n, other=0), 16).to(slot_b_ptr.dtype)
             kv_off = tok[:, :, None] * D + o_d[None, None, :]  # [NB, P, D_PAD]
-            b_k = tl.load(host_k[:, None, None] + kv_off, mask=m_nd)
-            b_v = tl.load(host_v[:, None, None] + kv_off, mask=m_nd)
+            if QUANT:  # the block's bytes and scales; dequantized here, into the slot pool's dtype
+                host_k = tl.multiple_of(tl.load(table_ptr + blk, mask=m_n, other=0), 16).to(tl.pointer_type(tl.uint8))
+                host_v = tl.multiple_of(tl.load(table_ptr + table_stride + blk, mask=m_n, other=0),
+                                        16).to(tl.pointer_type(tl.uint8))
+                scale_off = i_row * (row_len // P)
+                p_ks = tl.load(table_ptr + 4 * table_stride + blk, mask=m_n, other=0).to(tl.pointer_type(tl.float32))
+                p_vs = tl.load(table_ptr + 5 * table_stride + blk, mask=m_n, other=0).to(tl.pointer_type(tl.float32))
+                s_k = tl.load(p_ks + scale_off, mask=m_n, other=1.0)
+                s_v = tl.load(p_vs + scale_off, mask=m_n, other=1.0)
+                b_k = tl.load(host_k[:, None, None] + kv_off, mask=m_nd, other=0)
+                b_v = tl.load(host_v[:, None, None] + kv_off, mask=m_nd, other=0)
+                b_k = cast_rtne(dequantize(b_k, s_k[:, None, None], FP8), slot_k_ptr.dtype.element_ty)
+                b_v = cast_rtne(dequantize(b_v, s_v[:, None, None], FP8), slot_v_ptr.dtype.element_ty)
+            else:
+                host_k = tl.multiple_of(tl.load(table_ptr + blk, mask=m_n, other=0), 16).to(slot_k_ptr.dtype)
+                host_v = tl.multiple_of(tl.load(table_ptr + table_stride + blk, mask=m_n, other=0),
+                                        16).to(slot_v_ptr.dtype)
+                b_k = tl.load(host_k[:, None, None] + kv_off, mask=m_nd)
+                b_v = tl.load(host_v[:, None, None] + kv_off, mask=m_nd)
             b_b = tl.load(host_b[:, None] + tok, mask=m_n[:, None])
             slot_off = dst[:, None, None] * stride_k_s + o_p[None, :, None] * D + o_d[None, None, :]
             tl.store(p_k_slots + slot_off, b_k, mask=m_nd)
@@ -259,13 +282,39 @@ if HAS_TRITON:
             tl.store(p_v_slots + new_tail * stride_v_s + pos * D + o_d, v_new, mask=m_d)
         if WRITE_HOST and DECODE:
             blk_t = t // P
-            row_t = i_row * tl.load(table_ptr + 3 * table_stride + blk_t) + t % P
-            host_k = tl.load(table_ptr + blk_t).to(slot_k_ptr.dtype)
-            host_v = tl.load(table_ptr + table_stride + blk_t).to(slot_v_ptr.dtype)
+            row_len_t = tl.load(table_ptr + 3 * table_stride + blk_t)
+            row_t = i_row * row_len_t + t % P
             host_b = tl.load(table_ptr + 2 * table_stride + blk_t).to(slot_b_ptr.dtype)
-            tl.store(host_k + row_t * D + o_d, k_new, mask=m_d)
-            tl.store(host_v + row_t * D + o_d, v_new, mask=m_d)
             tl.store(host_b + row_t, b_new)
+            if QUANT:
+                if pos == P - 1:  # the token completes its block: quantize it from the tail slot (+ the token)
+                    tile = o_p[:, None] * D + o_d[None, :]
+                    mine = o_p[:, None] == pos
+                    store_off = (i_row * row_len_t + o_p)[:, None] * D + o_d[None, :]
+                    scale_off = i_row * (row_len_t // P)
+                    b_kt = tl.load(p_k_slots + new_tail * stride_k_s + tile, mask=m_d[None, :], other=0.0)
+                    b_kt = tl.where(mine, k_new[None, :], b_kt).to(tl.float32)
+                    bits, scale = quantize_block(b_kt, FP8, QMAX)
+                    tl.store(tl.load(table_ptr + blk_t).to(tl.pointer_type(tl.uint8)) + store_off, bits,
+                             mask=m_d[None, :])
+                    tl.store(tl.load(table_ptr + 4 * table_stride + blk_t).to(tl.pointer_type(tl.float32)) + scale_off,
+                             scale)
+                    b_vt = tl.load(p_v_slots + new_tail * stride_v_s + tile, mask=m_d[None, :], other=0.0)
+                    b_vt = tl.where(mine, v_new[None, :], b_vt).to(tl.float32)
+                    bits, scale = quantize_block(b_vt, FP8, QMAX)
+                    tl.store(tl.load(table_ptr + table_stride + blk_t).to(tl.pointer_type(tl.uint8)) + store_off, bits,
+                             mask=m_d[None, :])
+                    tl.store(tl.load(table_ptr + 5 * table_stride + blk_t).to(tl.pointer_type(tl.float32)) + scale_off,
+                             scale)
+                else:  # the row's tail in the store, [B, Hk, P, D] in the model's dtype
+                    tail_row = (i_row * P + pos) * D
+                    tl.store(tl.load(table_ptr + 6 * table_stride).to(slot_k_ptr.dtype) + tail_row + o_d, k_new, mask=m_d)
+                    tl.store(tl.load(table_ptr + 7 * table_stride).to(slot_v_ptr.dtype) + tail_row + o_d, v_new, mask=m_d)
+            else:
+                host_k = tl.load(table_ptr + blk_t).to(slot_k_ptr.dtype)
+                host_v = tl.load(table_ptr + table_stride + blk_t).to(slot_v_ptr.dtype)
+                tl.store(host_k + row_t * D + o_d, k_new, mask=m_d)
+                tl.store(host_v + row_t * D + o_d, v_new, mask=m_d)
 
         # ---- counters; the last program to finish advances the step ----
         tl.atomic_add(counts_ptr, n_missing.to(tl.int64))
@@ -295,7 +344,8 @@ def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, 
     S = pool.slot_block.shape[-1]
     P, D = pool.slot_k.shape[3], pool.slot_k.shape[4]
     table = host.block_table(pool.slot_k.device)
-    block_bytes = P * (2 * D * pool.slot_k.element_size() + 4)
+    block_bytes = host.block_bytes()
+    fmt = host.format
     with on_device(pool.slot_k):
         launcher(_fetch_step_kernel)[(B * Hk,)](
             selected, pool.slot_block, pool.tail_slot, pool.slot_k, pool.slot_v, pool.slot_b, table,
@@ -309,6 +359,7 @@ def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, 
             table.stride(0), block_bytes, int(bool(count_locality)), B * Hk,
             HK=Hk, K=K, K_PAD=next_power_of_2(K), S=S, S_PAD=next_power_of_2(S), P=P, D=D,
             D_PAD=next_power_of_2(D), NB=2, MASK=MASK_VALUE, WRITE_HOST=True, DECODE=decode,
+            QUANT=fmt is not None, FP8=fmt is not None and not fmt.integer, QMAX=fmt.qmax if fmt is not None else 1.0,
             num_warps=8,
         )
 
@@ -339,9 +390,8 @@ def fetch_step_ref(selected, pool: SlotPool, host: HostStore, k_new, v_new, b_ne
     pool.slot_v[bi, hi, tail, pos[:, None]] = v_new.reshape(B, Hk, -1)
     host.write_rows(t.cpu(), k_new.reshape(B, Hk, 1, -1), v_new.reshape(B, Hk, 1, -1), b_new.reshape(B, Hk, 1).float())
     loaded = plan.missing.sum()
-    block_bytes = P * (2 * pool.slot_k.shape[4] * pool.slot_k.element_size() + 4)
     counters.counts[0].add_(loaded)
-    counters.counts[1].add_(loaded * block_bytes)
+    counters.counts[1].add_(loaded * host.block_bytes())
     if count_locality:
         count_share(counters.locality, plan.n_resident.sum(), plan.n_selected.sum())
     step.add_(1)
@@ -398,9 +448,8 @@ def fetch_selection_ref(selected, pool: SlotPool, host: HostStore, counters: Ste
     pool.slot_block.copy_(plan.slot_block)
     pool.slot_b[:, :, :S].masked_fill_((pool.slot_block < 0)[..., None], MASK_VALUE)
     loaded = plan.missing.sum()
-    P, D = pool.slot_k.shape[3], pool.slot_k.shape[4]
     counters.counts[0].add_(loaded)
-    counters.counts[1].add_(loaded * P * (2 * D * pool.slot_k.element_size() + 4))
+    counters.counts[1].add_(loaded * host.block_bytes())
 
 
 def fetch_selection(selected: torch.Tensor, pool: SlotPool, host: HostStore, counters: StepCounters) -> None:

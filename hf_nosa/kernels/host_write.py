@@ -6,6 +6,12 @@ strided pinned slice goes through a pageable temporary and blocks the host until
 kernel writes the tokens straight into pinned memory through the store's block table (UVA), like the decode
 step's fetch kernel reads it: no host sync, no temporary. One program per (sequence, KV head, tile of tokens).
 
+A quantized store (``HostStore.format``, ``hf_nosa.host_quant``) takes one program per (sequence, KV head, block
+the update touches): a block the update completes is assembled from the row's tail (its tokens written before)
+and the new tokens, its amax gives the scale, and its bytes and scale go to the store; the new tokens of the block
+left incomplete go to the row's tail, written by the program of the first block, after that one has read the
+tail's earlier tokens (so no two programs touch the tail). The values are read once, from the device.
+
 The reference is ``HostStore.write`` (the torch copy), which every CPU path uses.
 """
 
@@ -15,6 +21,7 @@ import torch
 
 from ..host_store import HostStore
 from .backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
+from .host_format import quantize_block
 
 BLOCK_T = 32  # tokens per program
 
@@ -26,7 +33,29 @@ if HAS_TRITON:
         stride_k_b, stride_k_h, stride_k_t, stride_v_b, stride_v_h, stride_v_t, stride_b_b, stride_b_h, stride_b_t,
         table_stride, start, n_tokens,
         HK: tl.constexpr, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BT: tl.constexpr,
+        QUANT: tl.constexpr, FP8: tl.constexpr, QMAX: tl.constexpr,
     ):
+        if QUANT:
+            _host_write_quantized(
+                k_ptr, v_ptr, b_ptr, table_ptr, offset_ptr,
+                stride_k_b, stride_k_h, stride_k_t, stride_v_b, stride_v_h, stride_v_t, stride_b_b, stride_b_h,
+                stride_b_t, table_stride, start, n_tokens, HK, P, D, D_PAD, FP8, QMAX,
+            )
+        else:
+            _host_write_tokens(
+                k_ptr, v_ptr, b_ptr, table_ptr, offset_ptr,
+                stride_k_b, stride_k_h, stride_k_t, stride_v_b, stride_v_h, stride_v_t, stride_b_b, stride_b_h,
+                stride_b_t, table_stride, start, n_tokens, HK, P, D, D_PAD, BT,
+            )
+
+    @triton.jit
+    def _host_write_tokens(
+        k_ptr, v_ptr, b_ptr, table_ptr, offset_ptr,
+        stride_k_b, stride_k_h, stride_k_t, stride_v_b, stride_v_h, stride_v_t, stride_b_b, stride_b_h, stride_b_t,
+        table_stride, start, n_tokens,
+        HK: tl.constexpr, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BT: tl.constexpr,
+    ):
+        """Program (row, KV head, tile of BT tokens of the update): the tokens as they are."""
         i_bh = tl.program_id(0)
         i_t = tl.program_id(1)
         i_b = i_bh // HK
@@ -50,6 +79,65 @@ if HAS_TRITON:
         tl.store(host_k[:, None] + row[:, None] * D + o_d[None, :], b_k, mask=m_td)
         tl.store(host_v[:, None] + row[:, None] * D + o_d[None, :], b_v, mask=m_td)
         tl.store(host_b + row, b_b, mask=m_t)
+
+    @triton.jit
+    def _host_write_quantized(
+        k_ptr, v_ptr, b_ptr, table_ptr, offset_ptr,
+        stride_k_b, stride_k_h, stride_k_t, stride_v_b, stride_v_h, stride_v_t, stride_b_b, stride_b_h, stride_b_t,
+        table_stride, start, n_tokens,
+        HK: tl.constexpr, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr,
+        QMAX: tl.constexpr,
+    ):
+        """Program (row, KV head, j): block ``c0 + j`` of the row, c0 the block of its first stored token."""
+        i_bh = tl.program_id(0)
+        i_j = tl.program_id(1)
+        i_b = i_bh // HK
+        i_h = i_bh % HK
+        r0 = start - tl.load(offset_ptr + i_b)  # row-relative index of the update's token 0 (negative: padding)
+        first = tl.maximum(r0, 0)
+        c0 = first // P
+        c = c0 + i_j
+        end = r0 + n_tokens  # the row's length after the update
+        o_p = tl.arange(0, P)
+        o_d = tl.arange(0, D_PAD)
+        m_d = (o_d < D)[None, :]
+        i_row = (i_b * HK + i_h).to(tl.int64)
+        p_k = k_ptr + i_b.to(tl.int64) * stride_k_b + i_h * stride_k_h
+        p_v = v_ptr + i_b.to(tl.int64) * stride_v_b + i_h * stride_v_h
+        tail_off = (i_row * P + o_p)[:, None] * D + o_d[None, :]  # tails are [B, Hk, P, D]
+        tail_k = tl.load(table_ptr + 6 * table_stride).to(k_ptr.dtype)
+        tail_v = tl.load(table_ptr + 7 * table_stride).to(v_ptr.dtype)
+        if c * P < end:  # the block holds new tokens
+            t = c * P + o_p  # row-relative index of each position
+            i_in = t - r0  # its index in the update
+            new = (t >= first) & (i_in < n_tokens)
+            row_len = tl.load(table_ptr + 3 * table_stride + c)
+            tok = i_row * row_len + o_p  # token offset from the block's address
+            b_b = tl.load(b_ptr + i_b.to(tl.int64) * stride_b_b + i_h * stride_b_h + i_in * stride_b_t, mask=new)
+            tl.store(tl.load(table_ptr + 2 * table_stride + c).to(b_ptr.dtype) + tok, b_b, mask=new)
+            if c * P + P <= end:  # complete: the tail's tokens before the update, then the new ones
+                old = (t < first)[:, None] & m_d
+                in_off = i_in[:, None] * stride_k_t + o_d[None, :]
+                b_k = tl.where(old, tl.load(tail_k + tail_off, mask=old, other=0.0),
+                               tl.load(p_k + in_off, mask=new[:, None] & m_d, other=0.0)).to(tl.float32)
+                in_off = i_in[:, None] * stride_v_t + o_d[None, :]
+                b_v = tl.where(old, tl.load(tail_v + tail_off, mask=old, other=0.0),
+                               tl.load(p_v + in_off, mask=new[:, None] & m_d, other=0.0)).to(tl.float32)
+                store_off = tok[:, None] * D + o_d[None, :]
+                scale_off = i_row * (row_len // P)
+                bits, scale = quantize_block(b_k, FP8, QMAX)
+                tl.store(tl.load(table_ptr + c).to(tl.pointer_type(tl.uint8)) + store_off, bits, mask=m_d)
+                tl.store(tl.load(table_ptr + 4 * table_stride + c).to(tl.pointer_type(tl.float32)) + scale_off, scale)
+                bits, scale = quantize_block(b_v, FP8, QMAX)
+                tl.store(tl.load(table_ptr + table_stride + c).to(tl.pointer_type(tl.uint8)) + store_off, bits, mask=m_d)
+                tl.store(tl.load(table_ptr + 5 * table_stride + c).to(tl.pointer_type(tl.float32)) + scale_off, scale)
+        if (i_j == 0) & (end % P != 0) & (end > 0):
+            # the block left incomplete: its new tokens go to the tail, after this program read the tail above
+            t = end // P * P + o_p
+            i_in = t - r0
+            m = ((t >= first) & (i_in < n_tokens))[:, None] & m_d
+            tl.store(tail_k + tail_off, tl.load(p_k + i_in[:, None] * stride_k_t + o_d[None, :], mask=m), mask=m)
+            tl.store(tail_v + tail_off, tl.load(p_v + i_in[:, None] * stride_v_t + o_d[None, :], mask=m), mask=m)
 
 
 def host_write(host: HostStore, start: int, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, *,
@@ -92,13 +180,17 @@ def host_write(host: HostStore, start: int, k: torch.Tensor, v: torch.Tensor, b:
         k, v = k.contiguous(), v.contiguous()
     host.ensure_capacity(start + T)
     table = host.block_table(k.device)
+    fmt = host.format
+    # a quantized store: a program per block touched (an unaligned row start adds one)
+    grid = (B * Hk, triton.cdiv(T, BLOCK_T) if fmt is None else triton.cdiv(T, host.block_size) + 1)
     with on_device(k):
-        launcher(_host_write_kernel)[(B * Hk, triton.cdiv(T, BLOCK_T))](
+        launcher(_host_write_kernel)[grid](
             k, v, b, table, offsets,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             b.stride(0), b.stride(1), b.stride(2),
             table.stride(0), start, T,
             HK=Hk, P=host.block_size, D=D, D_PAD=next_power_of_2(D), BT=BLOCK_T,
+            QUANT=fmt is not None, FP8=fmt is not None and not fmt.integer, QMAX=fmt.qmax if fmt is not None else 1.0,
             num_warps=4,
         )
     host.mark_device_written(start + T, k.device)

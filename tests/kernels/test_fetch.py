@@ -12,9 +12,12 @@ import copy
 import pytest
 import torch
 
+from hf_nosa.host_quant import quantization_error_bound
 from hf_nosa.host_store import HostStore
 from hf_nosa.kernels.fetch import SlotPool, StepCounters, fetch_step, fetch_step_ref
 from hf_nosa.selection import MASK_VALUE
+
+from .test_host_write import assert_same_store
 
 
 @pytest.fixture
@@ -23,16 +26,24 @@ def interpret(monkeypatch):
     monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
 
 
-def make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen, offsets=None):
+def make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen, offsets=None, host_dtype="auto"):
     """A host store holding T tokens (several chunks) and a slot pool poisoned with NaN, tail holding T's block.
 
     With ``offsets`` row b is stored row-relative (``hf_nosa.padding``): its tokens end at ``T - offsets[b]`` and its
     tail holds that block."""
-    host = HostStore(B, Hk, D, dtype, P, pin=device.type == "cuda")
+    host = HostStore(B, Hk, D, dtype, P, pin=device.type == "cuda", host_dtype=host_dtype)
     host.chunk_tokens = chunk_blocks * P  # several host chunks: blocks are found through the block table
     k = torch.randn(B, Hk, T, D, generator=gen).to(dtype)
     v = torch.randn(B, Hk, T, D, generator=gen).to(dtype)
-    host.write(0, k, v, torch.randn(B, Hk, T, generator=gen))
+    # heavy-tailed tokens: blocks of very different scales, as real keys have
+    k = (k.float() * torch.exp(torch.randn(B, Hk, T, 1, generator=gen))).to(dtype)
+    if offsets is None:
+        host.write(0, k, v, torch.randn(B, Hk, T, generator=gen))
+    else:  # each row from its first real token, as a padded prompt is stored
+        host.set_offsets(offsets.cpu())
+        host.write_rows(-offsets.cpu(), k, v, torch.randn(B, Hk, T, generator=gen))
+        k = torch.stack([k[b].roll(-int(offsets[b]), dims=1) for b in range(B)])  # row-relative, as stored
+        v = torch.stack([v[b].roll(-int(offsets[b]), dims=1) for b in range(B)])
     host.wait_writes()
     S = K + 1
     nan = float("nan")
@@ -43,13 +54,13 @@ def make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen, offsets=None
         torch.full((B, Hk, S), -1, dtype=torch.long, device=device),
         torch.zeros(B, Hk, dtype=torch.long, device=device),
     )
-    hb = host.read(0, T, device)[2]
+    hk, hv, hb = host.read(0, T, device)
     for b in range(B):
         L = T - (0 if offsets is None else int(offsets[b]))
         n_tail = L % P
         if n_tail:  # like NosaLayer._settle_rows: the partly written block sits in slot 0
-            pool.slot_k[b, :, 0, :n_tail] = k[b, :, L - n_tail : L].to(device)
-            pool.slot_v[b, :, 0, :n_tail] = v[b, :, L - n_tail : L].to(device)
+            pool.slot_k[b, :, 0, :n_tail] = hk[b, :, L - n_tail : L]  # the store's tail: the tokens as they came
+            pool.slot_v[b, :, 0, :n_tail] = hv[b, :, L - n_tail : L]
             pool.slot_b[b, :, 0, :n_tail] = hb[b, :, L - n_tail : L]
             pool.slot_block[b, :, 0] = L // P
     return host, pool
@@ -57,9 +68,12 @@ def make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen, offsets=None
 
 def clone_host(host: HostStore) -> HostStore:
     twin = copy.copy(host)
-    for name in ("k_chunks", "v_chunks", "b_chunks"):
+    for name in ("k_chunks", "v_chunks", "b_chunks", "ks_chunks", "vs_chunks"):
         setattr(twin, name, [chunk.clone().pin_memory() if host.pin else chunk.clone() for chunk in getattr(host, name)])
+    if host.format is not None:
+        twin.tail_k, twin.tail_v = (t.clone().pin_memory() if host.pin else t.clone() for t in (host.tail_k, host.tail_v))
     twin.starts = list(host.starts)
+    twin.offsets = host.offsets.clone()
     twin._table, twin._version = None, host._version + 1
     return twin
 
@@ -99,17 +113,23 @@ def check_pool_against_host(pool: SlotPool, host: HostStore, t):
                 assert torch.all(got_b[n:] == MASK_VALUE), (b, h, s, blk)
                 if n:
                     lo = blk * P
-                    assert torch.equal(pool.slot_k[b, h, s, :n].cpu(), hk[b, h, lo : lo + n])
-                    assert torch.equal(pool.slot_v[b, h, s, :n].cpu(), hv[b, h, lo : lo + n])
+                    for slots, held in ((pool.slot_k, hk), (pool.slot_v, hv)):
+                        got, want = slots[b, h, s, :n].cpu(), held[b, h, lo : lo + n]
+                        if host.format is None or n < P:
+                            assert torch.equal(got, want)
+                        else:  # a block completed while resident stays as written; the store holds it quantized
+                            bound = quantization_error_bound(slots[b, h, s].cpu(), host.host_dtype)
+                            error = (got.float() - want.float()).abs()
+                            assert bool((error <= bound + want.float().abs() * 2.0**-8).all())  # + bf16 rounding
                     assert torch.equal(got_b[:n], hb[b, h, lo : lo + n])
 
 
-def run_trajectory(B, Hk, D, P, K, T, dtype, device, steps, chunk_blocks=4, seed=0, offsets=None):
+def run_trajectory(B, Hk, D, P, K, T, dtype, device, steps, chunk_blocks=4, seed=0, offsets=None, host_dtype="auto"):
     gen = torch.Generator().manual_seed(seed)
     device = torch.device(device)
     offs = [0] * B if offsets is None else list(offsets)
     offsets = None if offsets is None else torch.tensor(offsets, device=device)
-    host_ref, pool_ref = make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen, offsets)
+    host_ref, pool_ref = make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen, offsets, host_dtype)
     host_ker, pool_ker = clone_host(host_ref), SlotPool(*(x.clone() for x in pool_ref))
     counters_ref, counters_ker = StepCounters.zeros(device), StepCounters.zeros(device)
     step_ref = torch.tensor([T], device=device)
@@ -137,15 +157,16 @@ def run_trajectory(B, Hk, D, P, K, T, dtype, device, steps, chunk_blocks=4, seed
         torch.testing.assert_close(counters_ker.counts, counters_ref.counts, rtol=0, atol=0)
         torch.testing.assert_close(counters_ker.locality, counters_ref.locality, rtol=1e-6, atol=1e-6)
         check_pool_against_host(pool_ker, host_ker, rows_t)
-        if offsets is not None:  # the new token went to each row's own index
+        if offsets is not None and host_dtype == "auto":  # the new token went to each row's own index
             stored = host_ker.read(0, t + 1, "cpu")[0]
             for b, r in enumerate(rows_t):
                 assert torch.equal(stored[b, :, r], k_new[b, :, 0].cpu())
     for which in range(3):
         for b, off in enumerate(offs):  # what each row wrote (a row-relative row ends `off` tokens early)
             end = T + steps - off
-            torch.testing.assert_close(host_ker.read(0, end, "cpu")[which][b], host_ref.read(0, end, "cpu")[which][b],
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(host_ker.read(0, end, "cpu")[which][b, :, :end],
+                                       host_ref.read(0, end, "cpu")[which][b, :, :end], rtol=0, atol=0)
+    assert_same_store(host_ker, host_ref)  # the bytes and scales of the blocks decoding completed, the tails
     assert int(counters_ker.counts[2:].abs().sum()) == 0  # the kernel's scratch counters return to zero
 
 
@@ -167,6 +188,19 @@ def test_row_offsets_trajectory_matches_reference_interpreted(interpret, offsets
     """Rows at different row-relative indices (left padding 0..100 tokens): new blocks start, tails fill and tokens
     land in the host store at each row's own index, in the kernel as in the reference."""
     run_trajectory(3, 2, 64, 16, 4, 150, torch.float32, "cpu", 12, offsets=offsets)
+
+
+@pytest.mark.parametrize("host_dtype", ["float8_e4m3fn", "int8"])
+@pytest.mark.parametrize("B,Hk,D,P,K,T,dtype,steps,offsets", [
+    (2, 2, 32, 16, 4, 41, torch.bfloat16, 9, None),  # blocks completed by decoding (t = 47) are quantized
+    (3, 1, 24, 16, 3, 60, torch.float32, 9, (0, 5, 18)),  # rows completing blocks at different steps
+    (1, 2, 16, 16, 3, 31, torch.float16, 3, None),
+])
+def test_quantized_store_trajectory_matches_reference_interpreted(interpret, host_dtype, B, Hk, D, P, K, T, dtype,
+                                                                  steps, offsets):
+    """A quantized host store: blocks come into the pool dequantized, new tokens go to the tails, a completed block
+    is quantized from the tail slot, in the kernel exactly as in the reference (pool, counters, store bytes)."""
+    run_trajectory(B, Hk, D, P, K, T, dtype, "cpu", steps, offsets=offsets, host_dtype=host_dtype)
 
 
 def test_bad_input(interpret):
@@ -219,15 +253,19 @@ def test_unpinned_store_on_cuda(monkeypatch):
     assert int(args[6]) == 41
 
 
-@pytest.mark.parametrize("B,Hk,D,P,K,T,dtype", [(2, 2, 64, 16, 5, 200, torch.float32), (1, 3, 32, 16, 3, 90, torch.bfloat16)])
-def test_fetch_selection_matches_reference_interpreted(interpret, B, Hk, D, P, K, T, dtype):
+@pytest.mark.parametrize("B,Hk,D,P,K,T,dtype,host_dtype", [
+    (2, 2, 64, 16, 5, 200, torch.float32, "auto"),
+    (1, 3, 32, 16, 3, 90, torch.bfloat16, "auto"),
+    (1, 2, 32, 16, 3, 90, torch.bfloat16, "float8_e4m3fn"),  # blocks dequantized into the pool
+])
+def test_fetch_selection_matches_reference_interpreted(interpret, B, Hk, D, P, K, T, dtype, host_dtype):
     """The no-token mode of the fetch kernel (QUOKA chunks): the pool holds exactly the selection, blocks kept from
     the previous selection stay in their slots, empty slots carry MASK_VALUE, the counters match."""
     from hf_nosa.kernels.fetch import fetch_selection, fetch_selection_ref
 
     gen = torch.Generator().manual_seed(3)
     device = torch.device("cpu")
-    host_ref, pool_ref = make_state(B, Hk, D, P, K + 2, T, dtype, device, 4, gen)
+    host_ref, pool_ref = make_state(B, Hk, D, P, K + 2, T, dtype, device, 4, gen, host_dtype=host_dtype)
     host_ker, pool_ker = clone_host(host_ref), SlotPool(*(x.clone() for x in pool_ref))
     counters_ref, counters_ker = StepCounters.zeros(device), StepCounters.zeros(device)
     selected = torch.full((B, Hk, K), -1, dtype=torch.long)

@@ -14,18 +14,39 @@ def interpret(monkeypatch):
     monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
 
 
-def _stores(B, Hk, D, P, dtype, device, chunk_blocks):
+def _stores(B, Hk, D, P, dtype, device, chunk_blocks, host_dtype="auto"):
     stores = []
     for _ in range(2):
-        host = HostStore(B, Hk, D, dtype, P, pin=device.type == "cuda")
+        host = HostStore(B, Hk, D, dtype, P, pin=device.type == "cuda", host_dtype=host_dtype)
         host.chunk_tokens = chunk_blocks * P  # several chunks: tokens are placed through the block table
         stores.append(host)
     return stores
 
 
-def _check(B, Hk, D, P, dtype, device, pieces, chunk_blocks=2, seed=0):
+def assert_same_store(ker: HostStore, ref: HostStore) -> None:
+    """Bit for bit: every chunk (K, V bytes, scores, scales) up to the stored length, and every row's tail where it
+    holds tokens."""
+    P = ref.block_size
+    quantized = ref.format is not None
+    for row, length in enumerate(ref.row_lengths().tolist()):
+        for name in ("k_chunks", "v_chunks", "b_chunks", "ks_chunks", "vs_chunks"):
+            # a quantized store's chunks hold complete blocks of K, V (and their scales) only
+            held = length // P * P if quantized and name != "b_chunks" else length
+            for i, (a, b) in enumerate(zip(getattr(ker, name), getattr(ref, name))):
+                if a.element_size() == 1:
+                    a, b = a.view(torch.uint8), b.view(torch.uint8)
+                n = max(0, held - ref.starts[i]) // (P if name in ("ks_chunks", "vs_chunks") else 1)
+                torch.testing.assert_close(a[row, :, :n], b[row, :, :n], rtol=0, atol=0, msg=f"{name}[{i}] row {row}")
+    if quantized:
+        n_tail = ref.row_lengths() % P
+        for row, n in enumerate(n_tail.tolist()):
+            torch.testing.assert_close(ker.tail_k[row, :, :n], ref.tail_k[row, :, :n], rtol=0, atol=0)
+            torch.testing.assert_close(ker.tail_v[row, :, :n], ref.tail_v[row, :, :n], rtol=0, atol=0)
+
+
+def _check(B, Hk, D, P, dtype, device, pieces, chunk_blocks=2, seed=0, host_dtype="auto"):
     gen = torch.Generator().manual_seed(seed)
-    ref, ker = _stores(B, Hk, D, P, dtype, device, chunk_blocks)
+    ref, ker = _stores(B, Hk, D, P, dtype, device, chunk_blocks, host_dtype)
     start = 0
     for n in pieces:
         k = torch.randn(B, n, Hk, D, generator=gen).to(dtype).to(device).transpose(1, 2)  # the model's layout
@@ -37,6 +58,7 @@ def _check(B, Hk, D, P, dtype, device, pieces, chunk_blocks=2, seed=0):
     assert ker.length == ref.length == start
     for which in range(3):
         torch.testing.assert_close(ker.read(0, start, "cpu")[which], ref.read(0, start, "cpu")[which], rtol=0, atol=0)
+    assert_same_store(ker, ref)
 
 
 @pytest.mark.parametrize("B,Hk,D,P,dtype,pieces", [
@@ -46,6 +68,43 @@ def _check(B, Hk, D, P, dtype, device, pieces, chunk_blocks=2, seed=0):
 ])
 def test_matches_the_torch_copy_interpreted(interpret, B, Hk, D, P, dtype, pieces):
     _check(B, Hk, D, P, dtype, torch.device("cpu"), pieces)
+
+
+@pytest.mark.parametrize("host_dtype", ["float8_e4m3fn", "int8"])
+@pytest.mark.parametrize("B,Hk,D,P,dtype,pieces", [
+    (2, 3, 16, 16, torch.float32, (37, 50, 1, 20)),  # complete blocks from the tail and the update, then a tail
+    (1, 2, 24, 16, torch.bfloat16, (16, 5, 11, 40)),  # block-aligned updates; a head dim that is not a power of 2
+    (2, 1, 32, 32, torch.float16, (3, 1, 70)),
+])
+def test_quantized_store_matches_the_torch_reference_interpreted(interpret, host_dtype, B, Hk, D, P, dtype, pieces):
+    """A quantized store written by the kernel equals the torch reference bit for bit: the bytes and scales of
+    every complete block, the scores, and each row's tail."""
+    _check(B, Hk, D, P, dtype, torch.device("cpu"), pieces, host_dtype=host_dtype)
+
+
+@pytest.mark.parametrize("host_dtype", ["auto", "float8_e4m3fn"])
+def test_row_offsets_quantized_interpreted(interpret, monkeypatch, host_dtype):
+    """Rows of a left-padded batch, each stored from its first real token: kernel and torch reference agree bit for
+    bit, rows ending in different blocks (their tails at different positions)."""
+    gen = torch.Generator().manual_seed(2)
+    B, Hk, D, P = 3, 2, 16, 16
+    offsets = torch.tensor([0, 13, 40])
+    ref, ker = _stores(B, Hk, D, P, torch.float32, torch.device("cpu"), 2, host_dtype)
+    for store in (ref, ker):
+        store.set_offsets(offsets)  # where each row's stored tokens end (its tail)
+    start = 0
+    for n in (30, 27, 1, 50, 17):
+        k, v, b = torch.randn(B, Hk, n, D, generator=gen), torch.randn(B, Hk, n, D, generator=gen), torch.randn(B, Hk, n, generator=gen)
+        monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
+        host_write(ref, start, k, v, b, offsets=offsets)
+        monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+        host_write(ker, start, k, v, b, offsets=offsets)
+        start += n
+    assert_same_store(ker, ref)
+    for which in range(3):
+        for row, length in enumerate(ref.row_lengths().tolist()):  # past a row's length the store holds anything
+            torch.testing.assert_close(ker.read(0, start, "cpu")[which][row, :, :length],
+                                       ref.read(0, start, "cpu")[which][row, :, :length], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
