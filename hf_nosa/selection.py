@@ -28,8 +28,9 @@ MASK_VALUE = -1e30
 # softmax mass from the real windows and make near-ties that different code paths break differently. They score
 # the bottom of each scale instead (probability 0; ``QUOKA_PADDING_SCORE``), so a block without a real window
 # (padding only, or fewer than compress_stride real tokens) ties at the bottom and never outranks a block that has
-# one; ties go to the most recent block as always. With padding a multiple of block_size, a padded row then scores
-# its real blocks exactly as the same row without padding.
+# one; ties go to the most recent block as always. Left padding itself is not stored by a NosaCache (rows are
+# stored from their first real token, ``padding.py``); padding windows come from padding stored where it stands
+# (holes in a mask, a prompt that reached the cache without ``modeling.chunked``).
 PADDING_WINDOW_BIAS = MASK_VALUE * 1e-6
 
 # The QUOKA score of a padding window: below every cosine similarity, above "no window" (-inf). A block whose

@@ -81,9 +81,10 @@ class NosaForward:
         T = inputs.shape[1]
         if T == 1 and cache.get_seq_length() > 0 and self._graph_eligible(kwargs):
             return self._decode_with_graph(cache, cache_name, kwargs)
-        if T <= cache.nosa_config.prefill_chunk_size and self._left_padding(cache, kwargs) is None:
+        lead = self._left_padding(cache, kwargs)
+        if T <= cache.nosa_config.prefill_chunk_size and lead is None:
             return self.original(**kwargs)
-        return self._chunked(cache, cache_name, kwargs)
+        return self._chunked(cache, cache_name, kwargs, lead)
 
     @staticmethod
     def _left_padding(cache: NosaCache, kwargs: dict) -> torch.Tensor | None:
@@ -98,7 +99,7 @@ class NosaForward:
 
     # ----- prefill -----
 
-    def _chunked(self, cache: NosaCache, cache_name: str, kwargs: dict):
+    def _chunked(self, cache: NosaCache, cache_name: str, kwargs: dict, lead: torch.Tensor | None):
         model = self.model
         ids_name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
         inputs = kwargs.pop(ids_name)
@@ -108,7 +109,6 @@ class NosaForward:
         position_ids = kwargs.pop("position_ids", None)
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=inputs.device).expand(B, T)
-        lead = self._left_padding(cache, kwargs)
         attention_mask = kwargs.pop("attention_mask", None)
         keep = _kept_positions(kwargs.pop("logits_to_keep", 0), T)
         need = keep
