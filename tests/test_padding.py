@@ -82,13 +82,32 @@ def test_beam_search_rows_equal_the_rows_alone():
     cfg = small_nosa_config(**BASE, **MODES["dense"])
     ids, mask = _batch()
     model = _model("llama", cfg)
-    out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=NosaCache(model.config, cfg),
-                         max_new_tokens=20, num_beams=3, do_sample=False)
+    model.config.nosa = cfg.to_dict()  # cache_implementation="nosa": the model's config, the workspace's buffers
+    out = model.generate(input_ids=ids, attention_mask=mask, cache_implementation="nosa", max_new_tokens=20,
+                         num_beams=3, do_sample=False)
     for row, pad in enumerate(PADS):
         alone = ids[row : row + 1, pad:]
         expected = model.generate(input_ids=alone, attention_mask=torch.ones_like(alone), max_new_tokens=20,
-                                  past_key_values=NosaCache(model.config, cfg), num_beams=3, do_sample=False)
+                                  cache_implementation="nosa", num_beams=3, do_sample=False)
         assert torch.equal(out[row, LENGTH:], expected[0, alone.shape[1]:]), f"row {row} (pad {pad})"
+
+
+def test_a_padded_prompts_outputs_come_back_at_the_callers_positions():
+    """The prompt goes through the model with each row's real tokens first; a forward's logits and hidden states
+    still come out at the positions of the caller's (left-padded) layout, equal to the row alone's."""
+    cfg = small_nosa_config(**BASE, **MODES["quoka"])
+    model = _model("qwen3", cfg)
+    ids, mask = _batch(length=100)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, position_ids=positions, past_key_values=NosaCache(model.config, cfg),
+                    output_hidden_states=True)
+        for row, pad in enumerate(PADS):
+            alone = model(ids[row : row + 1, pad:], past_key_values=NosaCache(model.config, cfg),
+                          output_hidden_states=True)
+            torch.testing.assert_close(out.logits[row, pad:], alone.logits[0], atol=1e-4, rtol=1e-4)
+            for layer, (mine, theirs) in enumerate(zip(out.hidden_states, alone.hidden_states)):
+                torch.testing.assert_close(mine[row, pad:], theirs[0], atol=1e-4, rtol=1e-4, msg=f"layer {layer}")
 
 
 @pytest.mark.parametrize("mode", ["dense", "quoka"])
