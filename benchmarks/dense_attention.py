@@ -85,7 +85,8 @@ def attention_rows(name: str, seq_len: int, args, device, dtype) -> list[dict]:
     rows = []
     for run, fn in runs.items():
         row = dict(kind="attention", shape=name, seq_len=seq_len, run=run, heads=[H, Hk, D])
-        try:
+
+        def measure(row=row, run=run, fn=fn):
             seconds = _timed(fn, device, args.repeats)
             row.update(seconds=seconds, kernels=_kernels(fn, device))
             if run != "biased_last_queries":
@@ -95,13 +96,22 @@ def attention_rows(name: str, seq_len: int, args, device, dtype) -> list[dict]:
                 ref = attend(q[:, :, -512:], check, scale).float()
                 row["max_abs_diff_vs_attend_last_512"] = float((biased_attention(q[:, :, -512:], check, scale).float()
                                                                 - ref).abs().max())
-        except torch.OutOfMemoryError:
-            row["oom"] = True
-        except Exception as error:  # recorded: the other rows still run
-            row["error"] = f"{type(error).__name__}: {error}"[:500]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+
+        rows.append(_recorded(row, measure))
     return rows
+
+
+def _recorded(row: dict, measure) -> dict:
+    """Run ``measure`` (which fills ``row``); an OOM or any other error is recorded in the row, so the other rows
+    still run. Prints the row as a JSON line."""
+    try:
+        measure()
+    except torch.OutOfMemoryError:
+        row["oom"] = True
+    except Exception as error:
+        row["error"] = f"{type(error).__name__}: {error}"[:500]
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def quoka_chunk_rows(name: str, args, device, dtype) -> list[dict]:
@@ -138,17 +148,14 @@ def quoka_chunk_rows(name: str, args, device, dtype) -> list[dict]:
     ref = attend(q[:, :, -n:], AttentionInputs(k, v, bias, None, S - n, causal=True), scale).float()
     for run, fn in runs.items():
         row = dict(kind="quoka_chunk", shape=name, batch=B, chunk=chunk, budget=budget, run=run, heads=[H, Hk, D])
-        try:
+
+        def measure(row=row, run=run, fn=fn):
             seconds = _timed(fn, device, args.repeats)
             row.update(seconds=seconds, tflops=flops / seconds / 1e12, kernels=_kernels(fn, device))
             if run != "sdpa_no_bias":
                 row["max_abs_diff_vs_attend_last_queries"] = float((fn()[:, :, -n:].float() - ref).abs().max())
-        except torch.OutOfMemoryError:
-            row["oom"] = True
-        except Exception as error:
-            row["error"] = f"{type(error).__name__}: {error}"[:500]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+
+        rows.append(_recorded(row, measure))
     return rows
 
 
@@ -228,16 +235,13 @@ def prefill_rows(seq_len: int, args, device, dtype) -> list[dict]:
         if mode == "nosa":
             randomize_eviction_heads(model, scale=0.1, generator=torch.Generator().manual_seed(1))
         row = dict(kind="prefill", seq_len=seq_len, batch=args.batch, mode=mode)
-        try:
+
+        def measure(row=row):
             with torch.no_grad():
-                seconds = _timed(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), device, args.repeats)
-            row["seconds"] = seconds
-        except torch.OutOfMemoryError:
-            row["oom"] = True
-        except Exception as error:
-            row["error"] = f"{type(error).__name__}: {error}"[:500]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+                row["seconds"] = _timed(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), device,
+                                        args.repeats)
+
+        rows.append(_recorded(row, measure))
     del model
     gc.collect()
     if device.type == "cuda":
