@@ -8,8 +8,9 @@ run around each replay. ``DecodeGraph`` does that; ``greedy_decode`` is a small 
 
 A graph is (re)captured when a layer's buffers move (the compressed keys grow to the next power of two of
 windows, a beam reorder, a reset) or the batch changes; a step with the same key runs eagerly before a capture,
-so kernels are compiled outside it (the first two steps after a prefill run eagerly). Limits: no padding mask
-(every row must be a real token, as in a plain batch); greedy only in ``greedy_decode``; CUDA only.
+so kernels are compiled outside it (the first two steps after a prefill run eagerly). A left-padded batch
+replays too: each row's padding length is a device tensor the kernels read (``hf_nosa.padding``). Limits: greedy
+only in ``greedy_decode``; CUDA only.
 """
 
 from __future__ import annotations
