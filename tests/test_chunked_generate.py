@@ -125,12 +125,35 @@ def test_not_enough_host_memory_is_a_clear_error_before_any_work(monkeypatch):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, cache_implementation="nosa")
 
 
-def test_output_attentions_with_a_nosa_cache_is_refused_by_name():
+@pytest.mark.parametrize("search", ["greedy", "beam", "prompt_lookup", "assistant"])
+def test_output_attentions_with_a_nosa_cache_is_refused_by_name(search):
+    """Greedy, beam and assisted generate all get the documented ValueError (never an internal crash or empty
+    per-step tuples)."""
     model = to_nosa(tiny_model("llama"), small_nosa_config())
     ids, mask = _batch(20, (0,))
-    with pytest.raises(ValueError, match="output_attentions"):
+    extra = {"greedy": {}, "beam": {"num_beams": 2}, "prompt_lookup": {"prompt_lookup_num_tokens": 3},
+             "assistant": {"assistant_model": tiny_model("llama", seed=9)}}[search]
+    with pytest.raises(ValueError, match="output_attentions=True is not supported by NOSA attention"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, cache_implementation="nosa",
-                       output_attentions=True, return_dict_in_generate=True)
+                       output_attentions=True, return_dict_in_generate=True, do_sample=False, **extra)
+
+
+def test_locality_is_undefined_until_a_step_could_reuse_a_block():
+    """A prompt shorter than one block and a few new tokens: no decode step selected a block that could have been
+    resident, so locality is NaN (not 0, and not a share of nothing); once blocks exist it is a share in [0, 1]."""
+    model = to_nosa(tiny_model("qwen2", seed=4), small_nosa_config(budget_tokens=96))
+    randomize_eviction_heads(model, generator=torch.Generator().manual_seed(4))
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(3, 97, (1, 10), generator=torch.Generator().manual_seed(5))
+    cache = NosaCache(model.config)
+    model.generate(ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
+    stats = cache.stats()
+    assert stats["seen_tokens"] == 13 and stats["blocks_loaded"] == 0
+    assert stats["locality"] != stats["locality"]  # NaN
+    cache = NosaCache(model.config)
+    model.generate(ids, max_new_tokens=120, do_sample=False, past_key_values=cache)
+    stats = cache.stats()
+    assert stats["blocks_loaded"] > 0 and 0.0 <= stats["locality"] <= 1.0
 
 
 @pytest.mark.parametrize("value", [0, 40, -64])
