@@ -183,6 +183,11 @@ def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False)
     return row
 
 
+def nosa_config(args) -> NosaConfig:
+    """NosaConfig defaults, or with ``--prefill-chunk-size`` (an extra workload beside the default's rows)."""
+    return NosaConfig() if args.prefill_chunk_size is None else NosaConfig(prefill_chunk_size=args.prefill_chunk_size)
+
+
 def run(args):
     cap = args.cap_gb or CAP_GB[args.shape]
     total = torch.cuda.get_device_properties(0).total_memory
@@ -208,7 +213,7 @@ def run(args):
     torch._dynamo.reset()
     gc.collect()
     torch.cuda.empty_cache()
-    to_nosa(model, NosaConfig())
+    to_nosa(model, nosa_config(args))
     randomize_eviction_heads(model, scale=0.5, generator=torch.Generator().manual_seed(0))
     if "nosa" in args.methods:
         for context in args.contexts:
@@ -268,6 +273,9 @@ def main():
                         choices=("dynamic", "static", "nosa"), help="methods to run")
     parser.add_argument("--cap-gb", type=float, default=None, help="device memory cap (default: 24 for 1b, 48 for 8b)")
     parser.add_argument("--batch1", action="store_true", help="also run static + compile at batch 1")
+    parser.add_argument("--prefill-chunk-size", type=int, default=None,
+                        help="NOSA's prefill chunk (default: NosaConfig's); larger chunks re-read QUOKA's budget from "
+                        "the host fewer times and hold more activations")
     parser.add_argument("--out", required=True, help="JSON file to write (and a PNG beside it)")
     parser.add_argument("--plot-only", action="store_true", help="only redraw the PNG of an existing --out JSON")
     args = parser.parse_args()
@@ -276,7 +284,7 @@ def main():
             plot(json.load(f), os.path.splitext(args.out)[0] + ".png")
         return
     result = dict(environment(), shape=args.shape, cap_gb=args.cap_gb or CAP_GB[args.shape], rows=[],
-                  nosa_config=NosaConfig().to_dict())
+                  nosa_config=nosa_config(args).to_dict())
 
     def save(row):
         result["rows"].append(row)
