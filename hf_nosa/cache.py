@@ -132,11 +132,12 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
                 return workspace.take((self.layer_idx, name), shape, dtype, "cpu", pin=pin_memory)
 
             blocks = max(1, -(-planned // self.cfg.block_size))
-            table = self._buffer("host_table", (4, 1 << max(6, (blocks - 1).bit_length())), torch.int64).zero_()
+            rows = HostStore.table_rows(self.cfg.host_dtype)
+            table = self._buffer("host_table", (rows, 1 << max(6, (blocks - 1).bit_length())), torch.int64).zero_()
         else:
             host_allocate = table = None
         self.host = HostStore(B, Hk, D, key_states.dtype, self.cfg.block_size, pin=pin, table=table,
-                              allocate=host_allocate)
+                              allocate=host_allocate, host_dtype=self.cfg.host_dtype)
         if self.state.max_tokens is not None or self.state.prefill_end is not None:
             self.host.reserve(planned)
             if self.layer_idx == 0:  # the whole cache's host memory, before any layer allocates
@@ -287,7 +288,7 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         counts, locality = self.counters
         loaded = plan.missing.sum()
         counts[0].add_(loaded)
-        counts[1].add_(loaded * P * (2 * self.head_dim * self.slot_k.element_size() + 4))
+        counts[1].add_(loaded * self.host.block_bytes())
         if self.warm:
             count_share(locality, plan.n_resident.sum(), plan.n_selected.sum())
         self.warm = True

@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 PREFILL_MODES = ("auto", "dense", "nosa", "quoka")
+# "auto": the host store keeps K/V in the model's dtype; the others are hf_nosa.host_quant's formats.
+HOST_DTYPES = ("auto", "float8_e4m3fn", "int8")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -27,6 +29,10 @@ class NosaConfig:
     of blocks chosen by ``quoka_queries`` queries per head, plus itself), and "auto" (the default) is "dense"
     while the sequence fits in ``prefill_budget_tokens`` and "quoka" beyond.
 
+    ``host_dtype`` is how the host store keeps K and V: "auto" (the model's dtype), or "float8_e4m3fn" / "int8"
+    with one fp32 scale per (block, KV head) (``hf_nosa.host_quant``), which halves the host memory and the bytes
+    a block fetch moves against bf16. Eviction scores and compressed keys stay in full precision.
+
     Example:
         >>> cfg = NosaConfig(budget_tokens=2048, local_tokens=512)
         >>> cfg.budget_blocks
@@ -45,6 +51,7 @@ class NosaConfig:
     prefill_chunk_size: int = 512
     quoka_queries: int = 16
     prefill_budget_tokens: int | None = None
+    host_dtype: str = "auto"
 
     def __post_init__(self):
         def fail(name: str, rule: str, fix: str = ""):
@@ -95,6 +102,8 @@ class NosaConfig:
             fail("compress_kernel", f"it must not exceed block_size={self.block_size}")
         if not isinstance(self.prefill, str) or self.prefill not in PREFILL_MODES:
             fail("prefill", f"allowed values are {PREFILL_MODES}")
+        if not isinstance(self.host_dtype, str) or self.host_dtype not in HOST_DTYPES:
+            fail("host_dtype", f"allowed values are {HOST_DTYPES}")
         if self.quoka_queries < 1:
             fail("quoka_queries", "it must be at least 1")
         if self.prefill_budget_tokens is not None:

@@ -13,8 +13,8 @@ absolute error at most scale / 2 = amax / 254). fp8 keeps small values relative 
 keeps large values more precisely. ``quantization_error_bound`` states both bounds; the tests hold the reference to
 them on random and outlier-heavy data.
 
-The host store does not use it yet: ``NosaConfig`` gains ``host_dtype`` when the host-write and fetch kernels
-quantize and dequantize with this format (their torch references will call these functions).
+``NosaConfig.host_dtype`` picks the format of a NosaCache's host store (``hf_nosa.host_store``): its torch paths
+call these functions, and the host-write and fetch kernels compute the same bits (``kernels/host_format.py``).
 
 Shapes: ``x [..., P, D]`` (any leading dims: batch, KV head, block), ``scale [...]``.
 """

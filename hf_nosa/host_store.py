@@ -14,7 +14,9 @@ all its ``P x D`` values: a row's last, incomplete block stays in the model's dt
 the write that completes it quantizes it. The decode step never fetches that block (it is the slot pool's tail
 slot, resident on the device), so only reads on the host (``read``, ``gather_blocks``) put the tail back in place.
 Writes are appends: every row's tokens are a prefix ``0 .. length - offsets[b] - 1``; a row that gets shorter
-(``length`` lowered by a crop, ``set_offsets``) reloads its tail from the stored block, dequantized.
+(``length`` lowered by a crop) reloads its tail from the stored block, dequantized. A padded prompt arrives with
+each row's padding after its real tokens; ``set_limits`` keeps that padding out of the quantized blocks, so a row
+stores exactly what it stores alone.
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ class HostStore:
         self.starts: list[int] = []
         self._length = 0
         self.offsets = torch.zeros(batch, dtype=torch.long)  # row b holds tokens 0 .. length - offsets[b] - 1
+        self.limits: torch.Tensor | None = None  # [B]: where each row of a padded prompt will end (set_limits)
+        self._limits_on: torch.Tensor | None = None  # the same on a kernel's device (int64 max per row if None)
         self.reserved = 0
         self._pending: torch.cuda.Event | None = None
         self._device_writer: torch.device | None = None  # a device whose kernels write the store directly
@@ -136,14 +140,31 @@ class HostStore:
 
     def row_lengths(self) -> torch.Tensor:
         """``[B]`` CPU long: tokens stored in each row (``length`` less the row's left padding)."""
-        return (self._length - self.offsets).clamp(min=0)
+        lengths = (self._length - self.offsets).clamp(min=0)
+        return lengths if self.limits is None else torch.minimum(lengths, self.limits)
 
     def set_offsets(self, offsets: torch.Tensor) -> None:
         """Row b now holds ``length - offsets[b]`` tokens (``[B]`` long: rows of a left-padded batch are stored from
-        their first real token, ``hf_nosa.padding``)."""
+        their first real token, ``hf_nosa.padding``). Ends ``set_limits``."""
         old = self.row_lengths()
         self.offsets = offsets.to("cpu", torch.long).clone()
+        self.limits = self._limits_on = None
         self._reload_tails(old, self.row_lengths())
+
+    def set_limits(self, limits: torch.Tensor) -> None:
+        """Row b of the prompt being written ends at ``limits[b]`` (``[B]`` long) and what follows it is padding
+        (``modeling.chunked`` moves each row's padding after its real tokens): a quantized store keeps no K, V past
+        it, so the block holding a row's last token stays in its tail, exact, rather than being quantized with the
+        padding's values (the row then stores what it stores alone). Until ``set_offsets``."""
+        self.limits = limits.to("cpu", torch.long).clone()
+        self._limits_on = None
+
+    def limits_on(self, device) -> torch.Tensor:
+        """``limits`` as ``[B]`` long on ``device`` for a kernel (the int64 maximum where none are set)."""
+        if self._limits_on is None or self._limits_on.device != torch.device(device):
+            limits = self.limits if self.limits is not None else torch.full((self.batch,), 2**62, dtype=torch.long)
+            self._limits_on = limits.to(device)
+        return self._limits_on
 
     def block_bytes(self) -> int:
         """Bytes one block of one (sequence, KV head) takes in the store, and so what fetching it moves: K, V in the
@@ -327,7 +348,8 @@ class HostStore:
         device = k.device
         first_block = starts.clamp(min=0) // P  # the block holding each row's first stored token
         lead = starts.clamp(min=0) - first_block * P  # tokens of that block already in the tail
-        length = (starts + T - first_block * P).clamp(min=0)  # tokens from that block's start to the write's end
+        end = starts + T if self.limits is None else torch.minimum(starts + T, self.limits)  # padding past a limit
+        length = (end - first_block * P).clamp(min=0)  # tokens from that block's start to the write's end
         n_full = length // P  # blocks the write completes
         n_blocks = int(length.max()) // P + 1
         j = torch.arange(n_blocks * P)
@@ -485,4 +507,7 @@ class HostStore:
             if self.pin:
                 self.tail_k, self.tail_v = self.tail_k.pin_memory(), self.tail_v.pin_memory()
         self.offsets = self.offsets.index_select(0, index)
+        if self.limits is not None:
+            self.limits = self.limits.index_select(0, index)
+        self._limits_on = None
         self._version += 1

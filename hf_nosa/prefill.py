@@ -108,6 +108,9 @@ class PrefillPaths:
         if pad is not None:
             b = b + pad.to(b.device)
         self._wait_writer()
+        offsets = self.state.prefill_offsets
+        if start == 0 and offsets is not None and offsets.numel() == self.batch and self.selector is None:
+            self.host.set_limits(target - offsets)  # each row's padding comes after it: not stored (quantized)
         if mode == "quoka":
             inputs = self._quoka_inputs(k, v, q, b, None if pad is None else pad[:, 0] == 0, start)
             self._store(start, k, v, b)
@@ -179,6 +182,7 @@ class PrefillPaths:
         self.offsets_host = offsets.to(torch.long).clone()
         self.offset.copy_(self.offsets_host)
         self.padded = bool(self.offsets_host.any())
+        self.host.set_offsets(self.offsets_host)
 
     def _settle_rows(self, source=None) -> None:
         """Empty the slot pool but for each row's partly written last block, which becomes its slot 0, and refill
@@ -212,11 +216,12 @@ class PrefillPaths:
         self.slot_v[:, :, 0] = torch.where(valid[:, None, :, None], v.gather(2, index[..., None].expand(B, Hk, P, D)), 0.0)
         self.slot_b[:, :, 0] = torch.where(valid[:, None, :], b.gather(2, index), MASK_VALUE)
         self.slot_block[:, :, 0] = torch.where(n_tail > 0, rows // P, -1)[:, None]
+        self.host.set_tails(self.slot_k[:, :, 0], self.slot_v[:, :, 0])  # a quantized store's tails: these values
 
     def _read_counted(self, start: int, end: int):
         self._wait_writer()
         hk, hv, hb = self.host.read(start, end, self.device)
-        self.counters.counts[1].add_(sum(t.numel() * t.element_size() for t in (hk, hv, hb)))
+        self.counters.counts[1].add_(self.host.read_bytes(start, end))
         return hk, hv, hb
 
     def _extend_by_decode_rule(self, k, v, q, b, attention_mask, scale) -> AttentionInputs:

@@ -37,7 +37,7 @@ import torch
 from ..host_store import HostStore
 from ..selection import MASK_VALUE
 from .backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
-from .host_format import cast_rtne, dequantize, quantize_block
+from .host_format import cast_rtne, dequantize, store_quantized
 
 
 class FetchPlan(NamedTuple):
@@ -294,18 +294,13 @@ if HAS_TRITON:
                     scale_off = i_row * (row_len_t // P)
                     b_kt = tl.load(p_k_slots + new_tail * stride_k_s + tile, mask=m_d[None, :], other=0.0)
                     b_kt = tl.where(mine, k_new[None, :], b_kt).to(tl.float32)
-                    bits, scale = quantize_block(b_kt, FP8, QMAX)
-                    tl.store(tl.load(table_ptr + blk_t).to(tl.pointer_type(tl.uint8)) + store_off, bits,
-                             mask=m_d[None, :])
-                    tl.store(tl.load(table_ptr + 4 * table_stride + blk_t).to(tl.pointer_type(tl.float32)) + scale_off,
-                             scale)
                     b_vt = tl.load(p_v_slots + new_tail * stride_v_s + tile, mask=m_d[None, :], other=0.0)
                     b_vt = tl.where(mine, v_new[None, :], b_vt).to(tl.float32)
-                    bits, scale = quantize_block(b_vt, FP8, QMAX)
-                    tl.store(tl.load(table_ptr + table_stride + blk_t).to(tl.pointer_type(tl.uint8)) + store_off, bits,
-                             mask=m_d[None, :])
-                    tl.store(tl.load(table_ptr + 5 * table_stride + blk_t).to(tl.pointer_type(tl.float32)) + scale_off,
-                             scale)
+                    for which in tl.static_range(2):  # K, then V: bytes in table rows 0 / 1, scales in rows 4 / 5
+                        p_bits = tl.load(table_ptr + which * table_stride + blk_t).to(tl.pointer_type(tl.uint8))
+                        p_scale = tl.load(table_ptr + (4 + which) * table_stride + blk_t).to(tl.pointer_type(tl.float32))
+                        store_quantized(b_kt if which == 0 else b_vt, p_bits + store_off, p_scale + scale_off,
+                                        m_d[None, :], FP8, QMAX)
                 else:  # the row's tail in the store, [B, Hk, P, D] in the model's dtype
                     tail_row = (i_row * P + pos) * D
                     tl.store(tl.load(table_ptr + 6 * table_stride).to(slot_k_ptr.dtype) + tail_row + o_d, k_new, mask=m_d)

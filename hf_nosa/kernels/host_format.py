@@ -63,6 +63,14 @@ if HAS_TRITON:
         return bits.to(tl.uint8), scale
 
     @triton.jit
+    def store_quantized(x, p_bits, p_scale, mask, FP8: tl.constexpr, QMAX: tl.constexpr):
+        """Quantize the block ``x`` (fp32 ``[P, D]``, zeros where masked): its bits to ``p_bits`` (``[P, D]``
+        uint8 pointers, ``mask``), its scale to ``p_scale``."""
+        bits, scale = quantize_block(x, FP8, QMAX)
+        tl.store(p_bits, bits, mask=mask)
+        tl.store(p_scale, scale)
+
+    @triton.jit
     def dequantize(bits, scale, FP8: tl.constexpr):
         """fp32 ``q * scale`` for uint8 ``bits`` (``scale`` broadcast to them): ``dequantize_blocks`` before its
         final cast."""

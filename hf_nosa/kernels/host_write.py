@@ -21,7 +21,7 @@ import torch
 
 from ..host_store import HostStore
 from .backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
-from .host_format import quantize_block
+from .host_format import store_quantized
 
 BLOCK_T = 32  # tokens per program
 
@@ -29,7 +29,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _host_write_kernel(
-        k_ptr, v_ptr, b_ptr, table_ptr, offset_ptr,
+        k_ptr, v_ptr, b_ptr, table_ptr, offset_ptr, limit_ptr,
         stride_k_b, stride_k_h, stride_k_t, stride_v_b, stride_v_h, stride_v_t, stride_b_b, stride_b_h, stride_b_t,
         table_stride, start, n_tokens,
         HK: tl.constexpr, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BT: tl.constexpr,
@@ -37,7 +37,7 @@ if HAS_TRITON:
     ):
         if QUANT:
             _host_write_quantized(
-                k_ptr, v_ptr, b_ptr, table_ptr, offset_ptr,
+                k_ptr, v_ptr, b_ptr, table_ptr, offset_ptr, limit_ptr,
                 stride_k_b, stride_k_h, stride_k_t, stride_v_b, stride_v_h, stride_v_t, stride_b_b, stride_b_h,
                 stride_b_t, table_stride, start, n_tokens, HK, P, D, D_PAD, FP8, QMAX,
             )
@@ -82,7 +82,7 @@ if HAS_TRITON:
 
     @triton.jit
     def _host_write_quantized(
-        k_ptr, v_ptr, b_ptr, table_ptr, offset_ptr,
+        k_ptr, v_ptr, b_ptr, table_ptr, offset_ptr, limit_ptr,
         stride_k_b, stride_k_h, stride_k_t, stride_v_b, stride_v_h, stride_v_t, stride_b_b, stride_b_h, stride_b_t,
         table_stride, start, n_tokens,
         HK: tl.constexpr, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, FP8: tl.constexpr,
@@ -97,7 +97,7 @@ if HAS_TRITON:
         first = tl.maximum(r0, 0)
         c0 = first // P
         c = c0 + i_j
-        end = r0 + n_tokens  # the row's length after the update
+        end = tl.minimum(r0 + n_tokens, tl.load(limit_ptr + i_b))  # the row's length after the update
         o_p = tl.arange(0, P)
         o_d = tl.arange(0, D_PAD)
         m_d = (o_d < D)[None, :]
@@ -110,7 +110,7 @@ if HAS_TRITON:
         if c * P < end:  # the block holds new tokens
             t = c * P + o_p  # row-relative index of each position
             i_in = t - r0  # its index in the update
-            new = (t >= first) & (i_in < n_tokens)
+            new = (t >= first) & (t < end)
             row_len = tl.load(table_ptr + 3 * table_stride + c)
             tok = i_row * row_len + o_p  # token offset from the block's address
             b_b = tl.load(b_ptr + i_b.to(tl.int64) * stride_b_b + i_h * stride_b_h + i_in * stride_b_t, mask=new)
@@ -125,17 +125,15 @@ if HAS_TRITON:
                                tl.load(p_v + in_off, mask=new[:, None] & m_d, other=0.0)).to(tl.float32)
                 store_off = tok[:, None] * D + o_d[None, :]
                 scale_off = i_row * (row_len // P)
-                bits, scale = quantize_block(b_k, FP8, QMAX)
-                tl.store(tl.load(table_ptr + c).to(tl.pointer_type(tl.uint8)) + store_off, bits, mask=m_d)
-                tl.store(tl.load(table_ptr + 4 * table_stride + c).to(tl.pointer_type(tl.float32)) + scale_off, scale)
-                bits, scale = quantize_block(b_v, FP8, QMAX)
-                tl.store(tl.load(table_ptr + table_stride + c).to(tl.pointer_type(tl.uint8)) + store_off, bits, mask=m_d)
-                tl.store(tl.load(table_ptr + 5 * table_stride + c).to(tl.pointer_type(tl.float32)) + scale_off, scale)
+                for which in tl.static_range(2):  # K, then V: bytes in table rows 0 / 1, scales in rows 4 / 5
+                    p_bits = tl.load(table_ptr + which * table_stride + c).to(tl.pointer_type(tl.uint8))
+                    p_scale = tl.load(table_ptr + (4 + which) * table_stride + c).to(tl.pointer_type(tl.float32))
+                    store_quantized(b_k if which == 0 else b_v, p_bits + store_off, p_scale + scale_off, m_d, FP8, QMAX)
         if (i_j == 0) & (end % P != 0) & (end > 0):
             # the block left incomplete: its new tokens go to the tail, after this program read the tail above
             t = end // P * P + o_p
             i_in = t - r0
-            m = ((t >= first) & (i_in < n_tokens))[:, None] & m_d
+            m = ((t >= first) & (t < end))[:, None] & m_d
             tl.store(tail_k + tail_off, tl.load(p_k + i_in[:, None] * stride_k_t + o_d[None, :], mask=m), mask=m)
             tl.store(tail_v + tail_off, tl.load(p_v + i_in[:, None] * stride_v_t + o_d[None, :], mask=m), mask=m)
 
@@ -185,7 +183,7 @@ def host_write(host: HostStore, start: int, k: torch.Tensor, v: torch.Tensor, b:
     grid = (B * Hk, triton.cdiv(T, BLOCK_T) if fmt is None else triton.cdiv(T, host.block_size) + 1)
     with on_device(k):
         launcher(_host_write_kernel)[grid](
-            k, v, b, table, offsets,
+            k, v, b, table, offsets, host.limits_on(k.device),
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             b.stride(0), b.stride(1), b.stride(2),
             table.stride(0), start, T,

@@ -238,6 +238,17 @@ def test_trajectory_matches_reference_gpu(monkeypatch, B, Hk, D, P, K, T, dtype,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("host_dtype", ["float8_e4m3fn", "int8"])
+def test_quantized_trajectory_matches_reference_gpu(monkeypatch, host_dtype):
+    """Compiled: the same bits as the reference (the roundings are integer operations, the divisions div_rn)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("HF_NOSA_KERNELS", raising=False)
+    # rows of 5050, 5047, 4986 and 5045 tokens complete a block at steps 6, 9, 6 and 11
+    run_trajectory(4, 8, 128, 64, 64, 5050, torch.bfloat16, "cuda", 12, chunk_blocks=128, offsets=(0, 3, 64, 5),
+                   host_dtype=host_dtype)
+
+
+@pytest.mark.gpu
 def test_unpinned_store_on_cuda(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     host, pool = make_state(1, 2, 64, 16, 4, 40, torch.float32, torch.device("cuda"), 4, gen)

@@ -107,6 +107,34 @@ def test_row_offsets_quantized_interpreted(interpret, monkeypatch, host_dtype):
                                        ref.read(0, start, "cpu")[which][row, :, :length], rtol=0, atol=0)
 
 
+def test_limits_keep_the_padding_after_a_row_out_of_a_quantized_store_interpreted(interpret, monkeypatch):
+    """A padded prompt arrives with each row's padding after its real tokens (``set_limits``): the kernel stores, like
+    the reference, no K/V past a row's limit, so the block holding its last token stays in the tail, exact."""
+    gen = torch.Generator().manual_seed(3)
+    B, Hk, D, P = 3, 2, 16, 16
+    limits = torch.tensor([70, 57, 30])
+    ref, ker = _stores(B, Hk, D, P, torch.float32, torch.device("cpu"), 2, "int8")
+    keys = []
+    for store in (ref, ker):
+        store.set_limits(limits)
+    start = 0
+    for n in (32, 32, 6):
+        k, v, b = torch.randn(B, Hk, n, D, generator=gen), torch.randn(B, Hk, n, D, generator=gen), torch.randn(B, Hk, n, generator=gen)
+        monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
+        host_write(ref, start, k, v, b)
+        monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+        host_write(ker, start, k, v, b)
+        keys.append(k)
+        start += n
+    assert ker.row_lengths().tolist() == limits.tolist()
+    assert_same_store(ker, ref)
+    keys = torch.cat(keys, 2)
+    for row, n in enumerate(limits.tolist()):
+        full = n // P * P
+        assert torch.equal(ker.tail_k[row, :, : n - full], keys[row, :, full:n])  # the row's last block, exact
+        torch.testing.assert_close(ker.read(0, n, "cpu")[0][row], ref.read(0, n, "cpu")[0][row], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("path", ["torch", "triton"])
 def test_row_offsets_store_each_row_from_its_first_real_token(interpret, monkeypatch, path):
     """With ``offsets`` (rows of a left-padded batch) row b's token ``start + i`` lands at ``start + i - offsets[b]``
@@ -143,7 +171,9 @@ def test_bad_input(interpret):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_matches_the_torch_copy_gpu(monkeypatch):
+@pytest.mark.parametrize("host_dtype", ["auto", "float8_e4m3fn", "int8"])
+def test_matches_the_torch_copy_gpu(monkeypatch, host_dtype):
     monkeypatch.delenv("HF_NOSA_KERNELS", raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    _check(4, 8, 64, 64, torch.bfloat16, torch.device("cuda"), (512, 512, 300, 1, 700), chunk_blocks=8)
+    _check(4, 8, 64, 64, torch.bfloat16, torch.device("cuda"), (512, 512, 300, 1, 700), chunk_blocks=8,
+           host_dtype=host_dtype)
