@@ -11,9 +11,11 @@ from hf_nosa.eval.ruler import (
     NIAH_LEAD,
     PASSKEY_PREFIX,
     VT_PREFIX,
+    NIAH_PREFIX,
     chat_frame,
     postprocess,
     ruler_score,
+    singular,
     string_match_all,
     string_match_part,
 )
@@ -97,22 +99,48 @@ def test_ruler_niah_uses_rulers_words(tokenizer):
     assert compact.metric == "exact" and "\nQ: " in compact.question  # auto: byte-level tokenizer -> compact
 
 
+@pytest.mark.parametrize("task", ["niah_single_number", "niah_single_uuid", "niah_multikey_number"])
+def test_ruler_asks_for_one_value_in_the_singular(task, tokenizer):
+    # RULER's niah.py rewrites its template when one value is asked ("A ... is"); the needles keep the plural
+    sample = generate_samples(task, n=1, length=1500, tokenizer=tokenizer, seed=1, protocol="ruler")[0]
+    kind = "uuid" if task.endswith("uuid") else "number"
+    assert sample.context.startswith(f"A special magic {kind} is hidden within the following text. Make sure to "
+                                     f"memorize it. I will quiz you about the {kind} afterwards.\n")
+    assert f"\nWhat is the special magic {kind} for " in sample.question
+    assert sample.question.endswith("mentioned in the provided text is") and len(sample.answers) == 1
+    assert f"One of the special magic {kind}s for " in sample.context
+    assert singular(NIAH_PREFIX) == " The special magic {kinds} for {query} mentioned in the provided text is"
+    assert singular("Some keys are here") == "A keys is here"  # RULER's plain replacements, in its order
+
+
 def test_chat_template_on_and_off(chat_tokenizer):
     frame = chat_frame(chat_tokenizer)
     assert frame.head == "<|im_start|>user\n" and frame.tail == "<|im_end|>\n<|im_start|>assistant\n"
     assert not frame.add_special_tokens
     assert frame.prefix(" The pass key is") == "The pass key is"
-    on = generate_samples("passkey", n=1, length=900, tokenizer=chat_tokenizer, protocol="ruler")[0]
-    assert on.prompt.startswith("<|im_start|>user\nThere is an important info")
-    assert on.question.endswith("What is the pass key?<|im_end|>\n<|im_start|>assistant\nThe pass key is")
+    on = generate_samples("niah_single_number", n=1, length=900, tokenizer=chat_tokenizer, protocol="ruler")[0]
+    assert on.prompt.startswith("<|im_start|>user\nA special magic number is hidden")
+    key = on.question.split(" for ")[1].split(" ")[0]
+    assert on.question.endswith(f"provided text?<|im_end|>\n<|im_start|>assistant\nThe special magic number for {key} "
+                                "mentioned in the provided text is")
     assert not on.add_special_tokens
     assert len(chat_tokenizer(on.prompt, add_special_tokens=False)["input_ids"]) == 900
-    off = generate_samples("passkey", n=1, length=900, tokenizer=chat_tokenizer, protocol="ruler",
+    off = generate_samples("niah_single_number", n=1, length=900, tokenizer=chat_tokenizer, protocol="ruler",
                            chat_template=False)[0]
     assert "<|im_start|>" not in off.prompt and off.add_special_tokens
-    assert off.question.endswith("What is the pass key? The pass key is")
-    assert off.answers == on.answers  # the same key; only the framing differs
+    assert off.question.endswith(f"provided text? The special magic number for {key} mentioned in the provided text is")
+    assert off.answers == on.answers  # the same needle; only the framing differs
     assert chat_frame(chat_tokenizer, chat_template=False).head == ""
+
+
+def test_pass_key_is_plain_text_even_with_a_chat_template(chat_tokenizer):
+    # Mohtashami's pass-key test is a completion prompt with no chat form (in one, SmolLM2 explains pass keys)
+    for chat in (True, False):
+        sample = generate_samples("passkey", n=1, length=900, tokenizer=chat_tokenizer, protocol="ruler",
+                                  chat_template=chat)[0]
+        assert "<|im_start|>" not in sample.prompt and sample.add_special_tokens
+        assert sample.prompt.startswith("There is an important info")
+        assert sample.question.endswith("What is the pass key? The pass key is")
 
 
 def test_bad_protocol_is_rejected(tokenizer):

@@ -34,7 +34,22 @@ CWE_LEAD = ("Below is a numbered list of words. In these words, some appear more
 CWE_QUESTION = "\nQuestion: What are the {n} most common words in the above list?"
 CWE_PREFIX = " Answer: The top {n} words that appear most often in the list are:"
 
-# The pass-key test of Mohtashami & Jaggi (2023), which RULER's niah_single_1 generalises.
+
+
+def singular(template: str) -> str:
+    """RULER's rewrite of a needle template when one value is asked (niah.py, ``num_needle_q * num_needle_v == 1``):
+    "Some ... are" becomes "A ... is", so the answer prefix ends in "is" and the model gives one value rather than
+    starting a list. Apply it to the unformatted template (a key may hold "are"); the kind loses its "s" apart.
+
+    Example:
+        >>> singular(NIAH_PREFIX)
+        ' The special magic {kinds} for {query} mentioned in the provided text is'
+    """
+    return template.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("answers", "answer")
+
+
+# The pass-key test of Mohtashami & Jaggi (2023), which RULER's niah_single_1 generalises. It is a completion prompt
+# written for base models and has no chat form: its samples are plain text even when the chat template is on.
 PASSKEY_LEAD = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
                 "I will quiz you about the important information there.\n")
 PASSKEY_NEEDLE = "The pass key is {value}. Remember it. {value} is the pass key."

@@ -409,8 +409,12 @@ def _ruler_niah(rng, *, value, keys: int, values_per_key: int, queries: int, kin
     asked = rng.sample(names, queries)
     query = asked[0] if queries == 1 else ", ".join(asked[:-1]) + ", and " + asked[-1]
     answers = tuple(v for name in asked for v in by_key[name])
-    return (ruler.NIAH_LEAD.format(kinds=kinds), lines, ruler.NIAH_QUESTION.format(kinds=kinds, query=query),
-            ruler.NIAH_PREFIX.format(kinds=kinds, query=query), answers)
+    lead, question, prefix = ruler.NIAH_LEAD, ruler.NIAH_QUESTION, ruler.NIAH_PREFIX
+    if len(answers) == 1:  # RULER asks for one value in the singular; the needles keep the plural
+        lead, question, prefix = (ruler.singular(text) for text in (lead, question, prefix))
+        kinds = kinds[:-1]
+    return (lead.format(kinds=kinds), lines, question.format(kinds=kinds, query=query),
+            prefix.format(kinds=kinds, query=query), answers)
 
 
 def _ruler_vt(rng):
@@ -443,7 +447,8 @@ _RULER_TASKS = {
 
 
 def _ruler_sample(task, rng, length, tokenizer, split, counter, chat_template) -> Sample:
-    frame = ruler.chat_frame(tokenizer, chat_template)
+    # the pass-key test is a plain completion prompt (ruler.py): no chat form
+    frame = ruler.chat_frame(tokenizer, chat_template and task != "passkey")
     specials = counter.specials() if frame.add_special_tokens else 0
     if task == "cwe":
         n = _RULER_COMMON_WORDS
