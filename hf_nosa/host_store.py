@@ -15,8 +15,8 @@ the write that completes it quantizes it. The decode step never fetches that blo
 slot, resident on the device), so only reads on the host (``read``, ``gather_blocks``) put the tail back in place.
 Writes are appends: every row's tokens are a prefix ``0 .. length - offsets[b] - 1``; a row that gets shorter
 (``length`` lowered by a crop) reloads its tail from the stored block, dequantized. A padded prompt arrives with
-each row's padding after its real tokens; ``set_limits`` keeps that padding out of the quantized blocks, so a row
-stores exactly what it stores alone.
+each row's padding after its real tokens; ``set_limits`` keeps each row's last real block in its tail, exact, so a
+row stores what it stores alone.
 """
 
 from __future__ import annotations
@@ -153,9 +153,11 @@ class HostStore:
 
     def set_limits(self, limits: torch.Tensor) -> None:
         """Row b of the prompt being written ends at ``limits[b]`` (``[B]`` long) and what follows it is padding
-        (``modeling.chunked`` moves each row's padding after its real tokens): a quantized store keeps no K, V past
-        it, so the block holding a row's last token stays in its tail, exact, rather than being quantized with the
-        padding's values (the row then stores what it stores alone). Until ``set_offsets``."""
+        (``modeling.chunked`` moves each row's padding after its real tokens): a quantized store's tail keeps the
+        block holding the row's last token, exact, even once the padding completes that block (whose quantized
+        copy, scaled with the padding's values, is then never read), so the row stores what it stores alone. The
+        padding's blocks are stored as any others (a QUOKA chunk of padding may still fetch them). Until
+        ``set_offsets``."""
         self.limits = limits.to("cpu", torch.long).clone()
         self._limits_on = None
 
@@ -348,7 +350,7 @@ class HostStore:
         device = k.device
         first_block = starts.clamp(min=0) // P  # the block holding each row's first stored token
         lead = starts.clamp(min=0) - first_block * P  # tokens of that block already in the tail
-        end = starts + T if self.limits is None else torch.minimum(starts + T, self.limits)  # padding past a limit
+        end = starts + T
         length = (end - first_block * P).clamp(min=0)  # tokens from that block's start to the write's end
         n_full = length // P  # blocks the write completes
         n_blocks = int(length.max()) // P + 1
@@ -361,7 +363,10 @@ class HostStore:
         valid_dev = valid.to(device)[:, None, :, None]
         rows, blocks = (torch.arange(n_blocks) < n_full[:, None]).nonzero(as_tuple=True)
         block_index = first_block[rows] + blocks
-        n_tail = length % P
+        # the tail: the block holding the row's last token (before its limit, set_limits), where the write has tokens
+        tail_end = end if self.limits is None else torch.minimum(end, self.limits)
+        tail_block = (tail_end // P - first_block).clamp(0, n_blocks - 1)  # in blocks from the first one
+        n_tail = torch.where(tail_end > starts.clamp(min=0), tail_end % P, 0)
         tail_mask = (torch.arange(P) < n_tail[:, None])[:, None, :, None]  # [B, 1, P, 1]
         for x, tail, q_chunks, s_chunks in ((k, self.tail_k, self.k_chunks, self.ks_chunks),
                                             (v, self.tail_v, self.v_chunks, self.vs_chunks)):
@@ -377,7 +382,7 @@ class HostStore:
                 r, jj, local = rows[inside], blocks[inside], block_index[inside] - lo
                 q_chunks[i].view(torch.uint8).view(B, Hk, -1, P, D)[r, :, local] = q[r, :, jj]
                 s_chunks[i][r, :, local] = scale[r, :, jj]
-            new_tail = ext[torch.arange(B, device=device), :, n_full.to(device)].cpu()  # [B, Hk, P, D]
+            new_tail = ext[torch.arange(B, device=device), :, tail_block.to(device)].cpu()  # [B, Hk, P, D]
             tail.copy_(torch.where(tail_mask, new_tail, tail))
 
     def wait_writes(self) -> None:

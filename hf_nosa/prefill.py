@@ -110,7 +110,7 @@ class PrefillPaths:
         self._wait_writer()
         offsets = self.state.prefill_offsets
         if start == 0 and offsets is not None and offsets.numel() == self.batch and self.selector is None:
-            self.host.set_limits(target - offsets)  # each row's padding comes after it: not stored (quantized)
+            self.host.set_limits(target - offsets)  # rows end before their padding: a quantized tail stays exact
         if mode == "quoka":
             inputs = self._quoka_inputs(k, v, q, b, None if pad is None else pad[:, 0] == 0, start)
             self._store(start, k, v, b)

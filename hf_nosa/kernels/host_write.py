@@ -97,7 +97,8 @@ if HAS_TRITON:
         first = tl.maximum(r0, 0)
         c0 = first // P
         c = c0 + i_j
-        end = tl.minimum(r0 + n_tokens, tl.load(limit_ptr + i_b))  # the row's length after the update
+        end = r0 + n_tokens  # the row's length after the update
+        tail_end = tl.minimum(end, tl.load(limit_ptr + i_b))  # the row's end for its tail (HostStore.set_limits)
         o_p = tl.arange(0, P)
         o_d = tl.arange(0, D_PAD)
         m_d = (o_d < D)[None, :]
@@ -129,11 +130,11 @@ if HAS_TRITON:
                     p_bits = tl.load(table_ptr + which * table_stride + c).to(tl.pointer_type(tl.uint8))
                     p_scale = tl.load(table_ptr + (4 + which) * table_stride + c).to(tl.pointer_type(tl.float32))
                     store_quantized(b_k if which == 0 else b_v, p_bits + store_off, p_scale + scale_off, m_d, FP8, QMAX)
-        if (i_j == 0) & (end % P != 0) & (end > 0):
+        if (i_j == 0) & (tail_end % P != 0) & (tail_end > first):
             # the block left incomplete: its new tokens go to the tail, after this program read the tail above
-            t = end // P * P + o_p
+            t = tail_end // P * P + o_p
             i_in = t - r0
-            m = ((t >= first) & (t < end))[:, None] & m_d
+            m = ((t >= first) & (t < tail_end))[:, None] & m_d
             tl.store(tail_k + tail_off, tl.load(p_k + i_in[:, None] * stride_k_t + o_d[None, :], mask=m), mask=m)
             tl.store(tail_v + tail_off, tl.load(p_v + i_in[:, None] * stride_v_t + o_d[None, :], mask=m), mask=m)
 

@@ -107,9 +107,10 @@ def test_row_offsets_quantized_interpreted(interpret, monkeypatch, host_dtype):
                                        ref.read(0, start, "cpu")[which][row, :, :length], rtol=0, atol=0)
 
 
-def test_limits_keep_the_padding_after_a_row_out_of_a_quantized_store_interpreted(interpret, monkeypatch):
-    """A padded prompt arrives with each row's padding after its real tokens (``set_limits``): the kernel stores, like
-    the reference, no K/V past a row's limit, so the block holding its last token stays in the tail, exact."""
+def test_limits_keep_the_last_real_block_of_a_row_exact_interpreted(interpret, monkeypatch):
+    """A padded prompt arrives with each row's padding after its real tokens (``set_limits``): in the kernel as in the
+    reference, the block holding a row's last real token stays in its tail, exact, though the padding completes it;
+    every block is stored (a chunk of padding may fetch it)."""
     gen = torch.Generator().manual_seed(3)
     B, Hk, D, P = 3, 2, 16, 16
     limits = torch.tensor([70, 57, 30])
@@ -128,6 +129,11 @@ def test_limits_keep_the_padding_after_a_row_out_of_a_quantized_store_interprete
         start += n
     assert ker.row_lengths().tolist() == limits.tolist()
     assert_same_store(ker, ref)
+    # the padding's complete blocks too (blocks 0-3 of 70 tokens): finite values for whoever fetches them
+    rows, heads, blocks = (x.flatten() for x in torch.meshgrid(torch.arange(B), torch.arange(Hk), torch.arange(4),
+                                                                indexing="ij"))
+    held = ker.gather_blocks(rows, heads, blocks)[0]
+    assert torch.equal(held, ref.gather_blocks(rows, heads, blocks)[0]) and bool(held.isfinite().all())
     keys = torch.cat(keys, 2)
     for row, n in enumerate(limits.tolist()):
         full = n // P * P
