@@ -448,7 +448,8 @@ class HostStore:
                 k[rows] = self.k_chunks[i].view(*shape, -1)[where]
                 v[rows] = self.v_chunks[i].view(*shape, -1)[where]
             else:
-                for out, chunk, scales in ((k, self.k_chunks[i], self.ks_chunks[i]), (v, self.v_chunks[i], self.vs_chunks[i])):
+                for out, chunk, scales in ((k, self.k_chunks[i], self.ks_chunks[i]),
+                                           (v, self.v_chunks[i], self.vs_chunks[i])):
                     q = chunk.view(torch.uint8).view(*shape, -1)[where].view(self.store_dtype)
                     out[rows] = dequantize_blocks(q, scales[where], self.dtype)
             b[rows] = self.b_chunks[i].view(*shape)[where]

@@ -32,7 +32,7 @@ if HAS_TRITON:
         # normal (|y| >= 2^-6): drop 20 mantissa bits with rounding; a carry moves into the exponent by itself
         normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - (120 << 3)
         # subnormal: |y| / 2^-9 rounded to an integer 0..8 (8 is 2^-6, whose bits are those of the first normal)
-        shift = tl.minimum(141 - e, 31)
+        shift = tl.minimum(tl.maximum(141 - e, 21), 31)  # in range for the shifts below whatever e (e >= 121: unused)
         sig = (a & 0x7FFFFF) | 0x800000
         q = sig >> shift
         rem = sig & ((1 << shift) - 1)

@@ -3,8 +3,13 @@ HostStore.write, the torch copy."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from hf_nosa.host_quant import HOST_FORMATS, dequantize_blocks, quantize_blocks
 from hf_nosa.host_store import HostStore
+from hf_nosa.kernels.backend import launcher
+from hf_nosa.kernels.host_format import cast_rtne, dequantize, quantize_block
 from hf_nosa.kernels.host_write import host_write
 
 
@@ -94,7 +99,8 @@ def test_row_offsets_quantized_interpreted(interpret, monkeypatch, host_dtype):
         store.set_offsets(offsets)  # where each row's stored tokens end (its tail)
     start = 0
     for n in (30, 27, 1, 50, 17):
-        k, v, b = torch.randn(B, Hk, n, D, generator=gen), torch.randn(B, Hk, n, D, generator=gen), torch.randn(B, Hk, n, generator=gen)
+        k, v = torch.randn(B, Hk, n, D, generator=gen), torch.randn(B, Hk, n, D, generator=gen)
+        b = torch.randn(B, Hk, n, generator=gen)
         monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
         host_write(ref, start, k, v, b, offsets=offsets)
         monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
@@ -120,7 +126,8 @@ def test_limits_keep_the_last_real_block_of_a_row_exact_interpreted(interpret, m
         store.set_limits(limits)
     start = 0
     for n in (32, 32, 6):
-        k, v, b = torch.randn(B, Hk, n, D, generator=gen), torch.randn(B, Hk, n, D, generator=gen), torch.randn(B, Hk, n, generator=gen)
+        k, v = torch.randn(B, Hk, n, D, generator=gen), torch.randn(B, Hk, n, D, generator=gen)
+        b = torch.randn(B, Hk, n, generator=gen)
         monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
         host_write(ref, start, k, v, b)
         monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
@@ -164,6 +171,45 @@ def test_row_offsets_store_each_row_from_its_first_real_token(interpret, monkeyp
     for row, off in enumerate(offsets.tolist()):
         torch.testing.assert_close(keys[row, :, : start - off], expected[row][:, : start - off], rtol=0, atol=0)
         torch.testing.assert_close(values[row, :, : start - off], expected[row][:, : start - off] + 1, rtol=0, atol=0)
+
+
+@triton.jit
+def _round_trip_kernel(x_ptr, q_ptr, s_ptr, y_ptr, P: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr,
+                       QMAX: tl.constexpr):
+    o = tl.program_id(0) * P * D + tl.arange(0, P)[:, None] * D + tl.arange(0, D)[None, :]
+    bits, scale = quantize_block(tl.load(x_ptr + o).to(tl.float32), FP8, QMAX)
+    tl.store(q_ptr + o, bits)
+    tl.store(s_ptr + tl.program_id(0), scale)
+    tl.store(y_ptr + o, cast_rtne(dequantize(bits, scale, FP8), y_ptr.dtype.element_ty))
+
+
+@pytest.mark.parametrize("name", sorted(HOST_FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_rounding_equals_torch_interpreted(interpret, name, dtype):
+    """The kernels' quantize / dequantize helpers give torch's bits: on heavy-tailed blocks, on exact ties of the
+    format (a block whose amax is qmax has scale 1, so its values are rounded as they are), on every fp8 value and
+    on fp8 subnormals; and the dequantized value rounds to bf16/fp16 as torch does."""
+    fmt = HOST_FORMATS[name]
+    gen = torch.Generator().manual_seed(1)
+    P, D = 16, 32
+    x = torch.randn(4, P, D, generator=gen) * torch.exp(3 * torch.randn(4, P, 1, generator=gen))
+    x[1] *= 1e-3
+    x[2] = 0.0
+    if fmt.integer:
+        ties = torch.arange(-127, 127).float() + 0.5
+    else:
+        values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        values = values[values.isfinite()].unique()
+        ties = torch.cat([values, (values[1:] + values[:-1]) / 2, values * 0.9999])  # subnormals 2^-9 .. included
+    ties = torch.cat([ties, torch.full((-ties.numel() % (P * D),), fmt.qmax)]).view(-1, P, D)
+    x = torch.cat([x, ties]).to(dtype)
+    n = x.shape[0]
+    q, s, y = torch.empty(n, P, D, dtype=torch.uint8), torch.empty(n), torch.empty(n, P, D, dtype=dtype)
+    launcher(_round_trip_kernel)[(n,)](x, q, s, y, P=P, D=D, FP8=not fmt.integer, QMAX=fmt.qmax)
+    ref_q, ref_s = quantize_blocks(x, name)
+    assert torch.equal(q, ref_q.view(torch.uint8))
+    assert torch.equal(s, ref_s)
+    assert torch.equal(y, dequantize_blocks(ref_q, ref_s, dtype))
 
 
 def test_bad_input(interpret):
