@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 FORMATS = sorted(HOST_FORMATS)
 # Largest |logit difference| to the full-precision store while both decode the same tokens (fp32 tiny models
-# whose logits span about +-0.7; measured: fp8 at most 0.0045, int8 0.0014).
+# whose logits span about +-0.7; measured on these tests: fp8 at most 0.0044, int8 0.0013, tokens all the same).
 LOGIT_TOLERANCE = {"float8_e4m3fn": 0.015, "int8": 0.005}
 
 
