@@ -216,7 +216,9 @@ class PrefillPaths:
         self.slot_v[:, :, 0] = torch.where(valid[:, None, :, None], v.gather(2, index[..., None].expand(B, Hk, P, D)), 0.0)
         self.slot_b[:, :, 0] = torch.where(valid[:, None, :], b.gather(2, index), MASK_VALUE)
         self.slot_block[:, :, 0] = torch.where(n_tail > 0, rows // P, -1)[:, None]
-        self.host.set_tails(self.slot_k[:, :, 0], self.slot_v[:, :, 0])  # a quantized store's tails: these values
+        if self.host.format is not None:  # its tails become these values, after the side stream's last write
+            self._wait_writer()
+            self.host.set_tails(self.slot_k[:, :, 0], self.slot_v[:, :, 0])
 
     def _read_counted(self, start: int, end: int):
         self._wait_writer()
