@@ -33,8 +33,9 @@ MASK_VALUE = -1e30
 # (holes in a mask, a prompt that reached the cache without ``modeling.chunked``).
 PADDING_WINDOW_BIAS = MASK_VALUE * 1e-6
 
-# The QUOKA score of a padding window: below every cosine similarity, above "no window" (-inf). A block whose
-# windows are all padding stays a candidate (a partly real block must remain reachable with a full budget), last.
+# The QUOKA score of a padding window: below every real score (an attention mass, >= 0), above "no window" (-inf).
+# A block whose windows are all padding stays a candidate (a partly real block must remain reachable with a full
+# budget), last.
 QUOKA_PADDING_SCORE = -2.0
 
 
@@ -370,17 +371,19 @@ def quoka_scores(
     *,
     compressed_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """QUOKA block score: cosine similarity between the kept queries and the compressed keys.
+    """QUOKA block score: the attention mass the kept queries put on each block, estimated on the compressed keys.
 
-    The kept queries and the compressed keys are L2-normalised; the normalised queries are averaged over the
-    GQA group (kept query i of every head of a group together), so a score is the group's mean cosine; per
-    window, the max over kept queries; per block, the max over the windows that overlap it (as
-    ``pool_windows_to_blocks``). Higher means some kept query of the group points at the block.
+    For each kept query of each query head: softmax over the complete windows of ``q . k~ / sqrt(D)`` (the decode
+    rule's query-aware score, ``query_block_scores``); summed over the heads of the GQA group; averaged over the kept
+    queries; per block, the max over the windows that overlap it (as ``pool_windows_to_blocks``). Higher means the
+    chunk's queries attend more to the block. QUOKA's cosine similarity (normalised queries averaged over the group,
+    max over kept queries) found a pass key's block far less often on SmolLM2 (``experiments/quoka_passkey.py``):
+    the norms and the softmax are what make a few sharp retrieval heads stand out from heads that look everywhere.
 
-    Padding windows (``PADDING_WINDOW_BIAS``: a window holding any padding token) score ``QUOKA_PADDING_SCORE``,
-    below every cosine: pad keys mean nothing (with one pad id they are all alike), so scored they would only
-    make near-ties between blocks of padding. A block without a real window thus ties at the bottom (ties go to
-    the most recent block).
+    Padding windows (``PADDING_WINDOW_BIAS``: a window holding any padding token) take no part in the softmax and
+    score ``QUOKA_PADDING_SCORE``, below every real score: pad keys mean nothing (with one pad id they are all
+    alike), so scored they would only take mass and make near-ties between blocks of padding. A block without a
+    real window thus ties at the bottom (ties go to the most recent block).
 
     Args:
         kept_queries: ``[B, H, R, n, D]`` the kept queries of R chunks (see ``quoka_query_choice``).
@@ -391,26 +394,30 @@ def quoka_scores(
             padding windows; None when the batch has no padding.
 
     Returns:
-        ``[B, Hk, R, N]`` float32 in [-1, 1], ``QUOKA_PADDING_SCORE`` for a block whose complete windows are all
+        ``[B, Hk, R, N]`` float32 in [0, H / Hk], ``QUOKA_PADDING_SCORE`` for a block whose complete windows are all
         padding windows; -inf for a block without a complete window (or without a real kept query).
     """
     B, H, R, n, D = kept_queries.shape
     Hk, W = compressed_keys.shape[1], compressed_keys.shape[2]
     device = kept_queries.device
-    q = F.normalize(kept_queries.float(), dim=-1).view(B, Hk, H // Hk, R, n, D).mean(2)  # [B, Hk, R, n, D]
-    k = F.normalize(compressed_keys.float(), dim=-1)
-    cosine = torch.einsum("bkrnd,bkwd->bkrnw", q, k)
-    if n_valid is not None:
-        real = torch.arange(n, device=device) < n_valid.to(device)[..., None]  # [B, R, n]
-        cosine = cosine.masked_fill(~real[:, None, :, :, None], float("-inf"))
-    window_scores = cosine.amax(3)  # [B, Hk, R, W]
+    q = kept_queries.float().view(B, Hk, H // Hk, R, n, D) * D**-0.5
+    logits = torch.einsum("bkgrnd,bkwd->bkgrnw", q, compressed_keys.float().to(device))
     available = torch.arange(W, device=device) < n_windows.to(device)[:, None]  # [R, W]
-    window_scores = window_scores.masked_fill(~available, float("-inf"))
+    usable = available[None, None, None, :, None, :]
+    padding = None
     if compressed_bias is not None:
-        padding = _padding_windows(compressed_bias, compressed_keys.shape[:3], "quoka_scores")  # [B, Hk, W]
-        padding = padding[:, :, None, :].to(device)
+        padding = _padding_windows(compressed_bias, compressed_keys.shape[:3], "quoka_scores").to(device)  # [B, Hk, W]
+        usable = usable & ~padding[:, :, None, None, None, :]
+    # a query with no usable window (all padding) gives no mass: 0, not the NaN of an all -inf softmax
+    mass = logits.masked_fill(~usable, float("-inf")).softmax(-1).nan_to_num(0.0).sum(2)  # [B, Hk, R, n, W]
+    real = torch.arange(n, device=device) < (n_valid.to(device) if n_valid is not None
+                                              else torch.full((B, R), n, device=device))[..., None]  # [B, R, n]
+    n_real = real.sum(-1)  # [B, R]
+    window_scores = (mass * real[:, None, :, :, None]).sum(3) / n_real.clamp(min=1)[:, None, :, None]
+    window_scores = window_scores.masked_fill((n_real == 0)[:, None, :, None] | ~available, float("-inf"))
+    if padding is not None:
         # at most the padding score: -inf (no window, no real kept query) stays -inf
-        window_scores = torch.where(padding, window_scores.clamp(max=QUOKA_PADDING_SCORE), window_scores)
+        window_scores = torch.where(padding[:, :, None, :], window_scores.clamp(max=QUOKA_PADDING_SCORE), window_scores)
     return pool_windows_to_blocks(window_scores, n_blocks, cfg, fill=float("-inf"))
 
 

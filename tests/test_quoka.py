@@ -1,5 +1,7 @@
 """QUOKA chunked prefill: identity with dense prefill, the query choice, the device-memory bound, generate."""
 
+import math
+
 import pytest
 import torch
 
@@ -135,19 +137,33 @@ def test_query_choice_matches_a_brute_force_sort():
         assert kept[tuple(index)].tolist() == torch.argsort(cos)[:5].tolist()
 
 
-def test_scores_average_normalised_queries_over_the_group_and_take_the_max():
-    cfg = small_nosa_config()  # block 16, windows of 8 every 4: block b pools windows 4b-1 .. 4b+2
-    # One KV head, group of two query heads, two kept queries; keys along the axes.
+def test_scores_are_the_kept_queries_mean_attention_mass_summed_over_the_group():
+    cfg = small_nosa_config()  # block 16, windows of 8 every 4: block b pools windows 4b-1 .. 4b+3
+    # One KV head, group of two query heads, two kept queries; keys along the axes, a sharp one (0, 10) in window 6.
     kept = torch.tensor([[[[2.0, 0], [0, 3]]], [[[0.0, 1], [0, 1]]]])[None]  # [1, 2, 1, 2, 2]
-    keys = torch.tensor([[1.0, 0], [0, 1], [-1, 0], [0, 10]] + [[-1.0, -1]] * 4)[None, None]  # [1, 1, 8, 2]
+    keys = torch.tensor([[1.0, 0], [0, 1], [-1, 0]] + [[-1.0, -1]] * 3 + [[0, 10], [-1, -1]])[None, None]  # [1, 1, 8, 2]
+
+    def by_hand(n_windows, n_queries):
+        """Per head and kept query a softmax over the windows of q.k / sqrt(D); summed over heads, mean over queries."""
+        mass = [0.0] * n_windows
+        for g in range(2):
+            for i in range(n_queries):
+                logits = [float(kept[0, g, 0, i] @ keys[0, 0, w]) / math.sqrt(2) for w in range(n_windows)]
+                total = sum(math.exp(x) for x in logits)
+                for w in range(n_windows):
+                    mass[w] += math.exp(logits[w]) / total / n_queries
+        return torch.tensor(mass)
+
     scores = quoka_scores(kept, keys, torch.tensor([8]), 2, cfg)
-    # group means: rank 0 -> ((1,0) + (0,1)) / 2 = (.5, .5); rank 1 -> (0, 1).
-    window = torch.tensor([0.5, 1.0, 0.0, 1.0, -0.5**0.5, -0.5**0.5, -0.5**0.5, -0.5**0.5])
-    assert torch.allclose(scores[0, 0, 0], torch.stack([window[0:3].max(), window[3:7].max()]))
+    window = by_hand(8, 2)
+    assert torch.allclose(scores[0, 0, 0], torch.stack([window[0:4].max(), window[3:8].max()]))
+    assert scores[0, 0, 0, 1] > 1.0 > scores[0, 0, 0, 0]  # the sharp key draws the mass of three of four queries
     only_first = quoka_scores(kept, keys, torch.tensor([8]), 2, cfg, n_valid=torch.tensor([[1]]))
-    assert torch.allclose(only_first[0, 0, 0, 0], torch.tensor(0.5))  # (0.5, 0.5) . (0, 1) and (1, 0)
-    cut = quoka_scores(kept, keys, torch.tensor([2]), 2, cfg)  # windows 2.. not complete yet
-    assert cut[0, 0, 0, 1] == float("-inf") and torch.allclose(cut[0, 0, 0, 0], torch.tensor(1.0))
+    assert torch.allclose(only_first[0, 0, 0], torch.stack([by_hand(8, 1)[0:4].max(), by_hand(8, 1)[3:8].max()]))
+    cut = quoka_scores(kept, keys, torch.tensor([2]), 2, cfg)  # windows 2.. not complete: neither scored nor in the softmax
+    assert cut[0, 0, 0, 1] == float("-inf") and torch.allclose(cut[0, 0, 0, 0], by_hand(2, 2).max())
+    none = quoka_scores(kept, keys, torch.tensor([8]), 2, cfg, n_valid=torch.tensor([[0]]))
+    assert torch.isneginf(none).all()  # no real kept query: nothing to score
 
 
 def test_selection_forces_sink_and_local_then_takes_the_top_scores():

@@ -1,13 +1,16 @@
-"""QUOKA block scoring (design Sec. 4): normalise, group-mean, max over kept queries, pool to blocks.
+"""QUOKA block scoring (design Sec. 4): per kept query a softmax over windows, summed over the group, averaged over
+the kept queries, pooled to blocks.
 
-One program per (sequence, KV head, chunk, tile of blocks): it averages the L2-normalised kept queries of the
-KV head's group, then for each window offset that overlaps a block (``selection.window_offsets``) loads the
-windows' compressed keys, normalises them, takes the max cosine over kept queries and keeps the running max
-over the offsets. A padding window (``selection.PADDING_WINDOW_BIAS``: a window holding a padding token of a
-left-padded batch, told by its compressed eviction score) scores at most ``selection.QUOKA_PADDING_SCORE``, below
-every cosine: pad keys mean nothing (with one pad id they are all alike), so scored they would only make
-near-ties between blocks of padding. Nothing of size queries x windows is ever written out; the torch reference
-(``selection.quoka_scores``) materialises it.
+One program per (sequence, KV head, chunk, tile of blocks). Its rows are the kept queries of every head of the KV
+head's group (row g * NQ + i: rank i of head g). A first pass over every complete window computes each row's
+softmax normaliser (running max and sum, as flash attention does); a second pass, for each window offset that
+overlaps a block (``selection.window_offsets``), turns the rows' logits into probabilities, sums them over the
+real rows, divides by the number of real kept queries and keeps the running max over the offsets. A padding window
+(``selection.PADDING_WINDOW_BIAS``: a window holding a padding token of a left-padded batch, told by its compressed
+eviction score) takes no part in the softmax and scores ``selection.QUOKA_PADDING_SCORE``, below every real score:
+pad keys mean nothing (with one pad id they are all alike), so scored they would only make near-ties between blocks
+of padding. Nothing of size queries x windows is ever written out; the torch reference (``selection.quoka_scores``)
+materialises it.
 """
 
 from __future__ import annotations
@@ -51,56 +54,76 @@ if HAS_TRITON:
         NQ,
         D,
         N,
+        scale,
         PER_BLOCK: tl.constexpr,
         FIRST_OFFSET: tl.constexpr,
         N_OFFSETS: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         PAD_BIAS: tl.constexpr,
         PAD_SCORE: tl.constexpr,
-        BLOCK_Q: tl.constexpr,
+        BLOCK_R: tl.constexpr,
         BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        BLOCK_W: tl.constexpr,
     ):
         i_bh, i_r, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_b, i_h = i_bh // Hk, i_bh % Hk
-        o_q = tl.arange(0, BLOCK_Q)
+        o_r = tl.arange(0, BLOCK_R)
         o_d = tl.arange(0, BLOCK_D)
         o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_d = o_d < D
         m_n = o_n < N
         n_win = tl.load(n_win_ptr + i_r)
         n_real = tl.load(n_valid_ptr + i_b * stride_vb + i_r * stride_vr)
-        m_q = o_q < n_real
+        # row g * NQ + i is kept query i of head g of the group; it counts when i is a real token
+        r_g, r_i = o_r // NQ, o_r % NQ
+        m_row = o_r < G * NQ
+        m_real = m_row & (r_i < n_real)
+        p_q = (
+            q_ptr
+            + i_b * stride_qb
+            + (i_h * G + r_g[:, None]) * stride_qh
+            + i_r * stride_qr
+            + r_i[:, None] * stride_qn
+            + o_d[None, :] * stride_qd
+        )
+        b_q = tl.load(p_q, mask=m_row[:, None] & m_d[None, :], other=0.0).to(tl.float32) * scale
 
-        # Group mean of the normalised kept queries: rank i of every head of the group together.
-        b_q = tl.zeros([BLOCK_Q, BLOCK_D], dtype=tl.float32)
-        for g in range(G):
-            p_q = (
-                q_ptr
-                + i_b * stride_qb
-                + (i_h * G + g) * stride_qh
-                + i_r * stride_qr
-                + o_q[:, None] * stride_qn
-                + o_d[None, :] * stride_qd
-            )
-            b_x = tl.load(p_q, mask=(o_q[:, None] < NQ) & m_d[None, :], other=0.0).to(tl.float32)
-            norm = tl.sqrt(tl.sum(b_x * b_x, axis=1))
-            b_q += b_x / tl.maximum(norm, 1e-12)[:, None]
-        b_q = b_q / G
+        # Pass 1: each row's softmax normaliser over the usable windows (complete, not padding).
+        b_m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        b_l = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for w0 in range(0, n_win, BLOCK_W):
+            o_w = w0 + tl.arange(0, BLOCK_W)
+            m_w = o_w < n_win
+            p_k = k_ptr + i_b * stride_kb + i_h * stride_kh + o_w[:, None] * stride_kw + o_d[None, :] * stride_kd
+            b_k = tl.load(p_k, mask=m_w[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                p_cb = cb_ptr + i_b * stride_cbb + i_h * stride_cbh + o_w * stride_cbw
+                m_w = m_w & (tl.load(p_cb, mask=m_w, other=0.0) >= PAD_BIAS)
+            # ieee: tf32 would cost ~1e-3 on the logits, enough to reorder close blocks against the reference.
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_R, BLOCK_W]
+            b_s = tl.where(m_w[None, :], b_s, float("-inf"))
+            b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
+            b_safe = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # no usable window yet: nothing to rescale
+            b_l = b_l * tl.exp(b_m - b_safe) + tl.sum(tl.exp(b_s - b_safe[:, None]), axis=1)
+            b_m = b_mn
+        # a row without a usable window gives no mass (0), as the reference's nan_to_num
+        b_m = tl.where(b_l > 0, b_m, 0.0)
+        b_inv = tl.where(m_real & (b_l > 0), 1.0 / tl.where(b_l > 0, b_l, 1.0), 0.0)
+        b_inv = b_inv / tl.maximum(n_real, 1).to(tl.float32)
 
+        # Pass 2: per window offset, the rows' mean probability; per block, the max over offsets.
         best = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
         for j in range(N_OFFSETS):  # not unrolled: see block_scores._select_kernel (narrow windows)
             o_w = o_n * PER_BLOCK + (FIRST_OFFSET + j)
             m_w = m_n & (o_w >= 0) & (o_w < n_win)
             p_k = k_ptr + i_b * stride_kb + i_h * stride_kh + o_w[:, None] * stride_kw + o_d[None, :] * stride_kd
             b_k = tl.load(p_k, mask=m_w[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-            norm = tl.sqrt(tl.sum(b_k * b_k, axis=1))
-            b_k = b_k / tl.maximum(norm, 1e-12)[:, None]
-            # ieee: tf32 would cost ~1e-3 on cosines, enough to reorder close blocks against the reference.
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_Q, BLOCK_N]
-            b_s = tl.where(m_q[:, None], b_s, float("-inf"))
-            b_w = tl.max(b_s, axis=0)
-            if HAS_BIAS:  # a padding window scores at most PAD_SCORE, below every cosine
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_R, BLOCK_N]
+            b_p = tl.exp(tl.minimum(b_s - b_m[:, None], 0.0)) * b_inv[:, None]
+            b_w = tl.sum(b_p, axis=0)
+            b_w = tl.where(n_real > 0, b_w, float("-inf"))
+            if HAS_BIAS:  # a padding window scores at most PAD_SCORE, below every real score
                 p_cb = cb_ptr + i_b * stride_cbb + i_h * stride_cbh + o_w * stride_cbw
                 pad = tl.load(p_cb, mask=m_w, other=0.0) < PAD_BIAS
                 b_w = tl.where(pad, tl.minimum(b_w, PAD_SCORE), b_w)
@@ -142,15 +165,17 @@ def _launch(kept_queries, compressed_keys, n_windows, n_blocks, cfg, n_valid, co
             NQ=NQ,
             D=D,
             N=n_blocks,
+            scale=D**-0.5,
             PER_BLOCK=per_block,
             FIRST_OFFSET=int(offsets[0]),
             N_OFFSETS=len(offsets),
             HAS_BIAS=has_bias,
             PAD_BIAS=PADDING_WINDOW_BIAS,
             PAD_SCORE=QUOKA_PADDING_SCORE,
-            BLOCK_Q=max(16, next_power_of_2(NQ)),
+            BLOCK_R=max(16, next_power_of_2(H // Hk * NQ)),
             BLOCK_D=max(16, next_power_of_2(D)),
             BLOCK_N=block_n,
+            BLOCK_W=32,
         )
     return out
 
@@ -184,9 +209,9 @@ def quoka_score(
             mark the padding windows, which score ``selection.QUOKA_PADDING_SCORE``. None: no padding.
 
     Returns:
-        ``[B, Hk, R, N]`` float32: per block the max over overlapping windows and kept queries of the group's
-        mean cosine similarity (``QUOKA_PADDING_SCORE`` if every complete window is a padding window); -inf
-        where no complete window or no real kept query exists.
+        ``[B, Hk, R, N]`` float32: per block the max over overlapping windows of the kept queries' mean (over
+        queries) of the group's summed softmax probability over windows (``QUOKA_PADDING_SCORE`` if every complete
+        window is a padding window); -inf where no complete window or no real kept query exists.
 
     Example:
         >>> from hf_nosa import NosaConfig
