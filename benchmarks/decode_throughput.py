@@ -9,6 +9,9 @@ contexts 16K / 32K / 64K, the device capped with ``torch.cuda.set_per_process_me
 - ``offloaded``: ``DynamicCache(offloading=True)``;
 - ``nosa``: NosaCache on the Triton path, eviction heads with random nonzero A, decode step replayed from a CUDA
   graph (``hf_nosa.kernels.cuda_graph``);
+- ``nosa_fp8``: ``nosa`` with ``host_dtype="float8_e4m3fn"`` (K/V blocks in the host store as fp8 with one scale
+  per block and KV head, dequantized into the slot pool by the fetch kernel), at its own largest batch and at
+  ``nosa``'s batch of the same run;
 - ``query_only``: the same engine with a query-aware-only selector (InfLLMv2-style baseline).
 
 Each method runs at the largest batch that fits the device cap and the host budget (``--host-gb``); the row says
@@ -28,6 +31,7 @@ DIR/decode_throughput.png.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -47,6 +51,7 @@ from hf_nosa.baselines import QueryOnlySelector  # noqa: E402
 from hf_nosa.host_store import HostStore  # noqa: E402
 from hf_nosa.kernels.block_scores import block_select, window_capacity_for  # noqa: E402
 from hf_nosa.kernels.cuda_graph import DecodeGraph  # noqa: E402
+from hf_nosa.kernels.host_write import host_write  # noqa: E402
 from hf_nosa.modeling import eviction_heads, randomize_eviction_heads  # noqa: E402
 from hf_nosa.selection import compress_keys, num_windows  # noqa: E402
 
@@ -60,7 +65,9 @@ SHAPES = {
                   num_key_value_heads=2, head_dim=16, vocab_size=97),
 }
 CAP_GB = {"1b": 24, "8b": 48, "smoke": None}
-METHODS = ("dynamic", "static_compile", "offloaded", "nosa", "query_only")
+METHODS = ("dynamic", "static_compile", "offloaded", "nosa", "nosa_fp8", "query_only")
+ENGINE = ("nosa", "nosa_fp8", "query_only")  # the methods that run NosaCache's engine
+HOST_DTYPE = {"nosa_fp8": "float8_e4m3fn"}
 # K (or V) bytes of one host-store chunk, at most: the pinned allocator rounds sizes up to a power of two, so
 # chunks just under 256 MB waste little and are reused from row to row whatever the batch.
 HOST_CHUNK_BYTES = 256 << 20
@@ -146,7 +153,7 @@ def fill_nosa(model, cache: NosaCache, batch, context, total_steps, device, dtyp
             n = min(piece, context - start)
             k, v = random_kv(cfg, batch, n, device, dtype, gen)
             b = heads[i](v.transpose(1, 2).flatten(2))  # [B, Hk, n] fp32
-            layer.host.write(start, k, v, b)
+            host_write(layer.host, start, k, v, b)  # the kernel (UVA on CUDA), which also quantizes an fp8 store
             span_k = k if prev_k is None else torch.cat([prev_k, k], 2)
             span_b = b if prev_b is None else torch.cat([prev_b, b], 2)
             first = (start - (span_k.shape[2] - n)) // stride  # window index of the span's first token
@@ -179,7 +186,10 @@ def bytes_per_seq(method, shape, context, steps, ncfg, dtype_bytes=2):
     slots = (S + 1) * P * (2 * D * dtype_bytes + 4)
     compressed = W * (D * dtype_bytes + 4) + ncfg.compress_kernel * (D * dtype_bytes + 4)
     scratch = (H // Hk) * W * 4 / L  # window logits: one buffer reused by every layer
-    host = (context + steps) * (2 * D * dtype_bytes + 4)
+    if method == "nosa_fp8":  # one byte per value, two fp32 scales per block, one model-dtype tail block
+        host = (context + steps) * (2 * D + 4) + -(-(context + steps) // P) * 8 + P * 2 * D * dtype_bytes
+    else:
+        host = (context + steps) * (2 * D * dtype_bytes + 4)
     return dict(device=L * Hk * (slots + compressed + scratch), host=L * Hk * host)
 
 
@@ -246,7 +256,7 @@ def kernel_breakdown(step_fn, steps) -> dict:
 def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw, attn=None):
     """Fill a cache, decode ``args.steps`` timed tokens after warm-up; return the row."""
     cfg = model.config
-    total_steps = args.warmup + args.steps + (5 if method in ("nosa", "query_only") else 0) + 2
+    total_steps = args.warmup + args.steps + (5 if method in ENGINE else 0) + 2
     compiled = None
     if method in ("dynamic", "offloaded"):
         model.config._attn_implementation = attn or "sdpa"
@@ -261,13 +271,14 @@ def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
         selector = query_only_selector() if method == "query_only" else None
         if device.type == "cuda":
             HostStore.chunk_tokens = max(ncfg.block_size, HOST_CHUNK_BYTES // (batch * cfg.num_key_value_heads * cfg.head_dim * 2))
-        cache = NosaCache(cfg, ncfg, selector=selector, max_cache_len=context + total_steps)
+        cache_cfg = dataclasses.replace(ncfg, host_dtype=HOST_DTYPE.get(method, ncfg.host_dtype))
+        cache = NosaCache(cfg, cache_cfg, selector=selector, max_cache_len=context + total_steps)
         cache = fill_nosa(model, cache, batch, context, total_steps, device, dtype)
     sync(device)
 
     token = torch.randint(3, cfg.vocab_size, (batch, 1), device=device)
     t0 = context
-    graph = DecodeGraph(model, cache) if method in ("nosa", "query_only") and device.type == "cuda" else None
+    graph = DecodeGraph(model, cache) if method in ENGINE and device.type == "cuda" else None
 
     def step(i, eager=False):
         nonlocal token
@@ -288,7 +299,7 @@ def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
     sync(device)
     warmup_s = time.perf_counter() - start
     row = dict(shape=shape, method=method, context=context, batch=batch)
-    if method in ("nosa", "query_only"):
+    if method in ENGINE:
         before = cache.stats()
     start = time.perf_counter()
     for _ in range(args.steps):
@@ -307,10 +318,10 @@ def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
     L, Hk, D, H = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
     kv_read = L * batch * Hk * (context + i) * D * 2 * 2
     pcie = 0.0
-    if method in ("nosa", "query_only"):
+    if method in ENGINE:
         after = cache.stats()
         loaded = (after["bytes_to_device"] - before["bytes_to_device"]) / args.steps
-        token_write = L * batch * Hk * (2 * D * 2 + 4)
+        token_write = L * batch * Hk * (2 * D * 2 + 4)  # the new token goes to the store (its tail, when fp8)
         S, P = ncfg.budget_blocks + 1, ncfg.block_size
         n_win = num_windows(context + i, ncfg)
         hbm = weights + L * batch * Hk * (S * P * (2 * D * 2 + 4) + n_win * (D * 2 + 4) + 2 * (H // Hk) * n_win * 4)
@@ -491,7 +502,7 @@ def main(argv=None):
         for method in methods:
             if method in ("static_compile", "offloaded") and device.type != "cuda":
                 continue  # needs CUDA (compile with CUDA graphs, offload streams)
-            if method in ("nosa", "query_only") and not converted:
+            if method in ENGINE and not converted:
                 to_nosa(model, ncfg)
                 randomize_eviction_heads(model, scale=0.1, generator=torch.Generator().manual_seed(0))
                 model.to(device=device, dtype=dtype)
@@ -513,9 +524,17 @@ def main(argv=None):
                 else:
                     row = attempt(args, model, shape, method, context, batch, device, dtype, ncfg, bw)
                 row.update(bound=bound, batch_bounds=bounds, device_cap_GB=CAP_GB[shape])
-                result["rows"].append(row)
-                print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
-                save(result, args.out)
+                rows = [row]
+                bf16 = [r for r in result["rows"] if (r["shape"], r["method"], r["context"]) == (shape, "nosa", context)
+                        and "tok_per_s" in r]
+                if method == "nosa_fp8" and bf16 and bf16[-1]["batch"] != batch:  # the same batch as the bf16 store
+                    same = attempt(args, model, shape, method, context, bf16[-1]["batch"], device, dtype, ncfg, bw)
+                    same.update(bound="nosa's batch", batch_bounds={}, device_cap_GB=CAP_GB[shape])
+                    rows.append(same)
+                for row in rows:
+                    result["rows"].append(row)
+                    print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+                    save(result, args.out)
         del model
         free(device)
     if args.out:

@@ -184,8 +184,10 @@ def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False)
 
 
 def nosa_config(args) -> NosaConfig:
-    """NosaConfig defaults, or with ``--prefill-chunk-size`` (an extra workload beside the default's rows)."""
-    return NosaConfig() if args.prefill_chunk_size is None else NosaConfig(prefill_chunk_size=args.prefill_chunk_size)
+    """NosaConfig defaults, but for ``--prefill-chunk-size`` and ``--host-dtype`` when given (extra workloads beside
+    the default's rows)."""
+    overrides = dict(prefill_chunk_size=args.prefill_chunk_size, host_dtype=args.host_dtype)
+    return NosaConfig(**{k: v for k, v in overrides.items() if v is not None})
 
 
 def run(args):
@@ -276,6 +278,8 @@ def main():
     parser.add_argument("--prefill-chunk-size", type=int, default=None,
                         help="NOSA's prefill chunk (default: NosaConfig's); larger chunks re-read QUOKA's budget from "
                         "the host fewer times and hold more activations")
+    parser.add_argument("--host-dtype", default=None, choices=("auto", "float8_e4m3fn", "int8"),
+                        help="NOSA's host store format (default: NosaConfig's, the model's dtype)")
     parser.add_argument("--out", required=True, help="JSON file to write (and a PNG beside it)")
     parser.add_argument("--plot-only", action="store_true", help="only redraw the PNG of an existing --out JSON")
     args = parser.parse_args()

@@ -19,6 +19,9 @@ case "${1:-}" in
     timeout 570 python benchmarks/generate.py --shape 1b --contexts 65536 --batch1 --out "$OUT/generate_64k.json" 2>&1 | tee "$OUT/generate_64k.log" | grep -v '^{' ;;
   generate-64k-chunk2048)  # the same with 2048-token prefill chunks, NOSA only (QUOKA re-reads its budget 4x less)
     timeout 570 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --prefill-chunk-size 2048 --out "$OUT/generate_64k_chunk2048.json" 2>&1 | tee "$OUT/generate_64k_chunk2048.log" | grep -v '^{' ;;
+  fp8)            # issue 18: the engine with the fp8 host store beside bf16 (1b and 8b, 32K and 64K), then generate
+    timeout 330 python benchmarks/decode_throughput.py --quick --methods nosa,nosa_fp8 --out "$OUT/fp8" 2>&1 | grep -v '^{' | tail -20
+    timeout 240 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --host-dtype float8_e4m3fn --out "$OUT/generate_64k_fp8.json" 2>&1 | grep -v '^{' ;;
   generate-8b)    # the 8b shape beside it, 32K only (48 GB cap)
     timeout 570 python benchmarks/generate.py --shape 8b --contexts 32768 --batch1 --out "$OUT/generate_8b_32k.json" 2>&1 | tee "$OUT/generate_8b.log" | grep -v '^{' ;;
   prefill)        # QUOKA TTFT against dense at 64K (batch 1 and 4) and 128K, and the attention rates
@@ -29,5 +32,5 @@ case "${1:-}" in
   train-step)     # issue 17's retrofit step at 16K, 32K, 64K
     timeout 570 python benchmarks/train_step.py --lengths 16384,32768,65536 --out "$OUT" 2>&1 | tail -30 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|generate-64k-chunk2048|generate-8b|prefill|train-step" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|generate-64k-chunk2048|fp8|generate-8b|prefill|train-step" >&2; exit 2 ;;
 esac
