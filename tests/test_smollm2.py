@@ -7,6 +7,7 @@ the hf-nosa cache); the tests skip only when that download fails (no network).
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -90,6 +91,29 @@ def test_smollm2_sparse_budget_finds_the_pass_key_at_2k(smollm2):
     # each decode step brings at most the budget's blocks per layer and KV head
     blocks_per_step = stats["blocks_loaded"] / (steps * model.config.num_hidden_layers * model.config.num_key_value_heads)
     assert blocks_per_step <= budget // 64
+
+
+def test_demo_model_smollm2_runs_untrained_and_says_so(smollm2, monkeypatch, capsys):
+    """``hf-nosa demo --model smollm2`` at 1K tokens and a quarter budget (the demo's own: 8K and an eighth):
+    converted, the answer found, the same working-set and traffic lines as the embedded demo, and a clear word
+    that no adapter ships yet."""
+    import hf_nosa.demo as demo
+    import hf_nosa.loading as loading
+    from hf_nosa.cli import main as cli_main
+
+    from .test_demo import check_output
+
+    assert demo.SMOLLM2_CONTEXT == 8192
+    if (demo.SMOLLM2_ADAPTER / "adapter_model.safetensors").is_file():
+        pytest.skip("an adapter ships: the untrained path is not what the demo runs")
+    model, tokenizer = smollm2
+    monkeypatch.setattr(loading, "load_causal_lm", lambda spec, **kw: (copy.deepcopy(model), tokenizer))
+    assert cli_main(["demo", "--model", "smollm2", "--context", "1024", "--budget", "256", "--seed", "5"]) == 0
+    text = capsys.readouterr().out
+    check_output(text)
+    assert "SmolLM2-135M-Instruct" in text and "budget 256 tokens (4x less than the context)" in text
+    assert "UNTRAINED" in text and demo.SMOLLM2_ADAPTER.name in text
+    assert re.search(r"answer: .*-> correct", text), text
 
 
 @pytest.mark.slow
