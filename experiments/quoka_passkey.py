@@ -12,7 +12,7 @@ queries) in place of the library's, to reproduce the "before" column.
 
     python experiments/quoka_passkey.py --lengths 2048,4096 --ratios 4,8 --samples 15 --out quoka_passkey.json
 
-CPU, fp32, 2 threads: about a minute a prompt at 2K on a shared 2-core machine.
+CPU, fp32, 2 threads: 9-20 s a prompt at 2K-4K on an idle 2-core machine, several times that when it is shared.
 """
 
 from __future__ import annotations

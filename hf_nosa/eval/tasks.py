@@ -212,9 +212,16 @@ def _prose_haystack(split: str) -> Haystack:
     return Haystack(prose_text(split))
 
 
+def _inline_noise_haystack() -> Haystack:
+    # Mohtashami & Jaggi's pass-key filler: the noise sentences joined by spaces into one line
+    return Haystack(" ".join([NOISE.strip()] * 64), random_start=False)
+
+
 def _haystack(kind: str, split: str) -> Haystack:
     if kind == "noise":
         return _noise_haystack()
+    if kind == "inline-noise":
+        return _inline_noise_haystack()
     return _stdlib_haystack(split) if kind == "stdlib" else _prose_haystack(split)
 
 
@@ -277,11 +284,16 @@ TASKS = (*_NEEDLE_TASKS, "cwe")
 DEFAULT_TASKS = tuple(task for task in TASKS if task != "passkey")
 
 
-def _insert(haystack: str, lines: list[str], depths: list[float]) -> str:
-    """Insert each line at the start of the haystack line found at its depth (a fraction of the length)."""
+def _insert(haystack: str, lines: list[str], depths: list[float], inline: bool = False) -> str:
+    """Insert each line at the start of the haystack line found at its depth (a fraction of the length), or with
+    ``inline`` (one-line filler) at the start of the sentence found there; the line then brings its line breaks."""
     spots = []
     for depth in depths:
         p = int(depth * len(haystack))
+        if inline:
+            after = haystack.find(". ", max(p - 2, 0))
+            spots.append(0 if p == 0 else after + 2 if after >= 0 else len(haystack))
+            continue
         after = haystack.find("\n", max(p - 1, 0))
         spots.append(0 if p == 0 else after + 1 if after >= 0 else haystack.rfind("\n") + 1)
     out, prev = [], 0
@@ -383,7 +395,7 @@ def make_sample(task: str, rng: random.Random, length: int, tokenizer, *, split:
 
 
 def _place(task, rng, length, counter, lines, question, answers, haystack, *, specials, lead="", metric="exact",
-           add_special_tokens=True) -> Sample:
+           add_special_tokens=True, inline=False) -> Sample:
     """Needles at random depths of a haystack piece sized so that ``lead + context + question`` is ``length`` tokens."""
     depths = sorted(rng.random() for _ in lines)
     fixed = counter.count(lead) + counter.count("".join(lines)) + counter.count(question) + specials
@@ -392,7 +404,7 @@ def _place(task, rng, length, counter, lines, question, answers, haystack, *, sp
         raise ValueError(f"length={length} is too short for task {task!r}: its needles and question need {fixed} tokens")
     hay = haystack.take(rng, budget, counter)
     for _ in range(3):  # merges across the inserted lines can shift the count by a few tokens
-        context = lead + _insert(hay, lines, depths)
+        context = lead + _insert(hay, lines, depths, inline)
         excess = counter.count(context + question) + specials - length
         if excess == 0:
             break
@@ -426,8 +438,9 @@ def _ruler_vt(rng):
 
 
 def _ruler_passkey(rng):
+    # Mohtashami & Jaggi's layout: instruction, filler cut at the key's depth, the key on its own line, filler, question
     value = _number(rng, 5)
-    return (ruler.PASSKEY_LEAD, [ruler.PASSKEY_NEEDLE.format(value=value) + "\n"], ruler.PASSKEY_QUESTION,
+    return (ruler.PASSKEY_LEAD, ["\n" + ruler.PASSKEY_NEEDLE.format(value=value) + "\n"], ruler.PASSKEY_QUESTION,
             ruler.PASSKEY_PREFIX, (value,))
 
 
@@ -442,7 +455,7 @@ _RULER_TASKS = {
     "niah_multivalue": ("prose", lambda r: _ruler_niah(r, value=_number, keys=1, values_per_key=_NEEDLES, queries=1, kinds="numbers")),
     "niah_multiquery": ("prose", lambda r: _ruler_niah(r, value=_number, keys=_NEEDLES, values_per_key=1, queries=_NEEDLES, kinds="numbers")),
     "vt": ("noise", _ruler_vt),
-    "passkey": ("noise", _ruler_passkey),
+    "passkey": ("inline-noise", _ruler_passkey),
 }
 
 
@@ -473,7 +486,8 @@ def _ruler_sample(task, rng, length, tokenizer, split, counter, chat_template) -
     lead, lines, question, prefix, answers = build(rng)
     question = question + frame.tail + frame.prefix(prefix)
     return _place(task, rng, length, counter, lines, question, answers, _haystack(kind, split), specials=specials,
-                  lead=frame.head + lead, metric="all", add_special_tokens=frame.add_special_tokens)
+                  lead=frame.head + lead, metric="all", add_special_tokens=frame.add_special_tokens,
+                  inline=kind == "inline-noise")
 
 
 def generate_samples(task: str, *, n: int, length: int, tokenizer, seed: int = 0, split: str = "eval",
