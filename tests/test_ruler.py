@@ -141,6 +141,11 @@ def test_pass_key_is_plain_text_even_with_a_chat_template(chat_tokenizer):
         assert "<|im_start|>" not in sample.prompt and sample.add_special_tokens
         assert sample.prompt.startswith("There is an important info")
         assert sample.question.endswith("What is the pass key? The pass key is")
+        # Mohtashami's layout: instruction line, one line of noise, the key's line, one line of noise, the question
+        lead, before, key_line, after = sample.context.split("\n")
+        assert key_line == f"The pass key is {sample.answers[0]}. Remember it. {sample.answers[0]} is the pass key."
+        assert before.endswith(". ") and after[0].isupper()  # the key's line sits between two sentences
+        assert "The grass is green. The sky is blue." in before + after
 
 
 def test_bad_protocol_is_rejected(tokenizer):
