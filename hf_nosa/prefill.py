@@ -6,8 +6,8 @@ chunk and per KV head:
 
 1. ``selection.quoka_query_choice`` keeps, per query head, the ``quoka_queries`` queries least similar to the
    chunk's mean query;
-2. ``kernels.quoka_score`` scores every complete block before the chunk by the cosine between those queries
-   (averaged over the GQA group) and the compressed keys;
+2. ``kernels.quoka_score`` scores every complete block before the chunk by those queries' attention on its
+   compressed keys (softmax over windows, summed over the GQA group, mean over the kept queries);
 3. ``selection.quoka_select_blocks`` takes sink + local + the top blocks, ``prefill_budget_blocks`` in all;
 4. the layer fetches those blocks into its slot pool (``kernels.fetch.fetch_selection``: blocks kept from the
    previous chunk stay, the others come from the host store) and the chunk attends to them plus itself (causal),
