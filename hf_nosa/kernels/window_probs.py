@@ -17,6 +17,36 @@ from .backend import HAS_TRITON, interpreting, kernel_path, launcher, next_power
 if HAS_TRITON:
 
     @triton.jit
+    def _head_queries(q_ptr, i_b, head, o_t, o_d, m_t, m_d, stride_qb, stride_qh, stride_qt, IEEE: tl.constexpr):
+        """``[BLOCK_T, BLOCK_D]`` queries of one head of the group (fp32 when IEEE)."""
+        p_q = q_ptr + i_b.to(tl.int64) * stride_qb + head * stride_qh + o_t[:, None] * stride_qt + o_d[None, :]
+        b_q = tl.load(p_q, mask=m_t[:, None] & m_d[None, :], other=0.0)
+        if IEEE:
+            b_q = b_q.to(tl.float32)
+        return b_q
+
+    @triton.jit
+    def _window_tile(p_k0, pad_ptr, i_b, i_h, o_w, b_n, o_d, m_d, W, stride_kw, stride_pb, stride_ph,
+                     HAS_PAD: tl.constexpr, IEEE: tl.constexpr):
+        """Compressed keys ``[BLOCK_W, BLOCK_D]`` of windows ``o_w`` and which (query, window) pairs count: complete
+        for that query (``< b_n``) and not padding."""
+        m_w = o_w < W
+        b_k = tl.load(p_k0 + o_w[:, None] * stride_kw + o_d[None, :], mask=m_w[:, None] & m_d[None, :], other=0.0)
+        if IEEE:
+            b_k = b_k.to(tl.float32)
+        ok = m_w[None, :] & (o_w[None, :] < b_n[:, None])
+        if HAS_PAD:
+            pad = tl.load(pad_ptr + i_b * stride_pb + i_h * stride_ph + o_w, mask=m_w, other=1)
+            ok = ok & (pad[None, :] == 0)
+        return b_k, ok
+
+    @triton.jit
+    def _logits(b_q, b_k, scale, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale
+        return tl.dot(b_q, tl.trans(b_k)) * scale
+
+    @triton.jit
     def _window_probs_kernel(
         q_ptr, k_ptr, pad_ptr, n_ptr, out_ptr, m_ptr, l_ptr,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kw, stride_pb, stride_ph,
@@ -39,28 +69,14 @@ if HAS_TRITON:
 
         # Pass 1: row max and sum of each head of the group.
         for g in range(G):
-            p_q = (q_ptr + i_b.to(tl.int64) * stride_qb + (i_h * G + g) * stride_qh + o_t[:, None] * stride_qt
-                   + o_d[None, :])
-            b_q = tl.load(p_q, mask=m_t[:, None] & m_d[None, :], other=0.0)
-            if IEEE:
-                b_q = b_q.to(tl.float32)
+            b_q = _head_queries(q_ptr, i_b, i_h * G + g, o_t, o_d, m_t, m_d, stride_qb, stride_qh, stride_qt, IEEE)
             b_m = tl.full([BLOCK_T], float("-inf"), tl.float32)
             b_l = tl.zeros([BLOCK_T], tl.float32)
             for w0 in range(0, w_hi, BLOCK_W):
                 o_w = w0 + tl.arange(0, BLOCK_W)
-                m_w = o_w < W
-                p_k = p_k0 + o_w[:, None] * stride_kw + o_d[None, :]
-                b_k = tl.load(p_k, mask=m_w[:, None] & m_d[None, :], other=0.0)
-                if IEEE:
-                    b_k = b_k.to(tl.float32)
-                    b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale
-                else:
-                    b_s = tl.dot(b_q, tl.trans(b_k)) * scale
-                ok = m_w[None, :] & (o_w[None, :] < b_n[:, None])
-                if HAS_PAD:
-                    pad = tl.load(pad_ptr + i_b * stride_pb + i_h * stride_ph + o_w, mask=m_w, other=1)
-                    ok = ok & (pad[None, :] == 0)
-                b_s = tl.where(ok, b_s, float("-inf"))
+                b_k, ok = _window_tile(p_k0, pad_ptr, i_b, i_h, o_w, b_n, o_d, m_d, W, stride_kw, stride_pb,
+                                       stride_ph, HAS_PAD, IEEE)
+                b_s = tl.where(ok, _logits(b_q, b_k, scale, IEEE), float("-inf"))
                 m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
                 m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
                 b_l = b_l * tl.exp(b_m - m_use) + tl.sum(tl.exp(b_s - m_use[:, None]), axis=1)
@@ -75,23 +91,12 @@ if HAS_TRITON:
             m_w = o_w < W
             b_acc = tl.zeros([BLOCK_T, BLOCK_W], tl.float32)
             if w0 < w_hi:
-                p_k = p_k0 + o_w[:, None] * stride_kw + o_d[None, :]
-                b_k = tl.load(p_k, mask=m_w[:, None] & m_d[None, :], other=0.0)
-                if IEEE:
-                    b_k = b_k.to(tl.float32)
-                ok = m_w[None, :] & (o_w[None, :] < b_n[:, None])
-                if HAS_PAD:
-                    pad = tl.load(pad_ptr + i_b * stride_pb + i_h * stride_ph + o_w, mask=m_w, other=1)
-                    ok = ok & (pad[None, :] == 0)
+                b_k, ok = _window_tile(p_k0, pad_ptr, i_b, i_h, o_w, b_n, o_d, m_d, W, stride_kw, stride_pb,
+                                       stride_ph, HAS_PAD, IEEE)
                 for g in range(G):
-                    p_q = (q_ptr + i_b.to(tl.int64) * stride_qb + (i_h * G + g) * stride_qh + o_t[:, None] * stride_qt
-                           + o_d[None, :])
-                    b_q = tl.load(p_q, mask=m_t[:, None] & m_d[None, :], other=0.0)
-                    if IEEE:
-                        b_q = b_q.to(tl.float32)
-                        b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee") * scale
-                    else:
-                        b_s = tl.dot(b_q, tl.trans(b_k)) * scale
+                    b_q = _head_queries(q_ptr, i_b, i_h * G + g, o_t, o_d, m_t, m_d, stride_qb, stride_qh,
+                                        stride_qt, IEEE)
+                    b_s = _logits(b_q, b_k, scale, IEEE)
                     p_ml = i_b * stride_mb + (i_h * G + g) * stride_mh + o_t
                     b_m = tl.load(m_ptr + p_ml, mask=m_t, other=0.0)
                     b_l = tl.load(l_ptr + p_ml, mask=m_t, other=1.0)
