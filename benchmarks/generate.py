@@ -9,8 +9,10 @@ right after the generate call). Each method runs once untimed at its batch first
 compilation, graph capture, pinned host memory), then timed; ``first_call_s`` is the untimed call's wall time.
 
 Batch search: stock methods double the batch until the prefill runs out of device memory (probing with 2 new
-tokens, then a bisection); NOSA takes the largest batch whose host store fits 70% of the free host memory, then
-steps down by 15% while the device (or pinning) says no. ``limit`` says which bound stopped each method.
+tokens, then a bisection). NOSA runs batch 1 and the stock batch first, then takes the smaller of the largest batch
+whose host store fits 70% of the free host memory and the batch whose peak, extrapolated from those two rows,
+reaches 92% of the cap; it steps down by 15% while the device (or pinning) says no. ``limit`` says which bound
+stopped each method.
 
     python benchmarks/generate.py --shape 1b --contexts 32768 65536 --out benchmarks/results/generate.json
 """
@@ -40,6 +42,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 GiB = 1 << 30
 SAVE = None  # set by main(): writes the JSON after every row, so a run stopped midway keeps what it measured
 HOST_SHARE = 0.7  # of the free host memory the NOSA batch may pin (the rest: the OS, torch's pinned-pool slack)
+DEVICE_SHARE = 0.92  # of the device cap a NOSA batch is planned to peak at (the allocator's fragmentation)
 
 
 class FirstTokenClock(LogitsProcessor):
@@ -123,6 +126,23 @@ def nosa_host_batch(model, context, new_tokens):
     cfg = model.config
     per_seq = cfg.num_hidden_layers * cfg.num_key_value_heads * (context + new_tokens) * (2 * cfg.head_dim * 2 + 4)
     return max(1, int(HOST_SHARE * (available_host_memory() or 0) // per_seq))
+
+
+def largest_nosa_batch(model, context, new_tokens, measured, cap_gb):
+    """The batch to try first for NOSA and the bound that sets it: the host store's (``nosa_host_batch``) or the
+    device's, extrapolated linearly from the peaks of the two smallest measured batches (a failed try at a batch
+    that cannot fit costs a whole prefill, so the search starts where it expects to fit)."""
+    host = nosa_host_batch(model, context, new_tokens)
+    if len(measured) < 2:
+        return host, f"host memory ({HOST_SHARE:.0%} of the free host memory)"
+    (b0, p0), (b1, p1) = [(r["batch"], r["peak_device_gib"]) for r in measured[:2]]
+    per_seq = (p1 - p0) / (b1 - b0)
+    usable = DEVICE_SHARE * cap_gb * 1e9 / GiB
+    device = b0 + int((usable - p0) / per_seq) if per_seq > 0 else host
+    if device < host:
+        return device, (f"device memory ({DEVICE_SHARE:.0%} of the cap, {per_seq:.3f} GiB per sequence from the "
+                        f"peaks at batch {b0} and {b1})")
+    return host, f"host memory ({HOST_SHARE:.0%} of the free host memory)"
 
 
 def engine_tok_s(model, cache, batch, steps=48):
@@ -222,9 +242,16 @@ def run(args):
             workspace_of(model).buffers.clear()  # the previous context's pinned host store
             gc.collect()
             torch._C._host_emptyCache()
-            b = nosa_host_batch(model, context, args.new_tokens)
-            limit = f"host memory ({HOST_SHARE:.0%} of the free host memory)"
-            while b > 0:
+            # The fixed batches first: their peaks give the device memory one more sequence costs.
+            small = sorted({1, stock_batches.get(context, 0)} - {0})
+            measured = [timed_row(model, b, context, args.new_tokens, "nosa", limit="fixed", engine=True)
+                        for b in small]
+            rows += measured
+            workspace_of(model).buffers.clear()  # the small batches' pinned stores, before counting free host memory
+            gc.collect()
+            torch._C._host_emptyCache()
+            b, limit = largest_nosa_batch(model, context, args.new_tokens, measured, cap)
+            while b > max(small):
                 try:
                     rows.append(timed_row(model, b, context, args.new_tokens, "nosa", limit=limit, engine=True))
                     break
@@ -237,8 +264,6 @@ def run(args):
                 torch.cuda.empty_cache()
                 torch._C._host_emptyCache()
                 b, limit = b * 17 // 20, f"stepped down by 15% after {failure} at batch {b}"
-            for extra in sorted({stock_batches.get(context, 0), 1} - {0, b}, reverse=True):
-                rows.append(timed_row(model, extra, context, args.new_tokens, "nosa", limit="fixed", engine=True))
     return rows
 
 
