@@ -140,6 +140,10 @@ def retrofit(parser: argparse.ArgumentParser) -> None:
                         help="folder, Hub id, .gguf file or smollm2: the base model (default: the recipe's model)")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop after this global step, checkpointed (default: the recipe's steps)")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                        help="end the run within this many seconds of its start, loading included: the step count "
+                             "and the learning-rate schedule are planned from the first steps' rate, and the "
+                             "checkpoint and adapter are written in time (default: no limit)")
 
 
 def eval(parser: argparse.ArgumentParser) -> None:  # noqa: A001 - the command's name

@@ -47,6 +47,8 @@ DEFAULTS = dict(description="", tokenizer=None, text_field="text", warmup_steps=
                 max_grad_norm=1.0, seed=0, save_every=0, keep_checkpoints=2, gradient_checkpointing=True,
                 selection_loss=0.0, eviction_loss=0.0, data=None)
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
+TIME_LIMIT_RESERVE_S = 20.0  # a time-limited run leaves this much for writing the checkpoint, adapter and tokenizer
+TIME_PLAN_STEPS = 3  # steps timed after the first (which compiles) before a time-limited run plans its length
 MODEL_CONFIG_KEYS = ("config", "family", "seed")
 
 
@@ -196,10 +198,13 @@ def _batch(packed: torch.Tensor, step: int, micro: int, recipe: dict, rank: int,
     return packed[rows]
 
 
-def _schedule(recipe: dict):
-    warmup, steps = recipe["warmup_steps"], recipe["steps"]
+def _schedule(recipe: dict, plan: dict | None = None):
+    """Linear warmup, then a cosine from 1 down to 0.1 at the last step: ``plan["steps"]`` when given (a
+    time-limited run sets it once it knows how many steps fit), else the recipe's ``steps``."""
+    warmup = recipe["warmup_steps"]
 
     def factor(step: int) -> float:
+        steps = plan["steps"] if plan is not None else recipe["steps"]
         if step < warmup:
             return (step + 1) / warmup
         progress = (step - warmup) / max(1, steps - warmup)
@@ -278,6 +283,39 @@ def _save_checkpoint(accelerator, output_dir: Path, step: int, history: dict, ke
 # ----- the run -----
 
 
+class _TimeLimit:
+    """Ends a run in time: plans its length from the first timed steps, then stops early if steps slow down.
+
+    ``elapsed()`` counts from the call of ``retrofit`` (loading and tokenizing included), agreed on by every process.
+    The first step compiles, so the rate is the mean of the later ones; until ``TIME_PLAN_STEPS`` of those are
+    timed the first step's own time is the estimate.
+    """
+
+    def __init__(self, limit: float, started: float, accelerator):
+        self.limit, self.started, self.accelerator = limit, started, accelerator
+        self.first_end = None
+        self.timed = 0
+
+    def elapsed(self) -> float:
+        value = time.perf_counter() - self.started
+        if self.accelerator.num_processes > 1:  # every process must take the same decision
+            value = float(self.accelerator.reduce(torch.tensor([value], device=self.accelerator.device), "max"))
+        return value
+
+    def after_step(self, done: int, stop: int) -> tuple[int, bool]:
+        """``(stop, planned)`` after global step ``done``: the step to end at, and whether it was planned just now."""
+        now = self.elapsed()
+        if self.first_end is None:
+            self.first_end, per_step = now, now
+        else:
+            self.timed += 1
+            per_step = (now - self.first_end) / self.timed
+        left = self.limit - TIME_LIMIT_RESERVE_S - now
+        if self.timed == TIME_PLAN_STEPS:
+            return min(stop, done + max(0, math.floor(left / per_step))), True
+        return (done if per_step > left else stop), False
+
+
 @dataclass
 class RetrofitResult:
     """What ``retrofit`` returns: the trained PEFT model (eval mode) and the numbers of the run."""
@@ -333,7 +371,8 @@ def _optimizer(model: nn.Module, recipe: dict) -> torch.optim.Optimizer:
     )
 
 
-def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: bool = False, max_steps: int | None = None):
+def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: bool = False, max_steps: int | None = None,
+             time_limit: float | None = None):
     """Retrofit a base model into NOSA with LoRA and trained eviction heads; write the adapter and the run JSON.
 
     Args:
@@ -344,6 +383,11 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
         base_model: overrides the recipe's model: a local folder, a Hub id, or a loaded ``nn.Module``.
         resume: continue from the latest checkpoint in ``output_dir`` (same step count, data order, RNG state).
         max_steps: stop after this global step (a checkpoint is written there), e.g. to split a run in parts.
+        time_limit: seconds from this call within which the run must end (a wall-clock budget). Once the first
+            ``TIME_PLAN_STEPS`` steps after the first are timed, the run plans how many steps fit, leaving
+            ``TIME_LIMIT_RESERVE_S`` to save, and its learning-rate schedule ends there (recorded as
+            ``schedule_steps`` in ``nosa_retrofit.json`` and the checkpoint, which ``resume`` keeps); if steps slow
+            down it stops sooner. A checkpoint and the adapter are written either way.
 
     Returns:
         ``RetrofitResult`` (model, steps, final_loss, tokens_per_second, losses of every step so far).
@@ -354,6 +398,7 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
 
     import hf_nosa
 
+    called = time.perf_counter()
     recipe = load_recipe(recipe)
     base = base_model if base_model is not None else recipe["model"]
     if isinstance(base, str):
@@ -362,6 +407,10 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
         raise TypeError(f"base_model must be a folder, a Hub id or an nn.Module, got {type(base_model).__name__}")
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
         raise ValueError(f"max_steps={max_steps!r} is invalid: a positive integer or None")
+    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(time_limit, (int, float))
+                                   or not time_limit > TIME_LIMIT_RESERVE_S):
+        raise ValueError(f"time_limit={time_limit!r} is invalid: seconds, more than the {TIME_LIMIT_RESERVE_S:.0f} s "
+                         "kept for saving, or None")
     if output_dir is None:
         raise ValueError("output_dir is required (--output): the folder the adapter is written to")
     output_dir = Path(output_dir)
@@ -402,7 +451,8 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
     set_seed(recipe["seed"])
     model, family, cfg = _build_model(recipe, base, torch.bfloat16 if cuda else torch.float32)
     optimizer = _optimizer(model, recipe)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(recipe))
+    plan = {"steps": recipe["steps"]}
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(recipe, plan))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     _register_checkpoint_hooks(accelerator, model)
     start = 0
@@ -410,12 +460,15 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
         accelerator.load_state(str(found[-1]))
         saved = json.loads((found[-1] / TRAINER_STATE).read_text())
         start, history = saved["step"], {**history, "losses": saved["losses"], "tokens": saved["tokens"]}
+        if "schedule_steps" in saved:  # a time-limited run's schedule goes on where it ended
+            plan["steps"] = history["schedule_steps"] = saved["schedule_steps"]
         if saved.get("world_size", accelerator.num_processes) != accelerator.num_processes:
             logger.warning("resuming with %d processes a run that had %d: the data order changes",
                            accelerator.num_processes, saved["world_size"])
     history["world_size"] = accelerator.num_processes
 
     stop = min(recipe["steps"], max_steps or recipe["steps"])
+    timer = _TimeLimit(float(time_limit), called, accelerator) if time_limit is not None else None
     rank, world = accelerator.process_index, accelerator.num_processes
     step_tokens = recipe["batch_size"] * recipe["seq_len"] * recipe["grad_accum"] * world
     bar = tqdm(total=recipe["steps"], initial=start, disable=not accelerator.is_main_process, desc="retrofit")
@@ -444,8 +497,17 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
         bar.update(1)
         bar.set_postfix(loss=f"{step_loss:.4f}", tok_s=f"{speed:,.0f}")
         done = step + 1
+        if timer is not None:
+            stop, planned = timer.after_step(done, stop)
+            if planned:
+                plan["steps"] = history["schedule_steps"] = stop
+                if accelerator.is_main_process:
+                    bar.write(f"retrofit: time limit {time_limit:.0f}s, {time.perf_counter() - called:.0f}s used: the run (and its "
+                              f"learning-rate schedule) ends at step {stop}")
         if (recipe["save_every"] and done % recipe["save_every"] == 0) or (done == stop and stop < recipe["steps"]):
             _save_checkpoint(accelerator, output_dir, done, history, recipe["keep_checkpoints"])
+        if done >= stop:
+            break
     bar.close()
     elapsed = time.perf_counter() - began
     speed = run_tokens / elapsed if run_tokens else 0.0
@@ -464,6 +526,9 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
             base_name = base if isinstance(base, str) else RECIPE_MODEL
         run = dict(base_model=base_name, family=family, nosa_config=cfg.to_dict(), recipe=recipe, steps=steps_done,
                    final_loss=final_loss, tokens_per_second=speed, hf_nosa_version=hf_nosa.__version__)
+        if time_limit is not None:
+            run.update(time_limit_s=float(time_limit), schedule_steps=plan["steps"],
+                       seconds=time.perf_counter() - called)
         (output_dir / RUN_FILE).write_text(json.dumps(run, indent=1))
         from .loading import is_gguf, load_tokenizer
 
@@ -571,7 +636,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     result = retrofit(args.recipe, args.data, args.output, base_model=args.base_model, resume=args.resume,
-                      max_steps=args.max_steps)
+                      max_steps=args.max_steps, time_limit=getattr(args, "time_limit", None))
     from accelerate import PartialState
 
     if PartialState().is_main_process:

