@@ -179,6 +179,7 @@ def main(argv=None) -> int:
     default = nosa_layout(None, budget)
     layout = {k: getattr(default, k) for k in ("sink_tokens", "local_tokens", "query_tokens")}
     results.data["environment"] = environment()
+    results.data["dtype"] = str(dtype).removeprefix("torch.")
     results.data["budget_tokens"], results.data["layout"] = budget, layout
     print(f"loaded in {time.time() - started:.0f}s on {device}; budget {budget} tokens, layout {layout}", flush=True)
 

@@ -15,10 +15,12 @@
 #
 # Files outside the working tree ($WORK, default /tmp/smollm2) stay while the machine is warm: the pieces, the
 # joined file, the wheel's install, the adapter and the results. A machine that went cold takes the adapter and the
-# results back from .smollm2/adapter/adapter.tar and .smollm2/results/ when they are carried. Settings (environment): CALL_SECONDS (540),
-# LENGTHS ("4096 8192"), SAMPLES (16 per task, decoded as one batch), PPL_DOCS (8), PPL_TOKENS (128), TASKS (all),
-# CHAT (1: RULER prompts in the chat template; 0: plain text), RESUME (1: continue the retrofit in $WORK/adapter),
-# SMOKE (1: every phase at toy sizes on the CPU: SmolLM2 at 1K tokens, 2 retrofit steps, 1 sample).
+# results back from .smollm2/adapter/adapter.tar and .smollm2/results/ when they are carried.
+#
+# Settings (environment): CALL_SECONDS (540), LENGTHS ("4096 8192"), RATIO (8: budget = length / 8), SAMPLES (16 per
+# task, decoded as one batch), PPL_DOCS (8), PPL_TOKENS (128), TASKS (all), CHAT (1: RULER prompts in the chat
+# template; 0: plain text), RESUME (1: continue the retrofit in $WORK/adapter), SMOKE (1: every phase at toy sizes on
+# the CPU: SmolLM2 at 1K tokens and budget 256, a 2-step retrofit of 512-token sequences, 1 sample of 3 tasks).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 START=$(date +%s)
@@ -35,11 +37,11 @@ mkdir -p "$WORK/parts" "$WORK/results" "$OUT"
 
 if [ "${SMOKE:-0}" = 1 ]; then
     LENGTHS=${LENGTHS:-1024} SAMPLES=${SAMPLES:-1} PPL_DOCS=${PPL_DOCS:-1} PPL_TOKENS=${PPL_TOKENS:-8}
-    TASKS=${TASKS:-passkey,vt,cwe}
+    TASKS=${TASKS:-passkey,vt,cwe} RATIO=${RATIO:-4}
     export OMP_NUM_THREADS=1
 else
     LENGTHS=${LENGTHS:-4096 8192} SAMPLES=${SAMPLES:-16} PPL_DOCS=${PPL_DOCS:-8} PPL_TOKENS=${PPL_TOKENS:-128}
-    TASKS=${TASKS:-all}
+    TASKS=${TASKS:-all} RATIO=${RATIO:-8}
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 fi
 BASE_CELLS=base:default,base:nosa,base:query_only,base:quest,base:shadowkv
@@ -94,7 +96,7 @@ smoke_recipe() {  # the shipped recipe at toy sizes: the same base, data and cod
 import sys, yaml
 from hf_nosa.retrofit import load_recipe
 recipe = load_recipe("smollm2-135m")
-recipe.update(nosa=dict(block_size=64, budget_tokens=128, sink_tokens=64, local_tokens=64, query_tokens=0,
+recipe.update(nosa=dict(block_size=64, budget_tokens=256, sink_tokens=64, local_tokens=64, query_tokens=64,
                         compress_kernel=32, compress_stride=16), seq_len=512, steps=2, grad_accum=1, warmup_steps=0,
               save_every=0)
 open(sys.argv[1], "w").write(yaml.safe_dump(recipe))
@@ -131,7 +133,7 @@ evaluate() {  # evaluate CELLS [ADAPTER]: one background process per length; wai
     until=$(( END - 20 ))
     for length in $LENGTHS; do
         local args=(--length "$length" --cells "$cells" --samples "$SAMPLES" --ppl-docs "$PPL_DOCS"
-                    --ppl-tokens "$PPL_TOKENS" --tasks "$TASKS" --deadline "$until"
+                    --ppl-tokens "$PPL_TOKENS" --tasks "$TASKS" --budget-ratio "$RATIO" --deadline "$until"
                     --results "$WORK/results/smollm2-$length.json")
         [ -n "$adapter" ] && args+=(--adapter "$adapter")
         [ "${CHAT:-1}" = 0 ] && args+=(--no-chat-template)

@@ -128,7 +128,7 @@ def describe(results: list[dict], adapter: dict) -> str:
     env, settings = first.get("environment", {}), first["settings"]
     parts = [
         f"{env.get('device', '?')}, torch {env.get('torch', '?')}, transformers {env.get('transformers', '?')}, "
-        f"{env.get('date', '?')[:10]}; bf16, greedy; {settings['samples']} samples per task (seed {settings['seed']}), "
+        f"{env.get('date', '?')[:10]}; {first.get('dtype', '?')}, greedy; {settings['samples']} samples per task (seed {settings['seed']}), "
         f"RULER protocol {'in the chat template' if settings['chat_template'] else 'as plain text'}; perplexity over "
         f"{settings['ppl_docs']} documents x {settings['ppl_tokens']} decoded tokens; budget = context / "
         f"{settings['budget_ratio']} for every NosaCache method, same layout for all (sink {first['layout']['sink_tokens']}, "
