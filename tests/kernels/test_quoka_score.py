@@ -90,6 +90,17 @@ def test_kernel_matches_reference_with_padding_windows_interpreted(interpret, ca
            with_valid=case.get("with_valid", True), with_bias=True)
 
 
+@pytest.mark.skipif(not quoka_score_module.HAS_TRITON, reason="needs the triton package")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_normaliser_splits_merge_like_one_pass_interpreted(interpret, monkeypatch, with_bias):
+    """Windows split over several normaliser programs (16 a split here, so 5 splits; chunks with fewer windows leave
+    later splits empty, and padding windows leave some splits with nothing usable): the merged softmax equals the
+    reference's."""
+    monkeypatch.setattr(quoka_score_module, "SPLIT_W", 16)
+    cfg = small_nosa_config()
+    _check(quoka_score_module, (2, 4, 2, 3, 4, 64, 70, 17), cfg, seed=3, with_bias=with_bias)
+
+
 def test_dispatch_follows_the_device_and_the_environment(monkeypatch):
     cfg = small_nosa_config()
     kept, keys, n_windows, n_valid = _inputs(1, 2, 1, 1, 2, 16, 9, torch.float32, "cpu", 0)
