@@ -48,7 +48,9 @@ def host_format(name: str) -> HostFormat:
 def block_scales(x: torch.Tensor, fmt: HostFormat) -> torch.Tensor:
     """``[...]`` fp32: amax over each block's ``P x D`` values over ``fmt.qmax``; 1 for an all-zero block."""
     amax = x.detach().abs().amax(dim=(-2, -1)).float()
-    return torch.where(amax > 0, amax / fmt.qmax, torch.ones_like(amax))
+    # Divided by a tensor, not a Python number: on CUDA torch turns a division by a scalar into a product with its
+    # reciprocal (one bit off the IEEE quotient), which the kernels' div_rn and the CPU path do not.
+    return torch.where(amax > 0, amax / torch.full_like(amax, fmt.qmax), torch.ones_like(amax))
 
 
 def quantize_blocks(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:

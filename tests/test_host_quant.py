@@ -8,6 +8,7 @@ import torch
 from hf_nosa import host_quant
 from hf_nosa.host_quant import (
     HOST_FORMATS,
+    block_scales,
     dequantize_blocks,
     host_format,
     quantization_error_bound,
@@ -87,3 +88,26 @@ def test_bad_format_names_the_allowed_ones():
 
 def test_docstring_examples():
     assert doctest.testmod(host_quant, raise_on_error=True).attempted > 0
+
+
+@pytest.mark.parametrize("name", sorted(HOST_FORMATS))
+def test_scales_are_the_ieee_quotient(name):
+    """scale = amax / qmax rounded once (IEEE division, as the kernels' div_rn): not amax times a rounded 1 / qmax,
+    which is what torch computes on CUDA for a division by a Python number."""
+    x = torch.randn(64, 3, 16, 64, generator=torch.Generator().manual_seed(7)) * torch.rand(64, 3, 1, 1) * 10
+    amax = x.abs().amax(dim=(-2, -1))
+    exact = (amax.double() / HOST_FORMATS[name].qmax).float()
+    assert torch.equal(block_scales(x, HOST_FORMATS[name]), exact)
+    by_reciprocal = amax * torch.tensor(1 / HOST_FORMATS[name].qmax, dtype=torch.float32)
+    assert not torch.equal(by_reciprocal, exact), "a weak case: the reciprocal's product is exact here too"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(HOST_FORMATS))
+def test_quantized_blocks_are_the_same_on_cuda_and_cpu(name):
+    x = torch.randn(64, 3, 16, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    q_cpu, s_cpu = quantize_blocks(x, name)
+    q_gpu, s_gpu = quantize_blocks(x.cuda(), name)
+    assert torch.equal(s_gpu.cpu(), s_cpu)
+    assert torch.equal(q_gpu.cpu().view(torch.uint8), q_cpu.view(torch.uint8))
