@@ -71,7 +71,11 @@ def quantize_blocks(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Ten
     scale = block_scales(x, fmt)
     y = (x.float() / scale[..., None, None]).clamp(-fmt.qmax, fmt.qmax)
     if fmt.integer:
-        y = y.round()
+        return y.round().to(fmt.dtype), scale
+    if y.device.type != "cpu":
+        # The CPU cast rounds fp32 to nearest even once, as the kernels do (host_format._fp8_bits); the device cast
+        # is not known to (a conversion through half would round twice), and the reference must not depend on it.
+        return y.cpu().to(fmt.dtype).to(y.device), scale
     return y.to(fmt.dtype), scale
 
 
