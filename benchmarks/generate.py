@@ -123,8 +123,14 @@ def stock_batch(model, context, method, start=1, limit=256):
 
 
 def nosa_host_batch(model, context, new_tokens):
+    """The most sequences whose host stores fit HOST_SHARE of the free host memory: per token, layer and KV head,
+    K and V (bf16, or one byte each in a quantized ``host_dtype``, plus one fp32 scale each per block) and the fp32
+    eviction score."""
     cfg = model.config
-    per_seq = cfg.num_hidden_layers * cfg.num_key_value_heads * (context + new_tokens) * (2 * cfg.head_dim * 2 + 4)
+    nosa = cfg.nosa  # the converted model's NosaConfig, as a dict (to_nosa)
+    quantized = nosa["host_dtype"] != "auto"
+    kv_bytes = 2 * cfg.head_dim + 2 * 4 / nosa["block_size"] if quantized else 2 * cfg.head_dim * 2
+    per_seq = cfg.num_hidden_layers * cfg.num_key_value_heads * (context + new_tokens) * (kv_bytes + 4)
     return max(1, int(HOST_SHARE * (available_host_memory() or 0) // per_seq))
 
 
