@@ -29,8 +29,11 @@ case "${1:-}" in
     timeout 150 python benchmarks/prefill.py --contexts 131072 --batches 1 --chunks 2048 --repeat 1 --out "$OUT/p128" > "$OUT/p128.log" 2>&1
     timeout 180 python benchmarks/dense_attention.py --lengths 32768,65536 --out "$OUT" > "$OUT/dense_attention.log" 2>&1
     tail -n 12 "$OUT/p64.log" "$OUT/p128.log" ;;
+  prefill-8b)     # the 8b shape's QUOKA prefill against dense at 32K (generate's TTFT there: 11 s at batch 1), by kernel
+    timeout 400 python benchmarks/prefill.py --shape 8b --contexts 32768 --batches 1,4 --chunks 512 --repeat 2 --profile --out "$OUT/p8b" > "$OUT/p8b.log" 2>&1
+    tail -n 30 "$OUT/p8b.log" ;;
   train-step)     # issue 17's retrofit step at 16K, 32K, 64K
     timeout 570 python benchmarks/train_step.py --lengths 16384,32768,65536 --out "$OUT" 2>&1 | tail -30 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|generate-64k-chunk2048|fp8|generate-8b|prefill|train-step" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|generate-64k-chunk2048|fp8|generate-8b|prefill|prefill-8b|train-step" >&2; exit 2 ;;
 esac

@@ -37,13 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.profiling import gpu_ms_by_kernel  # noqa: E402
+from benchmarks.decode_throughput import SHAPES  # noqa: E402
 from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.workspace import workspace_of  # noqa: E402
 
-SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=64, vocab_size=128256)
-SHAPE_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, vocab_size=97)
+SHAPE_1B = SHAPES["1b"]
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # past_key_values= is the keyword 5.17 knows
 
@@ -161,6 +159,7 @@ def plot(result, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="1b", choices=("1b", "8b"), help="model shape (decode_throughput's)")
     parser.add_argument("--contexts", default="16384,32768,65536")
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--budget", type=int, default=4096, help="QUOKA prefill budget (tokens)")
@@ -178,7 +177,7 @@ def main(argv=None):
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    shape = SHAPE_SMOKE if args.smoke else SHAPE_1B
+    shape = SHAPES["smoke"] if args.smoke else SHAPES[args.shape]
     block = 64
     if args.smoke:
         args.contexts, args.batches, args.budget, args.chunks, args.dense_chunk = "256,512", "1,2", 64, "32,64", 32
