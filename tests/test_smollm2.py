@@ -116,6 +116,59 @@ def test_demo_model_smollm2_runs_untrained_and_says_so(smollm2, monkeypatch, cap
     assert re.search(r"answer: .*-> correct", text), text
 
 
+SHIPPED_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "nosa_retrofit.json")
+
+
+def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, tmp_path, monkeypatch, capsys):
+    """Issue 16 item 5: the files ``hf-nosa retrofit`` writes for SmolLM2 (one step of the shipped recipe at toy
+    sizes here, ``experiments/smollm2/gpu.sh retrofit`` on the GPU), placed where the package ships an adapter, are
+    what ``hf-nosa demo --model smollm2`` applies: LoRA merged, the trained eviction heads in every layer."""
+    import json as json_module
+
+    from safetensors.torch import load_file
+
+    import hf_nosa.demo as demo
+    import hf_nosa.loading as loading
+    from hf_nosa.cli import main as cli_main
+    from hf_nosa.modeling import eviction_heads
+    from hf_nosa.retrofit import load_recipe, retrofit
+
+    from .test_demo import check_output
+
+    model, tokenizer = smollm2
+    monkeypatch.setattr(loading, "load_tokenizer", lambda spec: tokenizer)  # rebuilding it from the GGUF takes ~10 s
+    data = tmp_path / "ids.jsonl"
+    rows = torch.randint(100, 40000, (4, 256), generator=torch.Generator().manual_seed(0)).tolist()
+    data.write_text("".join(json_module.dumps({"input_ids": ids}) + "\n" for ids in rows))
+    recipe = load_recipe("smollm2-135m")
+    recipe.update(nosa=dict(block_size=64, budget_tokens=256, sink_tokens=64, local_tokens=64, query_tokens=64,
+                            compress_kernel=32, compress_stride=16),
+                  seq_len=256, steps=1, grad_accum=1, warmup_steps=0, save_every=0)
+    retrofit(recipe, data, tmp_path / "run", base_model=copy.deepcopy(model))
+    shipped = tmp_path / "smollm2_adapter"
+    shipped.mkdir()
+    for name in SHIPPED_ADAPTER_FILES:  # what experiments/smollm2/README.md copies into hf_nosa/assets
+        (shipped / name).write_bytes((tmp_path / "run" / name).read_bytes())
+    monkeypatch.setattr(demo, "SMOLLM2_ADAPTER", shipped)
+    monkeypatch.setattr(loading, "load_causal_lm", lambda spec, **kw: (copy.deepcopy(model), tokenizer))
+
+    merged, _, _, settings = demo.load_smollm2(1024, 256)
+    assert "smollm2_adapter" in settings["adapter"] and "UNTRAINED" not in settings["adapter"]
+    stored = load_file(str(shipped / "adapter_model.safetensors"))
+    heads = eviction_heads(merged)
+    assert len(heads) == model.config.num_hidden_layers
+    for layer, head in heads.items():
+        key = next(k for k in stored if k.endswith(f"layers.{layer}.self_attn.eviction_head.A"))
+        assert torch.equal(head.A.detach(), stored[key]) and bool(stored[key].abs().sum() > 0)  # trained, not zero
+    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
+
+    assert cli_main(["demo", "--model", "smollm2", "--context", "1024", "--budget", "256", "--seed", "5"]) == 0
+    text = capsys.readouterr().out
+    check_output(text)
+    assert "adapter:     the NOSA retrofit adapter shipped in smollm2_adapter" in text
+    assert "sink 64, local 64, query-aware 64, eviction head 64" in text
+
+
 @pytest.mark.slow
 def test_smollm2_recipe_retrofit_smoke(smollm2, tmp_path):
     """The shipped recipe's path end to end at toy sizes: the SmolLM2 base, its tokenizer and the built-in text."""

