@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--scoring", default="library", choices=SCORINGS,
                         help="QUOKA block score: the library's, or the previous cosine score")
+    parser.add_argument("--dense-tail", type=int, default=None,
+                        help="prefill_dense_tail_tokens (default: the library's); 0 gives QUOKA before the dense tail")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args(argv)
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     ratios = [int(x) for x in args.ratios.split(",")]
     model = to_nosa(model, nosa_layout(None, lengths[0] // ratios[0]))
-    report = {"environment": environment(), "scoring": args.scoring, "cells": []}
+    report = {"environment": environment(), "scoring": args.scoring, "seed": args.seed, "cells": []}
     print(f"{'length':>6} {'budget':>6} {'prefill':>7} {'found':>7}  seconds")
     for length in lengths:
         samples = generate_samples("passkey", n=args.samples, length=length, tokenizer=tokenizer, seed=args.seed)
@@ -75,6 +77,8 @@ def main(argv=None) -> int:
             layout = nosa_layout(None, length // ratio)
             for prefill in args.prefills.split(","):
                 config = layout.replace(prefill=prefill)
+                if args.dense_tail is not None:
+                    config = config.replace(prefill_dense_tail_tokens=args.dense_tail)
                 found, answers, start = 0, [], time.perf_counter()
                 for sample in samples:
                     ids = tokenizer(sample.prompt, add_special_tokens=sample.add_special_tokens,

@@ -27,7 +27,10 @@ class NosaConfig:
     everything (the whole KV on the device), "nosa" applies the decode rule to every token, "quoka" runs the
     chunked QUOKA prefill (chunks of ``prefill_chunk_size`` tokens, each attending to ``prefill_budget_tokens``
     of blocks chosen by ``quoka_queries`` queries per head, plus itself), and "auto" (the default) is "dense"
-    while the sequence fits in ``prefill_budget_tokens`` and "quoka" beyond.
+    while the sequence fits in ``prefill_budget_tokens`` and "quoka" beyond. Under "quoka", a chunk holding one of the
+    prompt's last ``prefill_dense_tail_tokens`` tokens attends to every earlier token instead (read from the host
+    store): those queries give the first answer token and the keys decoding reads first; 0 keeps every chunk within
+    ``prefill_budget_tokens`` (device KV bounded by it plus a chunk, whatever the prompt length).
 
     ``host_dtype`` is how the host store keeps K and V: "auto" (the model's dtype), or "float8_e4m3fn" / "int8"
     with one fp32 scale per (block, KV head) (``hf_nosa.host_quant``), which halves the host memory and the bytes
@@ -52,6 +55,7 @@ class NosaConfig:
     quoka_queries: int = 16
     prefill_budget_tokens: int | None = None
     host_dtype: str = "auto"
+    prefill_dense_tail_tokens: int = 64
 
     def __post_init__(self):
         def fail(name: str, rule: str, fix: str = ""):
@@ -69,6 +73,7 @@ class NosaConfig:
             "compress_stride",
             "prefill_chunk_size",
             "quoka_queries",
+            "prefill_dense_tail_tokens",
         )
         for name in int_fields:
             value = getattr(self, name)
@@ -106,6 +111,8 @@ class NosaConfig:
             fail("host_dtype", f"allowed values are {HOST_DTYPES}")
         if self.quoka_queries < 1:
             fail("quoka_queries", "it must be at least 1")
+        if self.prefill_dense_tail_tokens < 0:
+            fail("prefill_dense_tail_tokens", "it must be 0 (every QUOKA chunk within its budget) or more")
         if self.prefill_budget_tokens is not None:
             if isinstance(self.prefill_budget_tokens, bool) or not isinstance(self.prefill_budget_tokens, int):
                 fail("prefill_budget_tokens", "it must be an integer or None")

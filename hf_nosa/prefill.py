@@ -15,6 +15,13 @@ chunk and per KV head:
 
 So a chunk reads at most ``prefill_budget_tokens + prefill_chunk_size`` KV tokens per (sequence, KV head)
 (``stats()["device_tokens"]``), and the prompt's K/V are never on the device at once.
+
+The exception is the prompt's tail (``prefill_dense_tail_tokens``, default one block): a chunk holding one of a
+row's last tokens attends to every earlier token of that row, read from the host store. Those queries produce the
+first answer token, and their keys and values are what decoding reads first (its local window); on SmolLM2 at 4K
+with a budget of 1/8, QUOKA's budget in that chunk lost pass keys that dense prefill kept, even where the key's
+block was selected (docs/results.md). That chunk then holds one layer's whole prompt on the device for a moment and
+moves it once more over PCIe.
 """
 
 from __future__ import annotations
@@ -112,7 +119,12 @@ class PrefillPaths:
         if start == 0 and offsets is not None and offsets.numel() == self.batch and self.selector is None:
             self.host.set_limits(target - offsets)  # rows end before their padding: a quantized tail stays exact
         if mode == "quoka":
-            inputs = self._quoka_inputs(k, v, q, b, None if pad is None else pad[:, 0] == 0, start)
+            valid = None if pad is None else pad[:, 0] == 0
+            dense_rows = self._dense_tail_rows(start, end, target)
+            if dense_rows is None:
+                inputs = self._quoka_inputs(k, v, q, b, valid, start)
+            else:
+                inputs = self._dense_tail_inputs(k, v, q, b, valid, start, dense_rows)
             self._store(start, k, v, b)
         else:
             self._store(start, k, v, b)
@@ -157,6 +169,35 @@ class PrefillPaths:
         values = torch.cat([self.slot_v[:, :, :S].flatten(2, 3), v], 2)
         key_bias = torch.cat([self.slot_b[:, :, :S].flatten(2), b], 2)
         return AttentionInputs(keys, values, key_bias, None, S * self.cfg.block_size, causal=True)
+
+    def _dense_tail_rows(self, start: int, end: int, target: int) -> torch.Tensor | None:
+        """``[B]`` CPU bool: the rows for which the chunk ``start .. end`` holds one of their last
+        ``prefill_dense_tail_tokens`` tokens (None when no row does). A row counts from its first real token and
+        ends before its padding (``modeling.chunked`` moves padding last), so it gets the chunks it would alone."""
+        tail = self.cfg.prefill_dense_tail_tokens
+        if tail == 0 or start == 0:  # the first chunk has nothing earlier to attend to
+            return None
+        offsets = self.state.prefill_offsets
+        lengths = torch.full((self.batch,), target, dtype=torch.long)
+        if offsets is not None and offsets.numel() == self.batch:
+            lengths = lengths - offsets
+        rows = end > lengths - tail
+        return rows if bool(rows.any()) else None
+
+    def _dense_tail_inputs(self, k, v, q, b, valid, start, dense_rows) -> AttentionInputs:
+        """The chunk attends to every earlier token (read from the host store) and to itself; rows not in their
+        tail (a padded batch's longer rows) still see only QUOKA's blocks, through the bias."""
+        hk, hv, hb = self._read_counted(0, start)
+        if not bool(dense_rows.all()):
+            P = self.cfg.block_size
+            selected = quoka_select(self, q, valid, start)  # [B, Hk, K], blocks before start
+            chosen = torch.zeros(*selected.shape[:2], start // P + 1, dtype=torch.bool, device=selected.device)
+            chosen.scatter_(2, selected.clamp(min=0), selected >= 0)  # -1 (none) lands in the spare last column
+            seen = chosen[:, :, :-1] | dense_rows.to(selected.device)[:, None, None]
+            hb = torch.where(seen.repeat_interleave(P, 2)[:, :, :start], hb, MASK_VALUE)
+        self.peak_device_tokens = max(self.peak_device_tokens, start + k.shape[2])
+        return AttentionInputs(torch.cat([hk, k], 2), torch.cat([hv, v], 2), torch.cat([hb, b], 2), None, start,
+                               causal=True)
 
     def _finish_prefill(self, k, v, b, start) -> None:
         """The prompt is in: drop the staging, count each row from its first real token (when the prompt came

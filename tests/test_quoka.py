@@ -176,8 +176,10 @@ def test_selection_forces_sink_and_local_then_takes_the_top_scores():
 
 @pytest.mark.parametrize("chunk, budget", [(32, 64), (48, 96)])
 def test_device_kv_never_exceeds_budget_plus_chunk(monkeypatch, chunk, budget):
+    # Without a dense tail: the bound then holds whatever the prompt length (test_dense_tail_* below cover the tail).
     model = _model("llama", seed=5)
-    cfg = small_nosa_config(budget_tokens=96, query_tokens=16, prefill_budget_tokens=budget, prefill_chunk_size=chunk)
+    cfg = small_nosa_config(budget_tokens=96, query_tokens=16, prefill_budget_tokens=budget, prefill_chunk_size=chunk,
+                            prefill_dense_tail_tokens=0)
     seen = []
     original = attention_module.attend_cache_inputs
 
@@ -229,7 +231,8 @@ def test_generate_on_a_long_prompt_with_the_default_config():
     assert out.sequences.shape == (1, ids.shape[1] + 3)
     stats = out.past_key_values.stats()
     assert stats["seen_tokens"] == ids.shape[1] + 2 and stats["decode_steps"] == 2
-    assert cfg.budget_tokens < stats["device_tokens"] <= cfg.budget_tokens + cfg.prefill_chunk_size
+    # the last chunk holds the prompt's tail, so it attended to the whole prompt (prefill_dense_tail_tokens)
+    assert stats["device_tokens"] == ids.shape[1]
 
 
 def test_quoka_outside_a_nosa_cache_says_it_attends_fully(caplog, monkeypatch):
@@ -352,3 +355,88 @@ def test_quoka_with_interpreted_kernels_equals_the_torch_path(monkeypatch):
     actual = run()
     real = mask.bool()
     torch.testing.assert_close(actual[real], expected[real], atol=1e-4, rtol=1e-4)
+
+
+# ----- the prompt's tail attends densely (prefill_dense_tail_tokens) -----
+
+
+def _visible_keys(monkeypatch):
+    """Per prefill chunk, in call order: (queries, keys the chunk can attend to) of the widest row and KV head."""
+    seen = []
+    original = attention_module.attend_cache_inputs
+
+    def spy(query, inputs, scale):
+        if query.shape[2] > 1:
+            seen.append((query.shape[2], int((inputs.key_bias > MASK_VALUE / 2).sum(-1).amax())))
+        return original(query, inputs, scale)
+
+    monkeypatch.setattr(attention_module, "attend_cache_inputs", spy)
+    return seen
+
+
+def test_chunks_holding_the_tail_attend_to_every_earlier_token_and_the_others_to_the_budget(monkeypatch):
+    model = _model("llama", seed=8)
+    cfg = small_nosa_config(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=32,
+                            prefill_dense_tail_tokens=40)
+    seen = _visible_keys(monkeypatch)
+    cache = NosaCache(model.config, cfg)
+    with torch.no_grad():
+        model(_prompt(1, 300, seed=4)[0], past_key_values=cache)
+    starts = list(range(0, 300, 32))
+    per_layer = [seen[i :: 2] for i in range(2)]  # two layers, chunk by chunk
+    for layer in per_layer:
+        for start, (n_queries, visible) in zip(starts, layer):
+            if start + n_queries > 300 - 40:  # chunks 256 and 288 hold the last 40 tokens
+                assert visible == start + n_queries
+            else:
+                assert visible <= 64 + n_queries
+    assert cache.stats()["device_tokens"] == 300
+
+
+@pytest.mark.parametrize("left_pad", [(), (0, 45)], ids=["batch1", "leftpad2"])
+def test_a_tail_covering_the_prompt_is_dense_prefill(left_pad):
+    # Every chunk in the tail: each attends to everything before it, whatever the small budget.
+    model = _model("qwen3", seed=6)
+    ids, mask = _prompt(max(1, len(left_pad)), 200, seed=5, left_pad=left_pad)
+    base = dict(prefill_budget_tokens=48, prefill_chunk_size=32)
+    dense = NosaCache(model.config, small_nosa_config(prefill="dense", **base))
+    tail = NosaCache(model.config, small_nosa_config(prefill="quoka", prefill_dense_tail_tokens=200, **base))
+    expected, actual = _run(model, dense, ids, mask, 3), _run(model, tail, ids, mask, 3)
+    real = mask.bool()
+    torch.testing.assert_close(actual[0][real], expected[0][real], atol=1e-4, rtol=1e-4)
+    for step_actual, step_expected in zip(actual[1:], expected[1:]):
+        torch.testing.assert_close(step_actual, step_expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_tails_host_reads_are_counted():
+    # Tail over the whole prompt: chunk i reads tokens 0 .. 32 i of every layer, nothing else comes from the host.
+    model = _model("llama", seed=2)
+    cfg = small_nosa_config(prefill="quoka", prefill_budget_tokens=48, prefill_chunk_size=32,
+                            prefill_dense_tail_tokens=1000)
+    cache = NosaCache(model.config, cfg)
+    with torch.no_grad():
+        model(_prompt(2, 130, seed=7)[0], past_key_values=cache)
+    layer = cache.layers[0]
+    per_token = 2 * layer.kv_heads * (2 * layer.head_dim * 4 + 4)  # batch 2; K, V fp32 and the fp32 score
+    assert cache.stats()["bytes_to_device"] == len(cache.layers) * per_token * sum(range(0, 130, 32))
+
+
+def test_padded_rows_get_the_tail_they_would_alone():
+    # The 90-token row's tail falls in chunks the 150-token row takes by QUOKA: one chunk serves both rules.
+    model = _model("llama", seed=9)
+    cfg = small_nosa_config(prefill="quoka", prefill_budget_tokens=48, prefill_chunk_size=32,
+                            prefill_dense_tail_tokens=20)
+    ids, mask = _prompt(2, 150, seed=8, left_pad=(0, 60))
+    with torch.no_grad():
+        together = model(ids, attention_mask=mask, past_key_values=NosaCache(model.config, cfg)).logits
+        for row, pad in enumerate((0, 60)):
+            alone = model(ids[row : row + 1, pad:], past_key_values=NosaCache(model.config, cfg)).logits
+            torch.testing.assert_close(together[row, pad:], alone[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, None])
+def test_dense_tail_must_be_a_non_negative_integer(value):
+    with pytest.raises(ValueError, match="prefill_dense_tail_tokens"):
+        NosaConfig(prefill_dense_tail_tokens=value)
+    saved = NosaConfig(prefill_dense_tail_tokens=0).to_dict()
+    assert NosaConfig.from_dict(saved).prefill_dense_tail_tokens == 0
