@@ -33,6 +33,7 @@ from benchmarks.train_step import _sync, _timed  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.attend import AttentionInputs, attend  # noqa: E402
 from hf_nosa.dense_attention import bias_columns, biased_attention  # noqa: E402
+from hf_nosa.kernels.flash_biased import flash_biased  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 
 HEADS = {"1b": (32, 8, 64), "8b": (32, 8, 128)}
@@ -82,6 +83,7 @@ def attention_rows(name: str, seq_len: int, args, device, dtype) -> list[dict]:
         index = torch.arange(seq_len, device=device, dtype=torch.int32).expand(1, Hk, 1, seq_len)
         runs["chunk_attention_kernel"] = lambda: chunk_attention(
             q, k, v, bias, index, [0, seq_len], [0], scale, out=torch.empty_like(q))
+        runs["flash_biased_kernel"] = lambda: flash_biased(q, k, v, bias, scale, q_offset=0)
     rows = []
     for run, fn in runs.items():
         row = dict(kind="attention", shape=name, seq_len=seq_len, run=run, heads=[H, Hk, D])
@@ -91,11 +93,12 @@ def attention_rows(name: str, seq_len: int, args, device, dtype) -> list[dict]:
             row.update(seconds=seconds, kernels=_kernels(fn, device))
             if run != "biased_last_queries":
                 row["tflops"] = flops / seconds / 1e12
-            if run.startswith("biased"):
+            if run.startswith("biased") or run == "flash_biased_kernel":
                 check = AttentionInputs(k, v, bias, None, seq_len - 512, causal=True)
                 ref = attend(q[:, :, -512:], check, scale).float()
-                row["max_abs_diff_vs_attend_last_512"] = float((biased_attention(q[:, :, -512:], check, scale).float()
-                                                                - ref).abs().max())
+                ours = (flash_biased(q[:, :, -512:], k, v, bias, scale, q_offset=seq_len - 512)
+                        if run == "flash_biased_kernel" else biased_attention(q[:, :, -512:], check, scale))
+                row["max_abs_diff_vs_attend_last_512"] = float((ours.float() - ref).abs().max())
 
         rows.append(_recorded(row, measure))
     return rows
@@ -142,6 +145,7 @@ def quoka_chunk_rows(name: str, args, device, dtype) -> list[dict]:
         index = torch.arange(S, device=device, dtype=torch.int32).expand(B, Hk, 1, S)
         runs["chunk_attention_kernel"] = lambda: chunk_attention(
             q, k, v, bias, index, [0, chunk], [budget], scale, out=torch.empty_like(q))
+        runs["flash_biased_kernel"] = lambda: flash_biased(q, k, v, bias, scale, q_offset=budget)
         runs.update(_quoka_chunk_candidates(q, k, v, bias, budget, scale))
     rows = []
     n = min(256, chunk)
