@@ -7,7 +7,9 @@ the hf-nosa cache); the tests skip only when that download fails (no network).
 from __future__ import annotations
 
 import copy
+import importlib.util
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ import torch
 from hf_nosa import NosaCache, NosaConfig, to_nosa
 from hf_nosa.eval import generate_samples
 from hf_nosa.loading import DownloadError, load_causal_lm, packaged_gguf
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("gguf", reason="the gguf package (pip install 'hf-nosa[gguf]') reads the GGUF file")
 
@@ -116,9 +120,6 @@ def test_demo_model_smollm2_runs_untrained_and_says_so(smollm2, monkeypatch, cap
     assert re.search(r"answer: .*-> correct", text), text
 
 
-SHIPPED_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "nosa_retrofit.json")
-
-
 def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, tmp_path, monkeypatch, capsys):
     """Issue 16 item 5: the files ``hf-nosa retrofit`` writes for SmolLM2 (one step of the shipped recipe at toy
     sizes here, ``experiments/smollm2/gpu.sh retrofit`` on the GPU), placed where the package ships an adapter, are
@@ -146,9 +147,13 @@ def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, tmp_p
                   seq_len=256, steps=1, grad_accum=1, warmup_steps=0, save_every=0)
     retrofit(recipe, data, tmp_path / "run", base_model=copy.deepcopy(model))
     shipped = tmp_path / "smollm2_adapter"
-    shipped.mkdir()
-    for name in SHIPPED_ADAPTER_FILES:  # what experiments/smollm2/README.md copies into hf_nosa/assets
-        (shipped / name).write_bytes((tmp_path / "run" / name).read_bytes())
+    # how an adapter gets into hf_nosa/assets: experiments/smollm2/ship_adapter.py
+    spec = importlib.util.spec_from_file_location("ship_adapter", ROOT / "experiments" / "smollm2" / "ship_adapter.py")
+    shipping = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shipping)
+    shipping.ship(tmp_path / "run", shipped)
+    assert sorted(p.name for p in shipped.iterdir()) == sorted(shipping.SHIPPED)
+    assert json_module.loads((shipped / "adapter_config.json").read_text())["base_model_name_or_path"] == "smollm2"
     monkeypatch.setattr(demo, "SMOLLM2_ADAPTER", shipped)
     monkeypatch.setattr(loading, "load_causal_lm", lambda spec, **kw: (copy.deepcopy(model), tokenizer))
 
