@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from .masks import additive_mask
+
+if TYPE_CHECKING:
+    from .prefix_attention import Prefix
 
 # Query rows per chunk, so that long prefills never hold all logits at once.
 _QUERY_CHUNK = 1024
@@ -18,6 +21,8 @@ class AttentionInputs(NamedTuple):
     keys, values: ``[B, Hk, S, D]``; key_bias: ``[B, Hk, S]`` fp32 added to every query's logits (eviction score,
     padding, empty slots); attn_mask: additive ``[B or 1, 1 or Hk, Tq, S]`` fp32 or None; q_offset: position of
     the first query among the keys (for causal masking when attn_mask is None); causal: whether to apply it.
+    prefix: keys before these, too many for the device at once, read in pieces (``prefix_attention.Prefix``;
+    every query sees all of them; q_offset and attn_mask then count the keys above only); None: none.
     """
 
     keys: torch.Tensor
@@ -26,6 +31,19 @@ class AttentionInputs(NamedTuple):
     attn_mask: torch.Tensor | None
     q_offset: int
     causal: bool
+    prefix: Prefix | None = None
+
+
+def with_prefix_read(inputs: AttentionInputs) -> AttentionInputs:
+    """``inputs`` with its prefix read whole and put before its keys (the reference's view of it)."""
+    if inputs.prefix is None:
+        return inputs
+    if inputs.attn_mask is not None:
+        raise ValueError("AttentionInputs: a prefix goes with the causal rule, not with an attn_mask")
+    n = inputs.prefix.length
+    k, v, b = inputs.prefix.read(0, n)
+    return AttentionInputs(torch.cat([k, inputs.keys], 2), torch.cat([v, inputs.values], 2),
+                           torch.cat([b, inputs.key_bias], 2), None, inputs.q_offset + n, inputs.causal)
 
 
 def attend(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.Tensor:
@@ -39,6 +57,7 @@ def attend(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.
     Returns:
         ``[B, H, Tq, D]`` in the query's dtype; fp32 accumulation.
     """
+    inputs = with_prefix_read(inputs)
     B, H, Tq, D = query.shape
     keys, values = inputs.keys.float(), inputs.values.float()
     Hk, S = keys.shape[1], keys.shape[2]

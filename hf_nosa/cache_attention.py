@@ -18,10 +18,16 @@ from .attend import AttentionInputs
 from .dense_attention import biased_attention
 from .kernels.backend import kernel_path
 from .kernels.decode_attention import decode_attention
+from .prefix_attention import attend_with_prefix
 
 
 def attend_cache_inputs(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.Tensor:
     """``softmax(q . k * scale + bias) . v`` over ``inputs``; ``query [B, H, Tq, D]`` -> ``[B, H, Tq, D]``."""
+    if inputs.prefix is not None:  # a chunk over a whole prompt: the prompt in pieces, then the chunk (causal)
+        if not inputs.causal or inputs.attn_mask is not None or inputs.q_offset != 0 \
+                or inputs.keys.shape[2] != query.shape[2]:
+            raise ValueError("attend_cache_inputs: a prefix goes with a causal chunk over its own keys only")
+        return attend_with_prefix(query, inputs.keys, inputs.values, inputs.key_bias, inputs.prefix, scale)
     if query.shape[2] == 1 and not inputs.causal and inputs.attn_mask is None \
             and kernel_path("cache_attention", query) == "triton":
         return decode_attention(query, inputs.keys, inputs.values, inputs.key_bias, scale)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attend import AttentionInputs
+from .attend import AttentionInputs, with_prefix_read
 from .attend import attend as biased_attention_ref
 from .selection import MASK_VALUE
 
@@ -153,6 +153,7 @@ def biased_attention(query: torch.Tensor, inputs: AttentionInputs, scale: float,
         >>> torch.allclose(out, biased_attention_ref(q, inputs, 0.25), atol=1e-5)
         True
     """
+    inputs = with_prefix_read(inputs)  # (prefix_attention.attend_with_prefix reads it in pieces instead)
     keys, values, bias, attn_mask = inputs.keys, inputs.values, inputs.key_bias, inputs.attn_mask
     if query.dim() != 4 or keys.dim() != 4 or keys.shape != values.shape:
         raise ValueError(

@@ -20,8 +20,8 @@ The exception is the prompt's tail (``prefill_dense_tail_tokens``, default one b
 row's last tokens attends to every earlier token of that row, read from the host store. Those queries produce the
 first answer token, and their keys and values are what decoding reads first (its local window); on SmolLM2 at 4K
 with a budget of 1/8, QUOKA's budget in that chunk lost pass keys that dense prefill kept, even where the key's
-block was selected (docs/results.md). That chunk then holds one layer's whole prompt on the device for a moment and
-moves it once more over PCIe.
+block was selected (docs/results.md). That chunk reads the prompt once more over PCIe, a prefill budget at a time
+(``prefix_attention``), so the device never holds more than a budget of it.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from .kernels.host_write import host_write
 from .kernels.quoka_score import quoka_score
 from .masks import additive_mask, padding_bias
 from .padding import from_rows
+from .prefix_attention import Prefix
 from .selection import MASK_VALUE, nosa_token_mask, quoka_query_choice, quoka_select_blocks, windows_available
 
 _WRITERS: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -185,19 +186,27 @@ class PrefillPaths:
         return rows if bool(rows.any()) else None
 
     def _dense_tail_inputs(self, k, v, q, b, valid, start, dense_rows) -> AttentionInputs:
-        """The chunk attends to every earlier token (read from the host store) and to itself; rows not in their
-        tail (a padded batch's longer rows) still see only QUOKA's blocks, through the bias."""
-        hk, hv, hb = self._read_counted(0, start)
+        """The chunk attends to every earlier token and to itself; rows not in their tail (a padded batch's longer
+        rows) still see only QUOKA's blocks, through the bias. The earlier tokens stay in the host store: the
+        attention reads them a prefill budget at a time (``prefix_attention``), so the device holds one piece of
+        them, as a QUOKA chunk holds its budget, whatever the prompt's length."""
+        P = self.cfg.block_size
+        seen = None
         if not bool(dense_rows.all()):
-            P = self.cfg.block_size
             selected = quoka_select(self, q, valid, start)  # [B, Hk, K], blocks before start
             chosen = torch.zeros(*selected.shape[:2], start // P + 1, dtype=torch.bool, device=selected.device)
             chosen.scatter_(2, selected.clamp(min=0), selected >= 0)  # -1 (none) lands in the spare last column
-            seen = chosen[:, :, :-1] | dense_rows.to(selected.device)[:, None, None]
-            hb = torch.where(seen.repeat_interleave(P, 2)[:, :, :start], hb, MASK_VALUE)
-        self.peak_device_tokens = max(self.peak_device_tokens, start + k.shape[2])
-        return AttentionInputs(torch.cat([hk, k], 2), torch.cat([hv, v], 2), torch.cat([hb, b], 2), None, start,
-                               causal=True)
+            seen = (chosen[:, :, :-1] | dense_rows.to(selected.device)[:, None, None]).repeat_interleave(P, 2)
+
+        def read(lo: int, hi: int):
+            hk, hv, hb = self._read_counted(lo, hi)
+            if seen is not None:
+                hb = torch.where(seen[:, :, lo:hi], hb, MASK_VALUE)
+            return hk, hv, hb
+
+        piece = self.cfg.prefill_budget_blocks * P
+        self.peak_device_tokens = max(self.peak_device_tokens, min(start, piece) + k.shape[2])
+        return AttentionInputs(k, v, b, None, 0, causal=True, prefix=Prefix(read, start, piece))
 
     def _finish_prefill(self, k, v, b, start) -> None:
         """The prompt is in: drop the staging, count each row from its first real token (when the prompt came

@@ -1,0 +1,97 @@
+"""Attention over a prefix read in pieces: a prefill chunk that attends to a whole long prompt without holding it.
+
+QUOKA's dense tail (``prefill.PrefillPaths._dense_tail_inputs``) lets the prompt's last chunk see every earlier
+token. Read at once, that prefix is a whole layer's K/V on the device for ``B x prompt`` tokens (5 GB at 38 x 64K
+tokens in the 1B shape, before the attention's own copies), which would make peak device memory grow with the
+prompt. Here it is read ``piece_tokens`` at a time from the host store; each piece's attention returns its
+log-sum-exp, and the pieces and the chunk's own causal part are merged as flash-decoding merges splits:
+
+    out = sum_i e^(lse_i - m) out_i / sum_i e^(lse_i - m),  m = max_i lse_i
+
+which equals one softmax over all keys. Each piece runs on sdpa's fused kernels with the eviction bias in extra
+head dimensions (``dense_attention.bias_columns``); a piece precedes every query, so the GQA group is folded into
+the query rows (no copy of the keys per query head).
+
+``attend.attend`` reads the prefix whole and is the reference (``tests/test_prefix_attention.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from .dense_attention import bias_columns
+
+
+class Prefix(NamedTuple):
+    """Keys before those an ``AttentionInputs`` holds: ``read(lo, hi)`` returns ``(k, v, b)`` of prefix tokens
+    ``lo .. hi - 1`` (``[B, Hk, hi - lo, D]`` twice and ``[B, Hk, hi - lo]`` fp32) on the query's device;
+    ``length`` tokens in all, read ``piece_tokens`` at a time."""
+
+    read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    length: int
+    piece_tokens: int
+
+
+def _fused(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """sdpa's fused kernel with its log-sum-exp: ``q/k/v [B, h, T, D']`` (same heads) -> out, lse ``[B, h, Tq]``."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    if q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+    return out, lse[..., : q.shape[2]]  # the efficient kernel pads its lse rows to a multiple of 32
+
+
+def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                       scale: float, *, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax(q . k * scale + bias) . v`` and its log-sum-exp, fp32.
+
+    Args:
+        query: ``[B, H, Tq, D]``; keys, values ``[B, Hk, S, D]``; bias ``[B, Hk, S]`` fp32.
+        causal: query ``i`` sees keys ``0 .. i`` (needs ``Tq == S``); otherwise every key.
+
+    Returns:
+        ``out [B, H, Tq, D]`` and ``lse [B, H, Tq]``, both fp32.
+    """
+    B, H, Tq, D = query.shape
+    Hk, S = keys.shape[1], keys.shape[2]
+    G = H // Hk
+    if causal and Tq != S:
+        raise ValueError(f"attention_with_lse: a causal call needs as many queries as keys; got {Tq} and {S}")
+    q2, k2, v2 = bias_columns(query, keys.to(query.dtype), values.to(query.dtype), bias, scale)
+    width = q2.shape[-1]
+    if causal:
+        if G > 1:
+            k2, v2 = k2.repeat_interleave(G, 1), v2.repeat_interleave(G, 1)
+        out, lse = _fused(q2, k2, v2, True, scale)
+    else:  # every row sees every key: the group's rows share one call per KV head
+        out, lse = _fused(q2.reshape(B, Hk, G * Tq, width), k2, v2, False, scale)
+        out, lse = out.reshape(B, H, Tq, width), lse.reshape(B, H, Tq)
+    return out[..., :D].float(), lse.float()
+
+
+def attend_with_prefix(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                       prefix: Prefix, scale: float) -> torch.Tensor:
+    """The chunk's queries over the prefix (read in pieces, all visible) and then over its own keys (causal).
+
+    Args:
+        query: ``[B, H, Tq, D]`` the chunk's queries; keys, values ``[B, Hk, Tq, D]``, bias ``[B, Hk, Tq]``: the
+            chunk's own keys, which follow the prefix.
+
+    Returns:
+        ``[B, H, Tq, D]`` in the query's dtype.
+    """
+    out, lse = attention_with_lse(query, keys, values, bias, scale, causal=True)
+    for lo in range(0, prefix.length, prefix.piece_tokens):
+        k, v, b = prefix.read(lo, min(prefix.length, lo + prefix.piece_tokens))
+        piece_out, piece_lse = attention_with_lse(query, k, v, b, scale, causal=False)
+        m = torch.maximum(lse, piece_lse)
+        w, piece_w = torch.exp(lse - m), torch.exp(piece_lse - m)
+        out = (out * w[..., None] + piece_out * piece_w[..., None]) / (w + piece_w)[..., None]
+        lse = m + torch.log(w + piece_w)
+    return out.to(query.dtype)

@@ -1,0 +1,83 @@
+"""Attention over a prefix read in pieces (``prefix_attention``) against the reference that reads it whole."""
+
+import pytest
+import torch
+
+from hf_nosa.attend import AttentionInputs, attend
+from hf_nosa.cache_attention import attend_cache_inputs
+from hf_nosa.prefix_attention import Prefix, attend_with_prefix, attention_with_lse
+from hf_nosa.selection import MASK_VALUE
+
+from .utils import assert_close
+
+
+def _tensors(B, H, Hk, Tq, S, D, dtype, seed, extreme=False, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Tq, D, generator=g).to(dtype)
+    k = torch.randn(B, Hk, S, D, generator=g).to(dtype)
+    v = torch.randn(B, Hk, S, D, generator=g).to(dtype)
+    b = torch.randn(B, Hk, S, generator=g) * (30.0 if extreme else 1.0)
+    if extreme:
+        b = b.clamp(-80, 80)
+        b[..., 3::11] = MASK_VALUE  # hidden keys (padding, unselected blocks)
+    return q.to(device), k.to(device), v.to(device), b.to(device)
+
+
+def _prefix(k, v, b, piece, reads=None):
+    def read(lo, hi):
+        if reads is not None:
+            reads.append((lo, hi))
+        return k[:, :, lo:hi], v[:, :, lo:hi], b[:, :, lo:hi]
+
+    return Prefix(read, k.shape[2], piece)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lse_matches_the_logits(causal, dtype):
+    q, k, v, b = _tensors(2, 4, 2, 9, 9, 16, dtype, seed=1, extreme=True)
+    out, lse = attention_with_lse(q, k, v, b, 0.25, causal=causal)
+    ref = attend(q, AttentionInputs(k, v, b, None, 0, causal=causal), 0.25)
+    logits = torch.einsum("bkgtd,bksd->bkgts", q.float().view(2, 2, 2, 9, 16), k.float()) * 0.25
+    logits = logits + b[:, :, None, None, :]
+    if causal:
+        logits = logits.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_close(out, ref, atol=tol, rtol=tol)
+    assert_close(lse, logits.logsumexp(-1).view(2, 4, 9), atol=1e-4 * 30, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("piece", [7, 16, 100])
+def test_pieces_merge_to_one_softmax(dtype, piece):
+    """A chunk of 12 queries over a 45-token prefix (pieces of 7, 16, or all of it) and itself."""
+    q, k, v, b = _tensors(2, 8, 2, 12, 57, 16, dtype, seed=piece, extreme=True)
+    reads = []
+    prefix = _prefix(k[:, :, :45], v[:, :, :45], b[:, :, :45], piece, reads)
+    out = attend_with_prefix(q, k[:, :, 45:], v[:, :, 45:], b[:, :, 45:], prefix, 0.3)
+    ref = attend(q, AttentionInputs(k, v, b, None, 45, causal=True), 0.3)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert_close(out, ref, atol=tol, rtol=tol)
+    assert max(hi - lo for lo, hi in reads) == min(piece, 45) and reads[-1][1] == 45
+
+
+def test_cache_inputs_with_a_prefix_route_to_the_pieces():
+    q, k, v, b = _tensors(1, 4, 1, 10, 40, 16, torch.float32, seed=3)
+    inputs = AttentionInputs(k[:, :, 30:], v[:, :, 30:], b[:, :, 30:], None, 0, True,
+                             _prefix(k[:, :, :30], v[:, :, :30], b[:, :, :30], 8))
+    expected = attend(q, AttentionInputs(k, v, b, None, 30, causal=True), 0.25)
+    assert_close(attend_cache_inputs(q, inputs, 0.25), expected, atol=1e-5, rtol=1e-5)
+    assert_close(attend(q, inputs, 0.25), expected, atol=1e-6, rtol=1e-6)  # the reference reads it whole
+    with pytest.raises(ValueError, match="prefix goes with a causal chunk"):
+        attend_cache_inputs(q, inputs._replace(causal=False), 0.25)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_pieces_on_gpu(dtype):
+    q, k, v, b = _tensors(3, 32, 8, 512, 512 + 5000, 64, dtype, seed=4, extreme=True, device="cuda")
+    prefix = _prefix(k[:, :, :5000], v[:, :, :5000], b[:, :, :5000], 2048)
+    out = attend_with_prefix(q, k[:, :, 5000:], v[:, :, 5000:], b[:, :, 5000:], prefix, 0.125)
+    ref = attend(q.float(), AttentionInputs(k.float(), v.float(), b, None, 5000, causal=True), 0.125)
+    assert_close(out, ref, atol=2e-2, rtol=2e-2)
