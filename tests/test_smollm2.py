@@ -157,7 +157,12 @@ def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, tmp_p
     monkeypatch.setattr(demo, "SMOLLM2_ADAPTER", shipped)
     monkeypatch.setattr(loading, "load_causal_lm", lambda spec, **kw: (copy.deepcopy(model), tokenizer))
 
-    merged, _, _, settings = demo.load_smollm2(1024, 256)
+    loaded = []
+    original = demo.load_smollm2
+    monkeypatch.setattr(demo, "load_smollm2", lambda *a, **kw: loaded.append(original(*a, **kw)) or loaded[-1])
+    assert cli_main(["demo", "--model", "smollm2", "--context", "1024", "--budget", "256", "--seed", "5"]) == 0
+    text = capsys.readouterr().out
+    merged, _, _, settings = loaded[0]
     assert "smollm2_adapter" in settings["adapter"] and "UNTRAINED" not in settings["adapter"]
     stored = load_file(str(shipped / "adapter_model.safetensors"))
     heads = eviction_heads(merged)
@@ -166,9 +171,6 @@ def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, tmp_p
         key = next(k for k in stored if k.endswith(f"layers.{layer}.self_attn.eviction_head.A"))
         assert torch.equal(head.A.detach(), stored[key]) and bool(stored[key].abs().sum() > 0)  # trained, not zero
     assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
-
-    assert cli_main(["demo", "--model", "smollm2", "--context", "1024", "--budget", "256", "--seed", "5"]) == 0
-    text = capsys.readouterr().out
     check_output(text)
     assert "adapter:     the NOSA retrofit adapter shipped in smollm2_adapter" in text
     assert "sink 64, local 64, query-aware 64, eviction head 64" in text
