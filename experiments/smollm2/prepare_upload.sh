@@ -63,8 +63,9 @@ echo "working tree $(mib "$TREE"), code snapshot $(mib "$CODE") (commit $(cut -c
 echo "largest call: $(mib $((TREE + CODE + WHL + PIECE))) of $LIMIT_MIB MiB"
 for K in $(seq 1 "$N"); do
     if [ "$K" -lt "$N" ]; then
-        echo "call $K: bash experiments/smollm2/gpu.sh upload-$K          carry [\"$DIR/part$K\"]"
+        echo "call $K: bash experiments/smollm2/gpu.sh upload-$K    carry [\"$DIR/part$K\"]"
     else
-        echo "call $K: bash experiments/smollm2/gpu.sh join retrofit+eval-base   carry [\"$DIR/part$K\", \"$DIR/whl\", \"$DIR/code\"]"
+        echo "call $K: CALL_SECONDS=540 bash experiments/smollm2/gpu.sh join retrofit+eval-base    carry [\"$DIR/part$K\", \"$DIR/whl\", \"$DIR/code\"]"
     fi
 done
+echo "call $((N + 1)): CALL_SECONDS=<device time left - 60, at most 540> bash experiments/smollm2/gpu.sh eval    carry [\"$DIR/code\"]"
