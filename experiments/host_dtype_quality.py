@@ -32,13 +32,15 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 import hf_nosa
 from hf_nosa import NosaCache, to_nosa
 from hf_nosa.config import HOST_DTYPES
 from hf_nosa.demo import DEFAULT_MODEL, demo_settings
 from hf_nosa.eval import evaluate_tasks, generate_samples, load_model, long_generation_perplexity, perplexity_documents
-from hf_nosa.eval.runner import _Traffic, environment, nosa_layout
+from hf_nosa.eval.runner import _Traffic, dense_attention_outside_nosa_cache, environment, nosa_layout
+from hf_nosa.host_quant import dequantize_blocks, quantize_blocks
 
 MODELS = ("demo", "smollm2")
 DTYPES = ("float32", "bfloat16")
@@ -123,6 +125,146 @@ def passkey_rows(model, tokenizer, config, context, host_dtypes, n, seed, log) -
     return out
 
 
+# ----- why a format loses: K against V, and finer scales (``--probe``) -----
+
+GRANULARITIES = ("block", "token", "channel")  # one scale per (block, KV head), per token, per channel of a block
+PROBE_VARIANTS = tuple(
+    (fmt, which, k_grain, v_grain)
+    for fmt in ("float8_e4m3fn", "int8")
+    for which, k_grain, v_grain in (("K", "block", None), ("V", None, "block"), ("KV", "block", "block"),
+                                    ("KV", "token", "token"), ("KV", "channel", "token"))
+)
+
+
+def fake_quantize(x: torch.Tensor, fmt: str, grain: str, block: int) -> torch.Tensor:
+    """``x [B, Hk, T, D]`` through the host format and back (``host_quant``), with one scale per (block of
+    ``block`` tokens, KV head) (``grain="block"``, the store's), per token, or per channel of a block; the last,
+    incomplete block stays exact, as in the store."""
+    B, Hk, T, D = x.shape
+    n = T // block * block
+    full = x[:, :, :n].reshape(B, Hk, n // block, block, D)
+    if grain == "token":
+        full = full.reshape(B, Hk, n, 1, D)
+    elif grain == "channel":
+        full = full.transpose(-1, -2).reshape(B, Hk, n // block, D, 1, block)
+    q, scale = quantize_blocks(full, fmt)
+    out = dequantize_blocks(q, scale, x.dtype)
+    if grain == "channel":
+        out = out.reshape(B, Hk, n // block, D, block).transpose(-1, -2)
+    return torch.cat([out.reshape(B, Hk, n, D), x[:, :, n:]], 2)
+
+
+class FakeQuantCache(DynamicCache):
+    """Full attention over K and/or V rounded through a host format, one whole prompt in one forward; sums the
+    squared rounding error and the squared values of K and of V over every layer."""
+
+    def __init__(self, config, fmt, k_grain, v_grain, block):
+        super().__init__(config=config)
+        self.fmt, self.k_grain, self.v_grain, self.block = fmt, k_grain, v_grain, block
+        self.error = {"K": [0.0, 0.0], "V": [0.0, 0.0]}  # [sum of squared error, sum of squares]
+        self.exact_values: dict[int, torch.Tensor] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # the store computes eviction scores from the exact values; a plain cache makes the layer recompute them from
+        # what it returns, so the layer's eviction head is handed the exact ones (``exact_eviction_input``)
+        self.exact_values[layer_idx] = value_states.transpose(1, 2).flatten(2)
+        out = []
+        for name, x, grain in (("K", key_states, self.k_grain), ("V", value_states, self.v_grain)):
+            if grain is not None:
+                y = fake_quantize(x.float(), self.fmt, grain, self.block).to(x.dtype)
+                self.error[name][0] += float((y.float() - x.float()).square().sum())
+                self.error[name][1] += float(x.float().square().sum())
+                x = y
+            out.append(x)
+        return super().update(out[0], out[1], layer_idx, *args, **kwargs)
+
+
+def exact_eviction_input(model, cache_ref: list):
+    """Forward pre-hooks: each layer's eviction head gets the exact values its FakeQuantCache saw (a NOSA layer
+    calls the head on the new values, then on what the cache returned)."""
+    hooks = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if not hasattr(attn, "eviction_head"):
+            continue
+
+        def hook(module, args, idx=attn.layer_idx):
+            cache = cache_ref[0]
+            if cache is not None and idx in cache.exact_values:
+                return (cache.exact_values[idx],)
+            return None
+
+        hooks.append(attn.eviction_head.register_forward_pre_hook(hook))
+    return hooks
+
+
+@torch.no_grad()
+def store_error(model, docs, config) -> dict:
+    """Relative RMS error of the K and V a NosaCache's host store gives back after a dense prefill of each document,
+    per quantized format, against the "auto" store: the rounding the decode steps fetch, to set beside the probe's
+    (each complete block rounded once, the last incomplete block exact)."""
+    from hf_nosa.eval import decode
+
+    def stored(hd, ids):
+        cache = NosaCache(model.config, config.replace(host_dtype=hd))
+        decode(model, torch.tensor([ids]), cache=cache, decode_from=len(ids))
+        return [layer.host.read(0, layer.host.length, "cpu")[:2] for layer in cache.layers]
+
+    out = {}
+    for hd in HOST_DTYPES[1:]:
+        sums = {"K": [0.0, 0.0], "V": [0.0, 0.0]}
+        for _, ids in docs:
+            for exact, rounded in zip(stored("auto", ids), stored(hd, ids)):
+                for name, x, y in (("K", exact[0], rounded[0]), ("V", exact[1], rounded[1])):
+                    sums[name][0] += float((y.float() - x.float()).square().sum())
+                    sums[name][1] += float(x.float().square().sum())
+        out[hd] = {f"{name.lower()}_relative_rms_error": math.sqrt(a / b) for name, (a, b) in sums.items()}
+    return out
+
+
+@torch.no_grad()
+def probe_rows(model, docs, block, scored, log) -> list[dict]:
+    """Teacher-forced NLL of each document's last ``scored`` tokens with full attention (a plain cache, so every
+    block is attended) for exact K/V and each ``PROBE_VARIANTS`` rounding, and the relative RMS error of K and V."""
+    cache_ref = [None]
+    hooks = exact_eviction_input(model, cache_ref)
+    rows = []
+    try:
+        with dense_attention_outside_nosa_cache(model):
+            for variant in ((None, "none", None, None), *PROBE_VARIANTS):
+                fmt, which, k_grain, v_grain = variant
+                nll, count, err = 0.0, 0, {"K": [0.0, 0.0], "V": [0.0, 0.0]}
+                for _, ids in docs:
+                    ids_t = torch.tensor([ids])
+                    cache = FakeQuantCache(model.config, fmt, k_grain, v_grain, block) if fmt else DynamicCache(
+                        config=model.config)
+                    cache_ref[0] = cache if fmt else None
+                    logits = model(input_ids=ids_t, use_cache=True, past_key_values=cache,
+                                   logits_to_keep=scored + 1).logits[0, :-1].float()
+                    targets = ids_t[0, -scored:]
+                    nll += float(-torch.log_softmax(logits, -1).gather(-1, targets[:, None]).sum())
+                    count += scored
+                    if fmt:
+                        for name in err:
+                            err[name][0] += cache.error[name][0]
+                            err[name][1] += cache.error[name][1]
+                row = {"format": fmt or "exact", "quantized": which, "k_scale": k_grain, "v_scale": v_grain,
+                       "perplexity": math.exp(nll / count)}
+                for name, (sq, total) in err.items():
+                    if total:
+                        row[f"{name.lower()}_relative_rms_error"] = math.sqrt(sq / total)
+                if rows:
+                    row["ratio_to_exact"] = row["perplexity"] / rows[0]["perplexity"]
+                rows.append(row)
+                log(f"  probe {row['format']} {which} K:{k_grain} V:{v_grain}: ppl {row['perplexity']:.4f} "
+                    f"(x{row.get('ratio_to_exact', 1.0):.4f}) K err {row.get('k_relative_rms_error', 0):.4f} "
+                    f"V err {row.get('v_relative_rms_error', 0):.4f}")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="demo,smollm2", help=f"comma-separated, of {MODELS}")
@@ -136,16 +278,31 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="JSON file for the results (rewritten after each piece)")
+    parser.add_argument("--probe", action="store_true",
+                        help="instead: full attention over K and/or V rounded per format and scale granularity")
+    parser.add_argument("--table", default=None, metavar="JSON",
+                        help="only print the markdown tables of a merged result file")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                         help="only join the runs of these result files (run side by side) into --out")
     args = parser.parse_args(argv)
+    if args.table:
+        print(tables(json.loads(Path(args.table).read_text())))
+        return 0
     if args.merge:
         if not args.out:
             raise ValueError("--merge needs --out")
         parts = [json.loads(Path(path).read_text()) for path in args.merge]
+        for part in parts:  # the parts' own --out is where they were written, not where the results live
+            written = part["settings"]["out"]
+            part["settings"]["out"] = Path(written).name
+            part["environment"]["command"] = part["environment"]["command"].replace(written, Path(written).name)
         merged = {"parts": [{"environment": p["environment"], "settings": p["settings"]} for p in parts],
                   "runs": [run for p in parts for run in p["runs"]]}
+        for run in merged["runs"]:
+            compare(run)
         Path(args.out).write_text(json.dumps(merged, indent=2))
+        for run in merged["runs"]:
+            summarize(run, [hd for hd in HOST_DTYPES if hd in run.get("perplexity", run.get("passkey", {}))], print)
         return 0
     models = [m for m in args.models.split(",") if m]
     dtypes = [d for d in args.dtypes.split(",") if d]
@@ -176,6 +333,15 @@ def main(argv=None) -> int:
                    "ppl_tokens": args.ppl_tokens}
             report["runs"].append(run)
             log(f"{name} {dtype_name}: context {context}, budget {config.budget_tokens}")
+            if n_docs and args.probe:
+                docs = perplexity_documents(tokenizer, length=context, n=n_docs, seed=args.seed)
+                run["store_error"] = store_error(model, docs, config)
+                log(f"  store error: {run['store_error']}")
+                run["probe"] = probe_rows(model, docs, config.block_size, args.ppl_tokens, log)
+                run["probe_documents"] = [name for name, _ in docs]
+                run["seconds"] = time.perf_counter() - started
+                save()
+                continue
             if n_docs:
                 docs = perplexity_documents(tokenizer, length=context, n=n_docs, seed=args.seed)
                 run["perplexity"] = {}
@@ -187,6 +353,29 @@ def main(argv=None) -> int:
             summarize(run, host_dtypes, log)
             save()
     return 0
+
+
+def compare(run: dict) -> None:
+    """Each format against the "auto" store on the same documents (prompts): the ratio of perplexities over the
+    documents both finished, with a 95% interval from the spread of the per-document log ratios, and how many
+    pass-key prompts got the same score."""
+    ppl = run.get("perplexity") or {}
+    if "auto" in ppl:
+        base = ppl["auto"]
+        for hd, row in ppl.items():
+            n = min(len(row["nll_sum"]), len(base["nll_sum"]))
+            d = [(row["nll_sum"][i] - base["nll_sum"][i]) / row["tokens"][i] for i in range(n)]
+            mean = sum(d) / n
+            spread = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else float("nan")
+            weighted = sum(row["nll_sum"][i] - base["nll_sum"][i] for i in range(n)) / sum(row["tokens"][:n])
+            row["paired"] = {"documents": n, "ratio_to_auto": math.exp(weighted),
+                             "ratio_95_interval": [math.exp(mean - 1.96 * spread), math.exp(mean + 1.96 * spread)],
+                             "per_document_ratio": [math.exp(x) for x in d]}
+    keys = run.get("passkey") or {}
+    if "auto" in keys:
+        for row in keys.values():
+            n = min(len(row["scores"]), len(keys["auto"]["scores"]))
+            row["same_as_auto"] = sum(row["scores"][i] == keys["auto"]["scores"][i] for i in range(n))
 
 
 def summarize(run: dict, host_dtypes, log) -> None:
@@ -204,6 +393,42 @@ def summarize(run: dict, host_dtypes, log) -> None:
         if keys:
             line += f" passkey {keys[hd]['accuracy']:.3f}"
         log(line)
+
+
+def tables(report: dict) -> str:
+    """The merged results as markdown: perplexity and traffic, pass keys, and the probe."""
+    lines = ["| model | model dtype | host_dtype | documents | perplexity | against auto (95% interval) | locality "
+             "| bytes to device per token | host bytes per token |", "|---|---|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        for hd, row in (run.get("perplexity") or {}).items():
+            paired = row.get("paired", {})
+            n = paired.get("documents", len(row["nll_sum"]))
+            ppl = math.exp(sum(row["nll_sum"][:n]) / sum(row["tokens"][:n]))
+            against = "-" if hd == "auto" else (f"{100 * (paired['ratio_to_auto'] - 1):+.2f}% "
+                                                f"({100 * (paired['ratio_95_interval'][0] - 1):+.2f}% to "
+                                                f"{100 * (paired['ratio_95_interval'][1] - 1):+.2f}%)")
+            lines.append(f"| {run['model']} | {run['dtype']} | {hd} | {n} | {ppl:.4f} | {against} | "
+                         f"{row['locality']:.3f} | {row['bytes_to_device_per_token']:,.0f} | "
+                         f"{row['host_bytes_per_token']:,} |")
+    lines += ["", "| model dtype | host_dtype | pass keys found | same score as auto |", "|---|---|---|---|"]
+    for run in report["runs"]:
+        for hd, row in (run.get("passkey") or {}).items():
+            lines.append(f"| {run['dtype']} | {hd} | {sum(row['scores']):.0f}/{len(row['scores'])} | "
+                         f"{row.get('same_as_auto', '-')}/{len(row['scores'])} |")
+    for run in report["runs"]:
+        if "probe" not in run:
+            continue
+        lines += ["", f"{run['model']} ({run['dtype']}, {len(run['probe_documents'])} documents), full attention:",
+                  "", "| format | rounded | K scale per | V scale per | K relative RMS error | V relative RMS error "
+                  "| perplexity against exact |", "|---|---|---|---|---|---|---|"]
+        for row in run["probe"][1:]:
+            lines.append(f"| {row['format']} | {row['quantized']} | {row['k_scale'] or '-'} | {row['v_scale'] or '-'} | "
+                         f"{100 * row.get('k_relative_rms_error', 0):.2f}% | "
+                         f"{100 * row.get('v_relative_rms_error', 0):.2f}% | {100 * (row['ratio_to_exact'] - 1):+.2f}% |")
+        for hd, err in run.get("store_error", {}).items():
+            lines.append(f"\nThe store after a dense prefill ({hd}): K {100 * err['k_relative_rms_error']:.2f}%, "
+                         f"V {100 * err['v_relative_rms_error']:.2f}% relative RMS error.")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
