@@ -8,7 +8,8 @@ Prompts are the suite's pass-key samples (``hf_nosa.eval.generate_samples("passk
 text); the layout is the evaluation's (``eval.runner.nosa_layout``: one sink block, a quarter of the budget local, a
 quarter query-aware); the answer is scored by RULER's substring match on 8 greedy tokens. ``--scoring cosine`` runs
 QUOKA's previous block score (cosine similarity, normalised queries averaged over the GQA group, max over the kept
-queries) in place of the library's, to reproduce the "before" column.
+queries) in place of the library's, to reproduce the "before" column; ``--dense-tail 0`` runs QUOKA without its dense
+tail (``NosaConfig.prefill_dense_tail_tokens``), as it was before that; ``--only 5,12`` runs a cell's given prompts.
 
     python experiments/quoka_passkey.py --lengths 2048,4096 --ratios 4,8 --samples 15 --out quoka_passkey.json
 
@@ -55,6 +56,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prefills", default="dense,auto", help="prefill modes to compare, comma-separated")
     parser.add_argument("--samples", type=int, default=15, help="pass-key prompts per cell")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", default=None, help="prompt indices to run (comma-separated), e.g. a cell's misses")
     parser.add_argument("--scoring", default="library", choices=SCORINGS,
                         help="QUOKA block score: the library's, or the previous cosine score")
     parser.add_argument("--dense-tail", type=int, default=None,
@@ -73,6 +75,8 @@ def main(argv=None) -> int:
     print(f"{'length':>6} {'budget':>6} {'prefill':>7} {'found':>7}  seconds")
     for length in lengths:
         samples = generate_samples("passkey", n=args.samples, length=length, tokenizer=tokenizer, seed=args.seed)
+        if args.only:
+            samples = [samples[int(i)] for i in args.only.split(",")]
         for ratio in ratios:
             layout = nosa_layout(None, length // ratio)
             for prefill in args.prefills.split(","):

@@ -194,9 +194,10 @@ class PrefillPaths:
         seen = None
         if not bool(dense_rows.all()):
             selected = quoka_select(self, q, valid, start)  # [B, Hk, K], blocks before start
-            chosen = torch.zeros(*selected.shape[:2], start // P + 1, dtype=torch.bool, device=selected.device)
-            chosen.scatter_(2, selected.clamp(min=0), selected >= 0)  # -1 (none) lands in the spare last column
-            seen = (chosen[:, :, :-1] | dense_rows.to(selected.device)[:, None, None]).repeat_interleave(P, 2)
+            n = start // P
+            chosen = torch.zeros(*selected.shape[:2], n + 1, dtype=torch.bool, device=selected.device)
+            chosen.scatter_(2, torch.where(selected >= 0, selected, n), True)  # -1 (none) marks the spare column n
+            seen = (chosen[:, :, :n] | dense_rows.to(selected.device)[:, None, None]).repeat_interleave(P, 2)
 
         def read(lo: int, hi: int):
             hk, hv, hb = self._read_counted(lo, hi)

@@ -426,14 +426,15 @@ def test_the_tails_host_reads_are_counted():
 
 
 def test_padded_rows_get_the_tail_they_would_alone():
-    # The 90-token row's tail falls in chunks the 150-token row takes by QUOKA: one chunk serves both rules.
+    # The 90- and 45-token rows' tails fall in chunks the 150-token row takes by QUOKA: one chunk serves both rules.
     model = _model("llama", seed=9)
     cfg = small_nosa_config(prefill="quoka", prefill_budget_tokens=48, prefill_chunk_size=32,
                             prefill_dense_tail_tokens=20)
-    ids, mask = _prompt(2, 150, seed=8, left_pad=(0, 60))
+    pads = (0, 60, 105)
+    ids, mask = _prompt(3, 150, seed=8, left_pad=pads)
     with torch.no_grad():
         together = model(ids, attention_mask=mask, past_key_values=NosaCache(model.config, cfg)).logits
-        for row, pad in enumerate((0, 60)):
+        for row, pad in enumerate(pads):
             alone = model(ids[row : row + 1, pad:], past_key_values=NosaCache(model.config, cfg)).logits
             torch.testing.assert_close(together[row, pad:], alone[0], atol=1e-4, rtol=1e-4)
 
