@@ -29,8 +29,9 @@ class NosaConfig:
     of blocks chosen by ``quoka_queries`` queries per head, plus itself), and "auto" (the default) is "dense"
     while the sequence fits in ``prefill_budget_tokens`` and "quoka" beyond. Under "quoka", a chunk holding one of the
     prompt's last ``prefill_dense_tail_tokens`` tokens attends to every earlier token instead (read from the host
-    store): those queries give the first answer token and the keys decoding reads first; 0 keeps every chunk within
-    ``prefill_budget_tokens`` (device KV bounded by it plus a chunk, whatever the prompt length).
+    store a prefill budget at a time, so the device KV stays bounded; the prompt crosses PCIe once more): those
+    queries give the first answer token and the keys decoding reads first. 0: every chunk attends to its QUOKA
+    blocks only.
 
     ``host_dtype`` is how the host store keeps K and V: "auto" (the model's dtype), or "float8_e4m3fn" / "int8"
     with one fp32 scale per (block, KV head) (``hf_nosa.host_quant``), which halves the host memory and the bytes
@@ -112,7 +113,7 @@ class NosaConfig:
         if self.quoka_queries < 1:
             fail("quoka_queries", "it must be at least 1")
         if self.prefill_dense_tail_tokens < 0:
-            fail("prefill_dense_tail_tokens", "it must be 0 (every QUOKA chunk within its budget) or more")
+            fail("prefill_dense_tail_tokens", "it must be 0 (no dense tail) or a positive number of tokens")
         if self.prefill_budget_tokens is not None:
             if isinstance(self.prefill_budget_tokens, bool) or not isinstance(self.prefill_budget_tokens, int):
                 fail("prefill_budget_tokens", "it must be an integer or None")
