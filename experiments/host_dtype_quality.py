@@ -16,10 +16,17 @@ On the CPU the evaluation runs the model in fp32, where "auto" is an fp32 store;
 the model in bf16, where "auto" is the bf16 store the issue's target names. Traffic (bytes moved host-to-device per
 decoded token, locality) and host bytes per token come from ``NosaCache.stats()``.
 
-    OMP_NUM_THREADS=1 python experiments/host_dtype_quality.py --models demo,smollm2 --dtypes float32,bfloat16 \\
-        --smollm2-docs 6 --demo-docs 8 --passkeys 15 --out docs/results/host-dtype-quality.json
+    OMP_NUM_THREADS=1 python experiments/host_dtype_quality.py --models demo --dtypes float32,bfloat16 \\
+        --demo-docs 16 --passkeys 16 --out demo.json
+    OMP_NUM_THREADS=1 python experiments/host_dtype_quality.py --models smollm2 --smollm2-docs 8 --out smollm2.json
+    OMP_NUM_THREADS=1 python experiments/host_dtype_quality.py --probe --models demo,smollm2 --demo-docs 4 \\
+        --smollm2-docs 1 --out probe.json
+    python experiments/host_dtype_quality.py --merge demo.json smollm2.json probe.json --out results.json
+    python experiments/host_dtype_quality.py --table results.json
 
-Two models side by side (one core each): run each with its own ``--out``, then ``--merge A.json B.json --out C.json``.
+Runs with their own ``--out`` can go side by side (one core each); ``--merge`` joins them and adds the paired
+comparisons. CPU, one thread, idle: about 7 s per demo document or prompt and format, 45 s per SmolLM2 document and
+format (several times that on a shared machine).
 """
 
 from __future__ import annotations
