@@ -151,11 +151,13 @@ def _launch(query, keys, values, bias, scale, q_offset, causal, out, config=None
 
 def _fastest(run, query) -> tuple:
     """The configuration of CONFIGS that runs this call fastest (each compiled and run once first)."""
-    best, best_ms = CONFIGS[0], math.inf
+    from triton.runtime.errors import OutOfResources
+
+    best, best_ms = None, math.inf
     for config in CONFIGS:
         try:
             run(*config)
-        except Exception:  # a configuration the GPU cannot hold (shared memory): skip it
+        except OutOfResources:  # a configuration the GPU cannot hold (shared memory): skip it; other errors raise
             continue
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -166,6 +168,8 @@ def _fastest(run, query) -> tuple:
         ms = start.elapsed_time(stop)
         if ms < best_ms:
             best, best_ms = config, ms
+    if best is None:
+        raise RuntimeError(f"flash_biased: no configuration of {CONFIGS} fits this GPU")
     return best
 
 
