@@ -6,7 +6,10 @@ and one chunk's activations whatever the prompt length; logits are computed only
 
 Decode: a one-token step on CUDA replays a CUDA graph of the model's decode forward (``kernels.cuda_graph``),
 captured once per shapes and buffers; caches built by ``generate(cache_implementation="nosa")`` draw their buffers
-from the model's workspace, so the graph also survives from one generate call to the next.
+from the model's workspace, so the graph also survives from one generate call to the next. A cache with another
+selector (``selectors.py``) decodes eagerly: its selection state grows and is indexed from the host every block, so
+its step is not one fixed graph. After a capture fails, the model decodes eagerly for good, whatever the cache (the
+failure comes from the model's forward, so the next cache would fail the same way); each reason is logged once.
 
 Left padding: a prompt whose rows start with padding (a 2D ``attention_mask`` with leading zeros) is sent through
 with each row's real tokens moved to the front and its padding to the end (``padding.roll_rows``; ids, positions
@@ -46,6 +49,7 @@ class NosaForward:
         self.original = original
         self.__wrapped__ = original  # inspect.signature and generate's argument checks see the stock signature
         self._signature = inspect.signature(original)
+        self.capture_failed: str | None = None  # why capturing a decode graph failed for this model (then eager)
 
     def __call__(self, *args, **kwargs):
         if in_stock_forward():
@@ -79,7 +83,7 @@ class NosaForward:
         if inputs is None or kwargs.get("labels") is not None:
             return self.original(**kwargs)
         T = inputs.shape[1]
-        if T == 1 and cache.get_seq_length() > 0 and self._graph_eligible(kwargs):
+        if T == 1 and cache.get_seq_length() > 0 and self._graph_eligible(cache, kwargs):
             return self._decode_with_graph(cache, cache_name, kwargs)
         lead = self._left_padding(cache, kwargs)
         if T <= cache.nosa_config.prefill_chunk_size and lead is None:
@@ -168,17 +172,27 @@ class NosaForward:
 
     # ----- decode -----
 
-    def _graph_eligible(self, kwargs: dict) -> bool:
+    def _graph_eligible(self, cache: NosaCache, kwargs: dict) -> bool:
+        """Whether this one-token step replays a CUDA graph; a cache or model that cannot is logged once."""
         inputs = kwargs.get("input_ids")
-        return (
+        if not (
             inputs is not None
-            and inputs.is_cuda
             and not self.model.training
             and not torch.is_grad_enabled()
             and not kwargs.get("output_hidden_states")
             and os.environ.get(GRAPH_ENV_VAR, "1") != "0"
-            and kernel_path("decode_step", inputs) == "triton"
-        )
+            and _graph_device(inputs)
+        ):
+            return False
+        if cache.has_selector:
+            _log_eager_once(
+                f"selector:{type(cache.selector).__name__}",
+                "NOSA decode: a cache with the %s selector decodes eagerly, without a CUDA graph: its selection "
+                "state grows and is indexed from the host as blocks fill, so its step is not one fixed graph.",
+                type(cache.selector).__name__,
+            )
+            return False
+        return self.capture_failed is None  # the failure was logged when it happened
 
     def _decode_with_graph(self, cache: NosaCache, cache_name: str, kwargs: dict):
         input_ids = kwargs["input_ids"]
@@ -194,14 +208,33 @@ class NosaForward:
         graph.cache = cache
         try:
             logits = graph(input_ids, position_ids.reshape(input_ids.shape)).clone()[:, None]  # [B, 1, vocab]
-        except RuntimeError as error:
-            if graph.capturing_failed is None:
+        except Exception as error:
+            if graph.capturing_failed is not error:  # not a capture failure: a real error of the decode step
                 raise
             owner.decode_graph = False
-            logger.warning("NOSA decode: capturing a CUDA graph failed (%s); decoding eagerly from now on.", error)
+            self.capture_failed = f"{type(error).__name__}: {error}"
+            logger.warning(
+                "NOSA decode: capturing a CUDA graph failed (%s); this model decodes eagerly from now on, with "
+                "every cache (set %s=0 to skip the capture).", self.capture_failed, GRAPH_ENV_VAR,
+            )
             return self.original(**kwargs)
         result = CausalLMOutputWithPast(logits=logits, **{_OUTPUT_CACHE_FIELD: cache})
         return result if kwargs.get("return_dict", True) else result.to_tuple()
+
+
+def _graph_device(inputs: torch.Tensor) -> bool:
+    """Whether a decode step on ``inputs``' device can be captured: CUDA tensors on the device-kernel path."""
+    return inputs.is_cuda and kernel_path("decode_step", inputs) == "triton"
+
+
+_logged: set[str] = set()
+
+
+def _log_eager_once(key: str, message: str, *args) -> None:
+    """Log once per process why a decode step runs eagerly (as ``kernels.backend.log_fallback`` does for kernels)."""
+    if key not in _logged:
+        _logged.add(key)
+        logger.warning(message, *args)
 
 
 def _kept_positions(logits_to_keep, T: int) -> torch.Tensor:
