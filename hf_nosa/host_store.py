@@ -396,7 +396,20 @@ class HostStore:
 
     def read(self, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Tokens ``start .. end - 1`` as ``k, v [B, Hk, T, D]`` and ``b [B, Hk, T]`` on ``device`` (in the model's
-        dtype: a quantized store moves its bytes and scales and dequantizes them on ``device``)."""
+        dtype: a quantized store moves its bytes and scales and dequantizes them on ``device``). On CUDA one kernel
+        reads the pinned store directly, with no host sync (``kernels.host_read``)."""
+        from .kernels.host_read import read_span
+
+        return read_span(self, start, end, device)
+
+    def order_after_writes(self, device: torch.device) -> None:
+        """Make ``device``'s current stream wait for an asynchronous write into the store (no host sync): what a
+        device kernel reading the store needs; the CPU reading it needs ``wait_writes``."""
+        if self._pending is not None:
+            torch.cuda.current_stream(device).wait_event(self._pending)
+
+    def read_torch(self, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``read`` in torch (the reference of ``kernels.host_read``): chunk slices moved with ``.to``."""
         self.wait_writes()
         spans = list(self._spans(start, end))
         if not spans:

@@ -7,6 +7,7 @@ Dispatch: Triton on CUDA tensors, the torch reference on CPU tensors; ``HF_NOSA_
 from .block_scores import NewToken, append_token, block_select
 from .chunk_attention import chunk_attention
 from .decode_attention import decode_attention
+from .host_read import read_span
 from .fetch import FetchPlan, SlotPool, StepCounters, fetch_blocks, fetch_blocks_ref, fetch_step, plan_fetch
 from .quoka_score import quoka_score
 from .window_probs import window_probs
@@ -25,5 +26,6 @@ __all__ = [
     "fetch_step",
     "plan_fetch",
     "quoka_score",
+    "read_span",
     "window_probs",
 ]

@@ -1,0 +1,83 @@
+"""read_span (one Triton launch reading the pinned host store through its block table) against the torch reference
+``HostStore.read_torch``: bit for bit, on stores of several chunks, every host format, padded rows and spans that
+start and end inside blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_nosa.host_store import HostStore
+from hf_nosa.kernels.host_read import read_span, read_span_ref
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+
+
+def make_store(B, Hk, D, P, T, dtype, host_dtype, offsets, pin, seed=0):
+    """A store of ``T`` tokens in chunks of 3 blocks (several chunks), heavy-tailed keys, rows row-relative when
+    ``offsets`` is given (a left-padded prompt): row b holds ``T - offsets[b]`` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    host = HostStore(B, Hk, D, dtype, P, pin=pin, host_dtype=host_dtype)
+    host.chunk_tokens = 3 * P
+    k = (torch.randn(B, Hk, T, D, generator=gen) * torch.exp(torch.randn(B, Hk, T, 1, generator=gen))).to(dtype)
+    v = torch.randn(B, Hk, T, D, generator=gen).to(dtype)
+    b = torch.randn(B, Hk, T, generator=gen)
+    if offsets is None:
+        host.write(0, k, v, b)
+    else:
+        host.set_offsets(offsets)
+        host.write_rows(-offsets, k, v, b)
+    host.wait_writes()
+    return host
+
+
+# block size 16: empty, one token, one block, inside blocks, block-aligned, across chunks, the rows' tails, all
+SPANS = [(0, 0), (0, 1), (0, 16), (5, 30), (16, 80), (17, 333), (190, 191), (300, 333), (0, 333)]
+
+
+@pytest.mark.parametrize("host_dtype", ["auto", "float8_e4m3fn", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_read_span_matches_reference(interpret, host_dtype, dtype, padded):
+    B, Hk, D, P, T = 2, 2, 16, 16, 333
+    offsets = torch.tensor([0, 21]) if padded else None
+    host = make_store(B, Hk, D, P, T, dtype, host_dtype, offsets, pin=False, seed=int(padded))
+    assert len(host.k_chunks) > 3  # the spans cross chunks: blocks are found through the table
+    for start, end in SPANS:
+        got = read_span(host, start, end, "cpu")
+        want = read_span_ref(host, start, end, "cpu")
+        for name, g, w in zip("kvb", got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype, name
+            for row, n in enumerate(host.row_lengths().tolist()):  # a padded row's end was never written
+                n = max(0, min(end, n) - start)
+                torch.testing.assert_close(g[row, :, :n], w[row, :, :n], rtol=0, atol=0,
+                                           msg=f"{name} span {start}..{end} row {row}")
+
+
+def test_read_span_checks_the_span(interpret):
+    host = make_store(1, 1, 16, 16, 40, torch.float32, "auto", None, pin=False)
+    with pytest.raises(ValueError, match="start=30, end=20"):
+        read_span(host, 30, 20, "cpu")
+    with pytest.raises(ValueError, match="capacity"):
+        read_span(host, 0, host.capacity + 1, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("host_dtype", ["auto", "float8_e4m3fn", "int8"])
+def test_read_span_on_gpu_matches_reference(host_dtype):
+    B, Hk, D, P, T = 3, 4, 64, 64, 64 * 11 + 7
+    offsets = torch.tensor([0, 70, 3])
+    host = make_store(B, Hk, D, P, T, torch.bfloat16, host_dtype, offsets, pin=True, seed=3)
+    for start, end in [(0, T), (64, 640), (100, 333), (T - 80, T)]:
+        got = read_span(host, start, end, "cuda")
+        want = read_span_ref(host, start, end, "cuda")
+        for name, g, w in zip("kvb", got, want):
+            for row, n in enumerate(host.row_lengths().tolist()):
+                n = max(0, min(end, n) - start)
+                torch.testing.assert_close(g[row, :, :n], w[row, :, :n], rtol=0, atol=0,
+                                           msg=f"{name} span {start}..{end} row {row}")
