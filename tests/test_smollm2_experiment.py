@@ -92,10 +92,28 @@ def test_targets_follow_the_numbers(seed):
 def test_missing_rows_are_said_and_the_adapter_is_read_from_its_tar(tmp_path):
     rng = random.Random(3)
     data = _results([_row("base:default", rng), _row("base:nosa", rng)])
-    assert "Not measured at this length: NOSA retrofitted, query-only, Quest, ShadowKV." in report.table(data)
+    lacking = "NOSA retrofitted, query-only, Quest, ShadowKV, retrofit weights under full attention"
+    assert f"Not run at this length: {lacking} (not in the results file)." in report.table(data)
+    assert f"{lacking} (the process crashed)." in report.table(data, "the process crashed")
+    assert report.table(data).count("| not run |") == 5 and "| **" in report.table(data)
+    # the driver's own reason wins for the cells it skipped; the JSON gets the same reasons
+    data["skipped"] = [{"cell": "base:quest", "why": "71s left, about 274s needed"}]
+    assert "crashed); Quest (skipped for time: 71s left, about 274s needed)." in report.table(data, "the process crashed")
+    reasons = {x["cell"]: x["why"] for x in report.not_run(data, "crashed")}
+    assert reasons["base:shadowkv"] == "crashed" and reasons["base:quest"].startswith("skipped for time")
     assert report.targets(data) == ["targets: full attention and the retrofitted NOSA are both needed"]
+    # a baseline that did not run leaves "at or above the best training-free" open unless one that ran is above
+    for ours, verdict in ((0.5, "not measured"), (0.1, "not met")):
+        rows = [_row("base:default", rng), _row("retrofit:nosa", rng, mean_accuracy=ours),
+                _row("base:nosa", rng, mean_accuracy=0.2), _row("base:query_only", rng, mean_accuracy=0.3)]
+        line = next(x for x in report.targets(_results(rows)) if "best training-free" in x)
+        assert "(query-only, 0.300 of those run; Quest, ShadowKV not run)" in line and line.endswith(f": {verdict}")
+    assert report.parse_not_run(["8192=the process crashed"]) == {8192: "the process crashed"}
+    for bad in ("8192", "eight=x", "8192="):
+        with pytest.raises(ValueError, match="not-run"):
+            report.parse_not_run([bad])
     run = {"steps": 90, "schedule_steps": 90, "time_limit_s": 470.0, "final_loss": 2.1, "tokens_per_second": 2e4,
-           "recipe": {"grad_accum": 8, "batch_size": 1, "seq_len": 8192}}
+           "recipe": {"grad_accum": 8, "batch_size": 1, "seq_len": 8192, "steps": 500}}
     tar_path = tmp_path / "adapter.tar"
     with tarfile.open(tar_path, "w") as tar:
         for name, content in (("nosa_retrofit.json", run), ("trainer_state.json", {"losses": [3.0, 2.5, 2.1]})):
@@ -106,6 +124,6 @@ def test_missing_rows_are_said_and_the_adapter_is_read_from_its_tar(tmp_path):
     adapter = report.read_adapter(tar_path)
     assert adapter["losses"] == [3.0, 2.5, 2.1] and adapter["run"]["steps"] == 90
     text = report.describe([_results([_row(c, rng) for c in report.LABELS])], adapter)
-    assert "Retrofit: 90 steps of 8 x 8192 tokens" in text and "planned for 90 steps" in text
+    assert "Retrofit: 90 steps (the recipe: 500) of 8 x 8192 tokens" in text and "planned for 90 steps" in text
     with pytest.raises(ValueError, match="not a retrofit adapter"):
         report.read_adapter(tmp_path)
