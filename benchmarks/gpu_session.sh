@@ -32,8 +32,10 @@ case "${1:-}" in
   prefill-8b)     # the 8b shape's QUOKA prefill against dense at 32K (generate's TTFT there: 11 s at batch 1), by kernel
     timeout 400 python benchmarks/prefill.py --shape 8b --contexts 32768 --batches 1,4 --chunks 512 --repeat 2 --profile --out "$OUT/p8b" > "$OUT/p8b.log" 2>&1
     tail -n 30 "$OUT/p8b.log" ;;
+  retrofit-profile)  # where the smollm2-135m retrofit's micro-step goes: dense / nosa / nosa+aux, batch 1 and 4 (about 3 minutes)
+    timeout 400 python benchmarks/retrofit_profile.py --batches 1,4 --out "$OUT" 2>&1 | grep -v USDT | tail -60 ;;
   train-step)     # issue 17's retrofit step at 16K, 32K, 64K
     timeout 570 python benchmarks/train_step.py --lengths 16384,32768,65536 --out "$OUT" 2>&1 | tail -30 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|generate-64k-chunk2048|fp8|generate-8b|prefill|prefill-8b|train-step" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|generate-64k-chunk2048|fp8|generate-8b|prefill|prefill-8b|retrofit-profile|train-step" >&2; exit 2 ;;
 esac
