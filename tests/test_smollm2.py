@@ -97,10 +97,10 @@ def test_smollm2_sparse_budget_finds_the_pass_key_at_2k(smollm2):
     assert blocks_per_step <= budget // 64
 
 
-def test_demo_model_smollm2_runs_untrained_and_says_so(smollm2, monkeypatch, capsys):
-    """``hf-nosa demo --model smollm2`` at 1K tokens and a quarter budget (the demo's own: 8K and an eighth):
-    converted, the answer found, the same working-set and traffic lines as the embedded demo, and a clear word
-    that no adapter ships yet."""
+def test_demo_model_smollm2_runs_what_ships(smollm2, monkeypatch, capsys):
+    """``hf-nosa demo --model smollm2`` below its own size (8K, an eighth): converted, the answer found, the same
+    working-set and traffic lines as the embedded demo. With the shipped adapter (its layout: budget >= 576) at 2K
+    and half the context, the adapter applied; without one, untrained at 1K and a quarter, saying so."""
     import hf_nosa.demo as demo
     import hf_nosa.loading as loading
     from hf_nosa.cli import main as cli_main
@@ -108,15 +108,18 @@ def test_demo_model_smollm2_runs_untrained_and_says_so(smollm2, monkeypatch, cap
     from .test_demo import check_output
 
     assert demo.SMOLLM2_CONTEXT == 8192
-    if (demo.SMOLLM2_ADAPTER / "adapter_model.safetensors").is_file():
-        pytest.skip("an adapter ships: the untrained path is not what the demo runs")
+    ships = (demo.SMOLLM2_ADAPTER / "adapter_model.safetensors").is_file()
     model, tokenizer = smollm2
     monkeypatch.setattr(loading, "load_causal_lm", lambda spec, **kw: (copy.deepcopy(model), tokenizer))
-    assert cli_main(["demo", "--model", "smollm2", "--context", "1024", "--budget", "256", "--seed", "5"]) == 0
+    context, budget = ("2048", "1024") if ships else ("1024", "256")
+    assert cli_main(["demo", "--model", "smollm2", "--context", context, "--budget", budget, "--seed", "5"]) == 0
     text = capsys.readouterr().out
     check_output(text)
-    assert "SmolLM2-135M-Instruct" in text and "budget 256 tokens (4x less than the context)" in text
-    assert "UNTRAINED" in text and demo.SMOLLM2_ADAPTER.name in text
+    assert "SmolLM2-135M-Instruct" in text and f"budget {budget} tokens" in text
+    if ships:
+        assert re.search(r"adapter: +the NOSA retrofit adapter shipped", text) and "UNTRAINED" not in text, text
+    else:
+        assert "UNTRAINED" in text and demo.SMOLLM2_ADAPTER.name in text
     assert re.search(r"answer: .*-> correct", text), text
 
 
