@@ -136,14 +136,16 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
             table = self._buffer("host_table", (rows, 1 << max(6, (blocks - 1).bit_length())), torch.int64).zero_()
         else:
             host_allocate = table = None
+        sized = self.state.max_tokens is not None or self.state.prefill_end is not None
+        if sized and self.layer_idx == 0:  # the whole cache's host memory, before any layer allocates
+            total = self.state.n_layers * HostStore.planned_bytes(B, Hk, D, key_states.dtype, self.cfg.block_size,
+                                                                  self.cfg.host_dtype, planned)
+            held = workspace.host_bytes() if workspace is not None else 0
+            check_host_memory(total - held, batch=B, tokens=planned, pin=pin)
         self.host = HostStore(B, Hk, D, key_states.dtype, self.cfg.block_size, pin=pin, table=table,
                               allocate=host_allocate, host_dtype=self.cfg.host_dtype)
-        if self.state.max_tokens is not None or self.state.prefill_end is not None:
+        if sized:
             self.host.reserve(planned)
-            if self.layer_idx == 0:  # the whole cache's host memory, before any layer allocates
-                total = self.state.n_layers * B * -(-planned // self.cfg.block_size) * self.cfg.block_size
-                held = workspace.host_bytes() if workspace is not None else 0
-                check_host_memory(total * self.host.token_bytes() - held, batch=B, tokens=planned, pin=pin)
         self.compressed = CompressedKeys(self.cfg, key_states, tokens=planned, allocate=self._allocate)
         self._allocate_slots()
         self.step = self._buffer("step", (1,), torch.long).zero_()

@@ -63,10 +63,19 @@ def check_host_memory(nbytes: int, *, batch: int, tokens: int, pin: bool, what: 
         return
     kind = "pinned host" if pin else "host"
     raise MemoryError(
-        f"{what}: batch {batch} x context {tokens} tokens needs {nbytes / 2**30:.2f} GiB of {kind} memory, but only "
-        f"{available / 2**30:.2f} GiB is available. Lower the batch size or the context (prompt length + "
-        "max_new_tokens), or free host memory."
+        f"{what}: batch {batch} x context {tokens} tokens needs {nbytes:,} bytes ({_gib(nbytes)}) of {kind} memory, "
+        f"but only {max(available, 0):,} bytes ({_gib(available)}) are available. Lower the batch size or the context "
+        "(prompt length + max_new_tokens), or free host memory."
     )
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.3g} GiB"
+
+
+def _block_bytes(block_size: int, head_dim: int, store_dtype: torch.dtype, quantized: bool) -> int:
+    kv = torch.empty(0, dtype=store_dtype).element_size()
+    return block_size * (2 * head_dim * kv + 4) + (8 if quantized else 0)
 
 
 class HostStore:
@@ -171,13 +180,23 @@ class HostStore:
     def block_bytes(self) -> int:
         """Bytes one block of one (sequence, KV head) takes in the store, and so what fetching it moves: K, V in the
         store's format, the scores and, in a quantized store, the block's two scales."""
-        kv = torch.empty(0, dtype=self.store_dtype).element_size()
-        return self.block_size * (2 * self.head_dim * kv + 4) + (8 if self.format is not None else 0)
+        return _block_bytes(self.block_size, self.head_dim, self.store_dtype, self.format is not None)
 
     def token_bytes(self) -> int:
         """Bytes one token of one sequence takes in the store (K, V of every KV head, their scores, and a block's
         scales shared out over its tokens, rounded up)."""
         return -(-self.kv_heads * self.block_bytes() // self.block_size)
+
+    @staticmethod
+    def planned_bytes(batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
+                      host_dtype: str, tokens: int) -> int:
+        """What a store of ``tokens`` tokens per row will hold (chunks, and a quantized store's tails), known before
+        anything is allocated: the host-memory check comes first."""
+        fmt = None if host_dtype == "auto" else host_format(host_dtype)
+        block = _block_bytes(block_size, head_dim, dtype if fmt is None else fmt.dtype, fmt is not None)
+        rows = -(-tokens // block_size) * block_size
+        tails = 0 if fmt is None else 2 * kv_heads * block_size * head_dim * torch.empty(0, dtype=dtype).element_size()
+        return batch * (rows * -(-kv_heads * block // block_size) + tails)
 
     def nbytes(self) -> int:
         tails = [t for t in (self.tail_k, self.tail_v) if t is not None]

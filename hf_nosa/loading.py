@@ -179,9 +179,9 @@ def resolve(spec: str | os.PathLike) -> tuple[str, Path | str]:
             raise ValueError(f"model file {path} is not a .gguf file; give a folder saved with save_pretrained, "
                              "a .gguf file, a Hub id or one of " + ", ".join(PACKAGED))
         return "gguf", path
-    if _HUB_ID.match(text) and "/" in text:
+    if _HUB_ID.match(text):  # ORG/NAME, or a canonical id without an organisation (gpt2)
         return "hub", text
-    raise FileNotFoundError(f"model {text!r} is not a folder, a .gguf file, a Hub id (ORG/NAME) or one of "
+    raise FileNotFoundError(f"model {text!r} is not a folder, a .gguf file, a Hub id (ORG/NAME or NAME) or one of "
                             + ", ".join(repr(n) for n in PACKAGED))
 
 
@@ -261,7 +261,7 @@ def _hub_folder(repo_id: str, patterns: list[str] = _MODEL_FILES) -> Path:
             f"model {repo_id!r} is not a local folder or .gguf file, and the Hub could not provide it "
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no detail'}); when offline "
             "(HF_HUB_OFFLINE=1 or no network), download it beforehand (hf download ORG/NAME --local-dir DIR) and "
-            "pass the folder, or pass a .gguf file"
+            "pass the folder, or pass a .gguf file or one of " + ", ".join(repr(n) for n in PACKAGED)
         ) from None
 
 

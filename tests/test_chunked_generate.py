@@ -117,12 +117,18 @@ def test_explicit_cache_without_a_known_length_grows_within_the_bound():
     assert layer.n_slots <= 2 * 230 // layer.cfg.block_size + 2  # the pool grew with the sequence, not to 1<<20
 
 
-def test_not_enough_host_memory_is_a_clear_error_before_any_work(monkeypatch):
-    model = to_nosa(tiny_model("llama"), small_nosa_config())
+@pytest.mark.parametrize("host_dtype", ["auto", "int8"])
+def test_not_enough_host_memory_is_a_clear_error_before_any_work(monkeypatch, host_dtype):
+    """The error names batch, context and the bytes needed and available (exact: a small shortfall is still legible),
+    and comes before the store allocates anything (a quantized store's tails included)."""
+    model = to_nosa(tiny_model("llama"), small_nosa_config(host_dtype=host_dtype))
     monkeypatch.setattr(host_store, "available_host_memory", lambda: 1000)
+    allocated = []
+    monkeypatch.setattr(host_store.HostStore, "_chunk", lambda self, *a: allocated.append(a) or pytest.fail("allocated"))
     ids, mask = _batch(64, (0, 0, 0))
-    with pytest.raises(MemoryError, match=r"batch 3 x context 96 tokens needs .* GiB"):
+    with pytest.raises(MemoryError, match=r"batch 3 x context 96 tokens needs [\d,]+ bytes .* only 1,000 bytes"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=32, cache_implementation="nosa")
+    assert not allocated
 
 
 @pytest.mark.parametrize("search", ["greedy", "beam", "prompt_lookup", "assistant"])

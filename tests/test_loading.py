@@ -69,8 +69,9 @@ def test_offline_hub_id_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    with pytest.raises(FileNotFoundError, match="the Hub could not provide it.*offline"):
-        loading.load_causal_lm("someone/no-such-model")
+    for name in ("someone/no-such-model", "gpt2"):
+        with pytest.raises(FileNotFoundError, match=f"'{name}'.*the Hub could not provide it.*offline"):
+            loading.load_causal_lm(name)
 
 
 def test_names_resolve_or_say_what_is_accepted(tmp_path):
@@ -86,8 +87,11 @@ def test_names_resolve_or_say_what_is_accepted(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(ValueError, match="is not a .gguf file"):
         loading.resolve(tmp_path / "weights.bin")
+    assert loading.resolve("gpt2") == ("hub", "gpt2")  # canonical Hub ids have no organisation
     with pytest.raises(FileNotFoundError, match="not a folder, a .gguf file, a Hub id.*'smollm2'"):
-        loading.resolve("smollm3")
+        loading.resolve("no such model")
+    with pytest.raises(FileNotFoundError, match="not a folder, a .gguf file, a Hub id.*'smollm2'"):
+        loading.resolve("org/name/extra")
     assert loading.is_gguf("smollm2") and loading.is_gguf("a/b.GGUF") and not loading.is_gguf("org/name")
 
 
