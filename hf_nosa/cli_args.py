@@ -72,8 +72,9 @@ def export(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a NOSA model folder, or a retrofit adapter folder (merged into its base)")
     parser.add_argument("out_dir", help="the checkpoint folder to write (a new folder, or an existing one with "
                                         "--overwrite; not the current folder)")
-    parser.add_argument("--base-model", default=None,
-                        help="base model (path or Hub id): for an adapter, the base to merge into; for a model, "
+    parser.add_argument("--base-model", "--model", dest="base_model", default=None,
+                        help="(--model is the same) base model (folder, Hub id, .gguf file or smollm2): for an "
+                             "adapter, the base to merge into; for a model, "
                              "where the tokenizer and license are read (default: the adapter's recorded base; none "
                              "for a model folder, whose config.json _name_or_path is never read from)")
     parser.add_argument("--tokenizer", default=None,
@@ -136,8 +137,9 @@ def retrofit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", required=True,
                         help="output folder: adapter, nosa_retrofit.json, checkpoints/ (required)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output")
-    parser.add_argument("--base-model", default=None,
-                        help="folder, Hub id, .gguf file or smollm2: the base model (default: the recipe's model)")
+    parser.add_argument("--base-model", "--model", dest="base_model", default=None,
+                        help="(--model is the same) folder, Hub id, .gguf file or smollm2: the base model (default: "
+                             "the recipe's model)")
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop after this global step, checkpointed (default: the recipe's steps)")
     parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",

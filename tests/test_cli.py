@@ -111,3 +111,13 @@ def test_unknown_recipe_lists_each_recipe_once(monkeypatch):
     listed = [name.strip(" '[]") for name in names.split(",")]
     shipped = sorted(p.stem for p in (REPO_ROOT / "recipes").glob("*.yaml"))
     assert listed == shipped
+
+
+@pytest.mark.parametrize("command,args", [("retrofit", ["--recipe", "r", "--output", "o"]), ("export", ["src", "out"])])
+def test_model_flag_names_the_base_model(command, args):
+    """Issue 16 names ``--model`` for every command that loads a model: retrofit and export take it as the base
+    model, the same as ``--base-model``."""
+    parser = cli.build_parser()
+    for flag in ("--model", "--base-model"):
+        assert parser.parse_args([command, *args, flag, "smollm2"]).base_model == "smollm2"
+    assert parser.parse_args([command, *args]).base_model is None
