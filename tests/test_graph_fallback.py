@@ -287,3 +287,24 @@ def test_gpu_failed_capture_falls_back_and_leaves_the_process_usable(how, monkey
     # a second cache of the broken model does not try again
     assert torch.equal(_greedy(broken, NosaCache(broken.config, cfg), ids, 20), broken_ref)
     assert len(made) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.usefixtures("graph_env")
+def test_gpu_capture_failure_names_the_host_syncs_of_the_eager_step(monkeypatch, caplog):
+    """A decode forward that reads a device value on the host (``.item()``) every step cannot be captured; the
+    logged reason names where the eager step before the capture synchronised, and decoding goes on eagerly."""
+    model, cfg = _gpu_setup(31)
+    ids = _prompt(2, 200, seed=32, device="cuda")
+    reference = _eager(model, lambda: NosaCache(model.config, cfg), ids, 12, monkeypatch)
+
+    def hook(module, args):
+        args[0].sum().item()  # a host sync, captured or not
+
+    model.lm_head.register_forward_pre_hook(hook)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        assert torch.equal(_greedy(model, NosaCache(model.config, cfg), ids, 12), reference)
+    (message,) = _warnings(caplog, "capturing a CUDA graph failed")
+    assert "synchronised with the host at" in message and "test_graph_fallback.py" in message, message
+    assert not torch.cuda.is_current_stream_capturing()

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
+import warnings
 from contextvars import ContextVar
 
 import torch
@@ -70,6 +72,7 @@ class DecodeGraph:
         self.captures = 0
         self.replays = 0
         self.capturing_failed: BaseException | None = None  # set when a capture raised (callers fall back)
+        self.eager_syncs: list[str] = []  # where the last eager step of a new key synchronised with the host
 
     def _layers(self):
         return list(self.cache.layers)
@@ -87,9 +90,11 @@ class DecodeGraph:
         if self.graph is None or key != self.key:
             if key != self._eager_key:
                 # Run a step of this key eagerly first: it compiles every kernel variant the capture will launch
-                # (compiling or loading a module while capturing is not allowed).
+                # (compiling or loading a module while capturing is not allowed). Host syncs in it are noted: a
+                # sync that is also in the captured step breaks the capture, and the error then names them.
                 self._eager_key = key
-                return self._forward(input_ids, position_ids)
+                with _noting_host_syncs() as self.eager_syncs:
+                    return self._forward(input_ids, position_ids)
             self._capture(input_ids, position_ids, key)
         self.static_ids.copy_(input_ids)
         self.static_pos.copy_(position_ids)
@@ -117,11 +122,37 @@ class DecodeGraph:
         try:
             graph = capture(step, input_ids.device)
         except Exception as error:  # capture() left the process usable; the caller decides whether to go on eagerly
+            if self.eager_syncs:
+                error = RuntimeError(f"{error} (the eager step before the capture synchronised with the host at: "
+                                     f"{'; '.join(self.eager_syncs[:3])})")
             self.capturing_failed = error
-            raise
+            raise error
         self.static_logits = out["logits"]
         self.graph, self.key = graph, key
         self.captures += 1
+
+
+class _noting_host_syncs:
+    """Context: the places (``file:line``) where CUDA operations synchronised with the host inside it, from torch's
+    sync debug mode in "warn"; other warnings pass through."""
+
+    def __enter__(self) -> list[str]:
+        self.places: list[str] = []
+        self._previous = torch.cuda.get_sync_debug_mode()
+        self._caught = warnings.catch_warnings(record=True)
+        self._records = self._caught.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self.places
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_sync_debug_mode(self._previous)
+        self._caught.__exit__(*exc)
+        for record in self._records:
+            if "synchroniz" in str(record.message):
+                self.places.append(f"{os.path.basename(record.filename)}:{record.lineno}")
+            else:
+                warnings.warn_explicit(record.message, record.category, record.filename, record.lineno)
 
 
 def capture(fn, device: torch.device) -> torch.cuda.CUDAGraph:
