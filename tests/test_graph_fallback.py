@@ -308,3 +308,20 @@ def test_gpu_capture_failure_names_the_host_syncs_of_the_eager_step(monkeypatch,
     (message,) = _warnings(caplog, "capturing a CUDA graph failed")
     assert "synchronised with the host at" in message and "test_graph_fallback.py" in message, message
     assert not torch.cuda.is_current_stream_capturing()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_compiled_kernel_variants_counts_a_new_specialisation():
+    """What a failed capture's message relies on to say that Triton compiled during the capture."""
+    from hf_nosa.host_store import HostStore
+    from hf_nosa.kernels.cuda_graph import compiled_kernel_variants
+    from hf_nosa.kernels.host_read import read_span
+
+    before = compiled_kernel_variants()
+    assert before >= 0
+    host = HostStore(1, 1, 48, torch.float16, 16, pin=True)  # a head size no other test reads with
+    host.write(0, torch.randn(1, 1, 40, 48).half(), torch.randn(1, 1, 40, 48).half(), torch.randn(1, 1, 40))
+    read_span(host, 0, 40, "cuda")
+    torch.cuda.synchronize()
+    assert compiled_kernel_variants() > before

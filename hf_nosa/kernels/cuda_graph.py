@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import sys
 import warnings
 from contextvars import ContextVar
 
@@ -119,17 +120,46 @@ class DecodeGraph:
         def step():
             out["logits"] = self._forward(self.static_ids, self.static_pos)
 
+        compiled = compiled_kernel_variants()
         try:
             graph = capture(step, input_ids.device)
         except Exception as error:  # capture() left the process usable; the caller decides whether to go on eagerly
+            notes = []
             if self.eager_syncs:
-                error = RuntimeError(f"{error} (the eager step before the capture synchronised with the host at: "
-                                     f"{'; '.join(self.eager_syncs[:3])})")
+                notes.append(f"the eager step before the capture synchronised with the host at: "
+                             f"{'; '.join(self.eager_syncs[:3])}")
+            after = compiled_kernel_variants()
+            new = after - compiled if min(after, compiled) >= 0 else 0
+            if new > 0:
+                notes.append(f"Triton compiled {new} kernel variant(s) during the capture, which the eager step "
+                             "before it did not launch")
+            if notes:
+                error = RuntimeError(f"{error} ({'; '.join(notes)})")
             self.capturing_failed = error
             raise error
         self.static_logits = out["logits"]
         self.graph, self.key = graph, key
         self.captures += 1
+
+
+def compiled_kernel_variants() -> int:
+    """How many Triton kernel variants this package's kernels have compiled so far (-1 where Triton keeps them
+    elsewhere than this version does): a capture that compiles one fails, and this says so."""
+    from . import backend
+
+    if not backend.HAS_TRITON:
+        return 0
+    total = 0
+    try:
+        for name, module in list(sys.modules.items()):
+            if not name.startswith("hf_nosa.kernels.") or module is None:
+                continue
+            for value in vars(module).values():
+                for cache in getattr(value, "device_caches", {}).values():
+                    total += len(cache[0])
+    except (TypeError, IndexError, AttributeError):
+        return -1
+    return total
 
 
 class _noting_host_syncs:
