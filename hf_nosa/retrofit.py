@@ -420,6 +420,8 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
             run.update(time_limit_s=float(time_limit), schedule_steps=plan["steps"],
                        seconds=time.perf_counter() - called)
         (output_dir / RUN_FILE).write_text(json.dumps(run, indent=1))
+        # every step's loss of the whole run (a resumed one included), beside the adapter: what reports plot
+        (output_dir / TRAINER_STATE).write_text(json.dumps({**history, "step": steps_done}, indent=1))
         from .loading import is_gguf, load_tokenizer
 
         if is_gguf(base_name):  # its tokenizer lives in the GGUF file: keep a copy beside the adapter (export uses it)

@@ -124,6 +124,8 @@ def test_resume_continues_the_step_count_and_the_loss_curve(tiny_run, data, tmp_
     torch.testing.assert_close(torch.tensor(second.losses), torch.tensor(tiny_run.losses), atol=1e-6, rtol=0)
     assert read_run(out)["steps"] == 30
     assert torch.equal(_logits(second.model), _logits(tiny_run.model))
+    state = json.loads((out / "trainer_state.json").read_text())  # beside the adapter: the whole run's curve
+    assert state["step"] == 30 and state["losses"] == second.losses
 
 
 @pytest.mark.parametrize("slow_from_step", [None, 7])

@@ -19,7 +19,9 @@
 #
 # Settings (environment): CALL_SECONDS (540), LENGTHS ("4096 8192"), RATIO (8: budget = length / 8), SAMPLES (16 per
 # task, decoded as one batch), PPL_DOCS (8), PPL_TOKENS (128), TASKS (all), CHAT (1: RULER prompts in the chat
-# template; 0: plain text), RESUME (1: continue the retrofit in $WORK/adapter), SMOKE (1: every phase at toy sizes on
+# template; 0: plain text), RESUME (1: continue the retrofit in $WORK/adapter), MAX_STEPS (N: the retrofit runs the
+# recipe's whole schedule and stops, checkpointed, at global step N instead of fitting itself to the call with
+# --time-limit; with RESUME=1 the next call goes on from there), SMOKE (1: every phase at toy sizes on
 # the CPU: SmolLM2 at 1K tokens and budget 256, a 2-step retrofit of 512-token sequences, 1 sample of 3 tasks).
 set -uo pipefail
 main() {  # read whole before it runs: an edit of this file during a run cannot change what runs
@@ -118,8 +120,14 @@ retrofit() {
         mv "$WORK/adapter" "$WORK/adapter.$(date +%s)"  # a fresh run; the earlier one stays beside it
     fi
     limit=$(( $(left) - 40 ))  # the limit counts from retrofit(): imports before it, the tar and copies after
-    say "retrofit: recipe $recipe, time limit ${limit}s"
-    python3 -m hf_nosa.cli retrofit --recipe "$recipe" --output "$WORK/adapter" --time-limit "$limit" "${resume[@]}" \
+    local stop=(--time-limit "$limit")
+    if [ -n "${MAX_STEPS:-}" ]; then  # a run over several calls: the recipe's schedule, a checkpoint at MAX_STEPS
+        stop=(--max-steps "$MAX_STEPS")
+        say "retrofit: recipe $recipe, until step $MAX_STEPS (the call must end first: ${limit}s left)"
+    else
+        say "retrofit: recipe $recipe, time limit ${limit}s"
+    fi
+    python3 -m hf_nosa.cli retrofit --recipe "$recipe" --output "$WORK/adapter" "${stop[@]}" "${resume[@]}" \
         2>&1 | tr '\r' '\n' | grep --line-buffered -v '^\s*$' > "$OUT/retrofit.log"
     local status=${PIPESTATUS[0]}
     if [ "$status" = 0 ]; then
@@ -128,9 +136,6 @@ retrofit() {
         tail -n 25 "$OUT/retrofit.log"
     fi
     [ -f "$WORK/adapter/adapter_model.safetensors" ] || { say "retrofit wrote no adapter (exit $status)"; return 1; }
-    local state
-    state=$(ls -d "$WORK"/adapter/checkpoints/step-* 2>/dev/null | sort | tail -n 1)
-    [ -n "$state" ] && cp "$state/trainer_state.json" "$WORK/adapter/trainer_state.json"
     (cd "$WORK/adapter" && find . -maxdepth 1 -type f -printf '%f\n' | sort | tar -cf "$OUT/adapter.tar" -T -)
     say "adapter.tar: $(tar -tf "$OUT/adapter.tar" | tr '\n' ' ') ($(stat -c %s "$OUT/adapter.tar") bytes)"
     return "$status"
