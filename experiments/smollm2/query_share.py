@@ -18,7 +18,7 @@ says whether it can end before ``--deadline``; one that cannot is listed as skip
 
 Example (CPU, a quick check):
     OMP_NUM_THREADS=1 python experiments/smollm2/query_share.py --length 1024 --queries 0,64 \
-        --cells base:full,base:0,base:64 --ppl-docs 1 --ppl-tokens 8 --results /tmp/qs.json
+        --cells base:full,base:0,base:64 --ppl-docs 1 --ppl-tokens 8 --results qs.json
 """
 
 from __future__ import annotations
