@@ -201,8 +201,6 @@ class NosaForward:
             position_ids = torch.full_like(input_ids, cache.get_seq_length())
         owner = cache.state.workspace if cache.state.workspace is not None else cache
         graph = getattr(owner, "decode_graph", None)
-        if graph is False:  # capture failed once for this owner: decode eagerly (the reason was logged)
-            return self.original(**kwargs)
         if graph is None:
             graph = owner.decode_graph = DecodeGraph(self.model, cache)
         graph.cache = cache
@@ -211,7 +209,7 @@ class NosaForward:
         except Exception as error:
             if graph.capturing_failed is not error:  # not a capture failure: a real error of the decode step
                 raise
-            owner.decode_graph = False
+            owner.decode_graph = None  # _graph_eligible now sends every step of this model down the eager path
             self.capture_failed = f"{type(error).__name__}: {error}"
             logger.warning(
                 "NOSA decode: capturing a CUDA graph failed (%s); this model decodes eagerly from now on, with "
