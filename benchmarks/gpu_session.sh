@@ -17,6 +17,8 @@ case "${1:-}" in
     timeout 570 python benchmarks/generate.py --shape 1b --contexts 32768 --batch1 --out "$OUT/generate_32k.json" 2>&1 | tee "$OUT/generate_32k.log" | grep -v '^{' ;;
   generate-64k)   # issue 14's 64K rows (about 8 minutes)
     timeout 570 python benchmarks/generate.py --shape 1b --contexts 65536 --batch1 --out "$OUT/generate_64k.json" 2>&1 | tee "$OUT/generate_64k.log" | grep -v '^{' ;;
+  prefill-breakdown)  # issue 14: the 64K NOSA prefill of generate, GPU time by kernel kind, and its host syncs (about 3 minutes)
+    timeout 400 python benchmarks/prefill_breakdown.py --context 65536 --batch 12 --out "$OUT" 2>&1 | tail -60 ;;
   generate-64k-chunk2048)  # the same with 2048-token prefill chunks, NOSA only (QUOKA re-reads its budget 4x less)
     timeout 570 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --prefill-chunk-size 2048 --out "$OUT/generate_64k_chunk2048.json" 2>&1 | tee "$OUT/generate_64k_chunk2048.log" | grep -v '^{' ;;
   fp8)            # issue 18: the engine with the fp8 host store beside bf16 (1b and 8b, 32K and 64K), then generate
@@ -37,5 +39,5 @@ case "${1:-}" in
   train-step)     # issue 17's retrofit step at 16K, 32K, 64K
     timeout 570 python benchmarks/train_step.py --lengths 16384,32768,65536 --out "$OUT" 2>&1 | tail -30 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|generate-64k-chunk2048|fp8|generate-8b|prefill|prefill-8b|retrofit-profile|train-step" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|prefill-breakdown|generate-64k-chunk2048|fp8|generate-8b|prefill|prefill-8b|retrofit-profile|train-step" >&2; exit 2 ;;
 esac

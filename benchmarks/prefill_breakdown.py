@@ -1,0 +1,173 @@
+"""Where generate's NOSA prefill spends its time: the GPU time of one ``model.generate`` prefill by kind of kernel,
+against the wall time, and the host syncs on the way.
+
+Issue 14's 64K delivered tok/s is set by the time to the first token at the largest batch (the decode is at its
+engine's speed). This runs what ``benchmarks/generate.py`` runs for NOSA (1b shape, bf16, sdpa, 24 GB cap,
+NosaConfig defaults, random nonzero eviction heads, random prompts), but stops after the first token and profiles
+it (torch.profiler, CUDA activity only):
+
+- ``wall_s``: the prefill's wall time unprofiled (second call: the first pins the host store and compiles);
+- ``gpu_busy_s``: the union of kernel intervals on all streams; ``wall - busy`` is time the GPU waited on the host;
+- ``by_kind``: summed kernel time per kind (GEMM, attention, fetch, host write/read, QUOKA scoring, copies, other
+  elementwise, sort/top-k, reductions), with the top kernels of each;
+- ``host_syncs``: the ``file:line`` places where a prefill at a small size synchronised with the host (torch's sync
+  debug mode), with counts: a sync per layer and chunk serialises the host's launches with the GPU's work.
+
+    PYTHONPATH=. python benchmarks/prefill_breakdown.py --context 65536 --batch 12 --out DIR
+    python benchmarks/prefill_breakdown.py --smoke       # CPU: the bookkeeping only (no profile)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import sys
+import time
+from collections import Counter, defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.decode_throughput import CAP_GB, build_model  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
+from hf_nosa import NosaConfig, to_nosa  # noqa: E402
+from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
+
+# First match wins: the order puts the specific names before the generic ones.
+KINDS = [
+    ("fetch", r"_fetch_step_kernel"),
+    ("host_write", r"_host_write_kernel"),
+    ("host_read", r"_host_read|read_span"),
+    ("quoka_score", r"_quoka_(score|normaliser)_kernel"),
+    ("attention", r"flash|fmha|sdpa|attention|cudnn"),
+    ("gemm", r"gemm|nvjet|cutlass|sm\d+_xmma|cublas"),
+    ("copy", r"[Cc]opy|CatArray|Memcpy|Memset|index_elementwise|gather|scatter|repeat"),
+    ("sort_topk", r"[Ss]ort|topk|radix"),
+    ("reduce", r"reduce_kernel|[Ss]oftmax|cumsum|scan"),
+    ("elementwise", r"elementwise|vectorized|Functor|pow|exp|silu|neg|fill"),
+]
+
+
+def kind_of(name: str) -> str:
+    """The kind of a kernel, from its name (``KINDS``), or "other"."""
+    for kind, pattern in KINDS:
+        if re.search(pattern, name):
+            return kind
+    return "other"
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals (microseconds in, seconds out): GPU busy time with
+    kernels on several streams counted once where they overlap."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total / 1e6
+
+
+def summarize(kernels: list[tuple[str, float, float]], top: int = 4) -> dict:
+    """``kernels``: ``(name, start_us, end_us)``; per kind the summed milliseconds, launches and top kernels."""
+    by_kind: dict[str, dict] = defaultdict(lambda: dict(ms=0.0, launches=0, top=Counter()))
+    for name, a, b in kernels:
+        entry = by_kind[kind_of(name)]
+        entry["ms"] += (b - a) / 1e3
+        entry["launches"] += 1
+        entry["top"][name[:110]] += (b - a) / 1e3
+    out = {}
+    for kind, entry in sorted(by_kind.items(), key=lambda kv: -kv[1]["ms"]):
+        out[kind] = dict(ms=round(entry["ms"], 3), launches=entry["launches"],
+                         top={k: round(v, 3) for k, v in entry["top"].most_common(top)})
+    return out
+
+
+def prefill(model, batch, context, seed=0):
+    ids = torch.randint(3, model.config.vocab_size, (batch, context), device="cuda",
+                        generator=torch.Generator(device="cuda").manual_seed(seed))
+    model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+                   cache_implementation="nosa")
+    torch.cuda.synchronize()
+
+
+def profiled_kernels(run) -> list[tuple[str, float, float]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+    kernels = []
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.time_range.elapsed_us() > 0:
+            kernels.append((event.name, event.time_range.start, event.time_range.end))
+    return kernels
+
+
+def host_syncs(model, batch, context) -> dict[str, int]:
+    """``file:line`` of every host sync in one prefill (sync debug mode "warn"), with counts."""
+    from hf_nosa.kernels.cuda_graph import _noting_host_syncs
+
+    with _noting_host_syncs() as places:
+        prefill(model, batch, context, seed=1)
+    return dict(Counter(places).most_common())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="1b", choices=("1b", "8b"))
+    parser.add_argument("--context", type=int, default=65536)
+    parser.add_argument("--batch", type=int, default=12)
+    parser.add_argument("--prefill-chunk-size", type=int, default=None, help="default: NosaConfig's")
+    parser.add_argument("--sync-context", type=int, default=4096, help="prompt length of the host-sync pass")
+    parser.add_argument("--out", default=None, help="folder for prefill_breakdown.json")
+    parser.add_argument("--smoke", action="store_true", help="check the bookkeeping on the CPU and exit")
+    args = parser.parse_args()
+    if args.smoke:
+        kernels = [("_fetch_step_kernel", 0.0, 10.0), ("nvjet_sm90_tst", 5.0, 25.0), ("CatArrayBatchedCopy", 30.0, 31.0)]
+        print(json.dumps(dict(busy_s=busy_seconds([k[1:] for k in kernels]), by_kind=summarize(kernels)), indent=1))
+        return 0
+    if not torch.cuda.is_available():
+        raise SystemExit("prefill_breakdown.py needs CUDA (use --smoke on the CPU)")
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_GB[args.shape] * 1e9 / total))
+    model = build_model(args.shape, "cuda", torch.bfloat16)
+    overrides = dict(prefill_chunk_size=args.prefill_chunk_size)
+    to_nosa(model, NosaConfig(**{k: v for k, v in overrides.items() if v is not None}))
+    randomize_eviction_heads(model, scale=0.5, generator=torch.Generator().manual_seed(0))
+    result = dict(environment(), commit=os.environ.get("HF_NOSA_COMMIT"), shape=args.shape, context=args.context,
+                  batch=args.batch, nosa_config=model.config.nosa)
+    result["host_syncs"] = host_syncs(model, 2, args.sync_context)
+    t0 = time.perf_counter()
+    prefill(model, args.batch, args.context)  # pins the host store, compiles
+    result["first_call_s"] = time.perf_counter() - t0
+    gc.collect()
+    t0 = time.perf_counter()
+    prefill(model, args.batch, args.context)
+    result["wall_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    kernels = profiled_kernels(lambda: prefill(model, args.batch, args.context))
+    result["profiled_wall_s"] = time.perf_counter() - t0
+    result["gpu_busy_s"] = busy_seconds([k[1:] for k in kernels])
+    result["kernel_sum_s"] = sum(b - a for _, a, b in kernels) / 1e6
+    result["launches"] = len(kernels)
+    result["by_kind"] = summarize(kernels)
+    result["per_sequence_s"] = result["wall_s"] / args.batch
+    print(json.dumps({k: v for k, v in result.items() if k != "by_kind"}, indent=1))
+    for kind, entry in result["by_kind"].items():
+        print(f"{kind:12s} {entry['ms']:10.1f} ms  {entry['launches']:8d} launches  "
+              + "; ".join(f"{n[:50]} {ms:.0f}" for n, ms in list(entry["top"].items())[:2]))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "prefill_breakdown.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
