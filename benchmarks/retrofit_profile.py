@@ -1,5 +1,5 @@
-"""Where a retrofit step's time goes: the smollm2-135m recipe's micro-step (one 8K sequence, forward + backward)
-on a random model of SmolLM2-135M's shape, by variant and by kernel.
+"""Where a retrofit step's time goes: the smollm2-135m recipe's micro-step (batch_size 8K sequences, forward +
+backward) on a random model of SmolLM2-135M's shape, by variant and by kernel.
 
 The GPU retrofit of SmolLM2 ran at 10.8K tokens/s (6 s per 8-sequence step), about what the 16x larger 1b shape
 reaches (benchmarks/results/train_step.json): time that does not scale with the model. Variants, each built the way
@@ -15,7 +15,10 @@ Wall time well above GPU busy time means the step waits on the host (launches, s
 sequences per micro-step (``--batches 1,4``: the same tokens per optimizer step in fewer, larger micro-steps)
 spread the same launches over more tokens.
 
-    PYTHONPATH=. python benchmarks/retrofit_profile.py --batches 1,4 --bias-grads scatter,value_column --out DIR
+``benchmarks/results/retrofit_profile.json`` (H200) also has NOSA rows with ``bias_grad="value_column"``: an
+eviction-bias gradient taken from the value gradient, slower than the default and since removed (docs/results.md).
+
+    PYTHONPATH=. python benchmarks/retrofit_profile.py --batches 1,4 --out benchmarks/results
     python benchmarks/retrofit_profile.py --smoke      # tiny sizes on the CPU
 """
 
@@ -32,7 +35,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
-from hf_nosa import training  # noqa: E402
 from hf_nosa.retrofit import _build_model, load_recipe  # noqa: E402
 from hf_nosa.selection_loss import selection_loss  # noqa: E402
 
@@ -108,8 +110,7 @@ def profile_step(model, ids, device, top: int) -> dict:
                 top=[dict(name=e.key[:120], seconds=getattr(e, key) / 1e6, calls=e.count) for e in kernels[:top]])
 
 
-def run_variant(variant, batch, args, recipe, shape, device, dtype, bias_grad) -> dict:
-    training.FLEX_BIAS_GRAD = bias_grad
+def run_variant(variant, batch, args, recipe, shape, device, dtype) -> dict:
     torch.manual_seed(0)
     model, optimizer = build(variant, recipe, shape, device, dtype)
     ids = torch.randint(3, shape["vocab_size"], (batch, args.seq_len), device=device)
@@ -124,7 +125,7 @@ def run_variant(variant, batch, args, recipe, shape, device, dtype, bias_grad) -
         _sync(device)
         times.append(time.perf_counter() - t0)
         optimizer.zero_grad(set_to_none=True)
-    row = dict(variant=variant, batch=batch, bias_grad=bias_grad if variant != "dense" else None, seq_len=args.seq_len, micro_step_s=sum(times) / len(times),
+    row = dict(variant=variant, batch=batch, seq_len=args.seq_len, micro_step_s=sum(times) / len(times),
                step_times_s=times, tokens_per_s=batch * args.seq_len * len(times) / sum(times))
     row.update(profile_step(model, ids, device, args.top))
     optimizer.zero_grad(set_to_none=True)
@@ -141,14 +142,11 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated among {VARIANTS}")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the recipe's)")
-    parser.add_argument("--batches", default="1", help="comma-separated sequences per micro-step (default 1, the "
+    parser.add_argument("--batches", default=None, help="comma-separated sequences per micro-step (default: the "
                         "recipe's batch_size)")
     parser.add_argument("--steps", type=int, default=3, help="timed micro-steps per variant")
     parser.add_argument("--warmup", type=int, default=1, help="untimed micro-steps per variant")
     parser.add_argument("--top", type=int, default=15, help="kernels listed per variant")
-    parser.add_argument("--bias-grads", default=training.FLEX_BIAS_GRAD,
-                        help=f"comma-separated among {training.BIAS_GRADS}: how the NOSA variants' flex backward gets "
-                             f"the eviction bias's gradient (training.FLEX_BIAS_GRAD; default {training.FLEX_BIAS_GRAD})")
     args = parser.parse_args()
     variants = args.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS]
@@ -162,21 +160,17 @@ def main() -> int:
         recipe = dict(recipe, nosa={**recipe["nosa"], **SMOKE_NOSA})
     args.seq_len = args.seq_len or (256 if args.smoke else recipe["seq_len"])
     result = dict(environment(), shape=shape, recipe="smollm2-135m", nosa=recipe["nosa"], rows=[])
-    bias_grads = args.bias_grads.split(",")
-    if any(g not in training.BIAS_GRADS for g in bias_grads):
-        parser.error(f"--bias-grads: {bias_grads} must be among {training.BIAS_GRADS}")
-    runs = [(v, int(b), g) for b in args.batches.split(",") for v in variants
-            for g in (bias_grads if v != "dense" else bias_grads[:1])]
-    for variant, batch, bias_grad in runs:
+    batches = args.batches.split(",") if args.batches else [recipe["batch_size"]]
+    for variant, batch in [(v, int(b)) for b in batches for v in variants]:
         try:
-            row = run_variant(variant, batch, args, recipe, shape, device, dtype, bias_grad)
+            row = run_variant(variant, batch, args, recipe, shape, device, dtype)
         except torch.OutOfMemoryError as error:
             result["rows"].append(dict(variant=variant, batch=batch, seq_len=args.seq_len, oom=str(error)[:200]))
             print(f"{variant:9s} batch {batch}: out of memory", flush=True)
             torch.cuda.empty_cache()
             continue
         result["rows"].append(row)
-        print(f"{variant:9s} {bias_grad if variant != 'dense' else '':12s} batch {batch} micro-step {row['micro_step_s']:.3f} s ({row['tokens_per_s']:,.0f} tok/s), "
+        print(f"{variant:9s} batch {batch} micro-step {row['micro_step_s']:.3f} s ({row['tokens_per_s']:,.0f} tok/s), "
               f"busy {row['busy_s']:.3f} s, {row['launches']} launches", flush=True)
         for k in row["top"][:8]:
             print(f"    {k['seconds'] * 1e3:8.1f} ms  {k['calls']:6d}x  {k['name']}", flush=True)

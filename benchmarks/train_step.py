@@ -213,18 +213,7 @@ def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
                     finally:
                         training.FLEX_KV_TILE = None
 
-                runs.append((dict(mode="nosa", fold=fold, kv_tile=kv_tile or max(FLEX_TILE, cfg.block_size),
-                                  bias_grad=training.FLEX_BIAS_GRAD), nosa))
-        if backend == "flex":  # the bias's gradient through the values instead of torch's atomic scatter
-            def nosa_value_column(fold=folds[0]):
-                training.FLEX_BIAS_GRAD, previous = "value_column", training.FLEX_BIAS_GRAD
-                try:
-                    nosa_training_attention(q, k, v, bias, cfg, scale, backend=backend, fold=fold).backward(grad)
-                finally:
-                    training.FLEX_BIAS_GRAD = previous
-
-            runs.append((dict(mode="nosa", fold=folds[0], kv_tile=max(FLEX_TILE, cfg.block_size),
-                              bias_grad="value_column"), nosa_value_column))
+                runs.append((dict(mode="nosa", fold=fold, kv_tile=kv_tile or max(FLEX_TILE, cfg.block_size)), nosa))
         for extra, fn in runs:
             _reset_peak(device)
             row = dict(base, **extra)

@@ -74,15 +74,6 @@ FLEX_FOLD = 1
 # GPU: benchmarks/train_step.py times both and counts the tokens whose selections differ.
 SELECTION_KERNEL = False
 
-# How FlexAttention's backward gets the eviction bias's gradient. "scatter": the bias is a tensor that score_mod
-# reads and that requires grad, and the compiled backward scatters every (query, key) element's score gradient into
-# it with an atomic add (torch's captured-buffer gradients): all the queries of a tile add into the same few keys.
-# "value_column": the bias is read detached and its gradient comes from the value gradient instead
-# (``_BiasFromValueGrad``): no atomics, one more (zero) value column. "scatter" until benchmarks/train_step.py and
-# benchmarks/retrofit_profile.py have timed both on a GPU.
-FLEX_BIAS_GRAD = "scatter"
-BIAS_GRADS = ("scatter", "value_column")
-
 _compiled_flex = None
 
 
@@ -391,74 +382,17 @@ def _unfold_rows(out: torch.Tensor, fold: int) -> torch.Tensor:
     return out.view(B, Hf, rows // fold, fold, D).transpose(2, 3).reshape(B, Hf * fold, rows // fold, D)
 
 
-class _BiasFromValueGrad(torch.autograd.Function):
-    """The eviction bias's gradient out of the attention's value gradient, for a bias added to the scores of keys.
-
-    With ``S = q.k * scale + b[k]``, ``P = softmax(S)``, ``O = P V`` and ``delta_q = dO_q . O_q``:
-    ``dL/db[k] = sum_q P[q,k] (dO_q . V[k] - delta_q) = V[k] . dV[k] - (P^T delta)[k]``. The attention already
-    computes ``dV = P^T dO``; ``P^T delta`` is the value gradient of one more value column, zero in the forward (so
-    no output changes), whose output gradient is ``delta`` (``_OutputWithDelta``). Summing over a GQA group
-    happens in ``dV`` as for the values themselves.
-
-    ``apply(value [B, Hk, T, D], bias [B, Hk, T])`` -> ``[B, Hk, T, Dv]``: the values, a zero column ``D`` and zero
-    padding up to ``Dv`` (a power of two, as the attention kernels want).
-    """
-
-    @staticmethod
-    def forward(ctx, value, bias):
-        B, Hk, T, D = value.shape
-        wide = value.new_zeros(B, Hk, T, 1 << D.bit_length())  # at least D + 1 columns
-        wide[..., :D] = value
-        ctx.save_for_backward(value)
-        ctx.bias_dtype = bias.dtype
-        return wide
-
-    @staticmethod
-    def backward(ctx, grad_wide):
-        (value,) = ctx.saved_tensors
-        D = value.shape[-1]
-        grad_value = grad_wide[..., :D]
-        acc = torch.promote_types(value.dtype, torch.float32)
-        grad_bias = (value.to(acc) * grad_value.to(acc)).sum(-1) - grad_wide[..., D].to(acc)
-        return grad_value, grad_bias.to(ctx.bias_dtype)
-
-
-class _OutputWithDelta(torch.autograd.Function):
-    """``apply(wide [.., Dv], D)`` -> ``wide[..., :D]``; backward sends ``delta = dO . O`` into column ``D``."""
-
-    @staticmethod
-    def forward(ctx, wide, D):
-        ctx.save_for_backward(wide)
-        ctx.D = D
-        return wide[..., :D].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (wide,) = ctx.saved_tensors
-        D = ctx.D
-        grad_wide = torch.zeros_like(wide)
-        grad_wide[..., :D] = grad_out
-        acc = torch.promote_types(wide.dtype, torch.float32)
-        grad_wide[..., D] = (grad_out.to(acc) * wide[..., :D].to(acc)).sum(-1).to(wide.dtype)
-        return grad_wide, None
-
-
-def _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold, offsets=None, bias_grad=None) -> torch.Tensor:
+def _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold, offsets=None) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
-    bias_grad = FLEX_BIAS_GRAD if bias_grad is None else bias_grad
-    if bias_grad not in BIAS_GRADS:
-        raise ValueError(f"bias_grad={bias_grad!r} is not supported; allowed values are {BIAS_GRADS}")
-    H, Hk, D = query.shape[1], key.shape[1], value.shape[-1]
+    H, Hk = query.shape[1], key.shape[1]
     G2 = H // Hk // fold  # attention heads per KV head after folding
     block_mask = flex_block_mask(bitmap, cfg, heads=H, q_offset=q_offset, tile=FLEX_TILE, fold=fold,
                                  kv_tile=FLEX_KV_TILE, offsets=offsets)
-    through_values = bias_grad == "value_column" and bias.requires_grad and torch.is_grad_enabled()
-    key_bias = bias.detach().float() if through_values else bias.float()
-    value = value.to(query.dtype)
-    if through_values:
-        value = _BiasFromValueGrad.apply(value, bias)  # [B, Hk, T, Dv]: the bias's gradient rides on the values'
+    # The bias's gradient is torch's captured-buffer gradient (an atomic scatter of the score gradients). Taking it
+    # from one more value column instead made the step slower on an H200 (docs/results.md, SmolLM2 section).
+    key_bias = bias.float()
 
     def score_mod(score, b, h, q_idx, kv_idx):
         return score + key_bias[b, h // G2, kv_idx]
@@ -472,10 +406,8 @@ def _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold, offsets=N
     # Under bf16 autocast q/k/v already arrive in bf16; the kernel accumulates in fp32 either way. Autocast is
     # switched off around it so that every torch version sees plain same-dtype inputs.
     with torch.autocast(query.device.type, enabled=False):
-        out = run(_fold_queries(query, fold), key.to(query.dtype), value, score_mod=score_mod,
+        out = run(_fold_queries(query, fold), key.to(query.dtype), value.to(query.dtype), score_mod=score_mod,
                   block_mask=block_mask, scale=scale, enable_gqa=G2 > 1)
-    if through_values:
-        out = _OutputWithDelta.apply(out, D)
     return _unfold_rows(out, fold)
 
 
