@@ -2,7 +2,7 @@
 # One device call of a GPU session: `bash benchmarks/gpu_session.sh PHASE` with results under $OUT.
 #
 # Run it from a snapshot of a commit, not from a working tree that others are editing: here,
-#   rm -rf .bench && mkdir .bench && git archive HEAD hf_nosa benchmarks tests pyproject.toml | tar -x -C .bench
+#   rm -rf .bench && mkdir .bench && git archive HEAD hf_nosa benchmarks tests recipes pyproject.toml | tar -x -C .bench
 # with /.bench/ in .git/info/exclude, then on the device (carry .bench):
 #   cd .bench && HF_NOSA_COMMIT=<sha> bash benchmarks/gpu_session.sh generate-32k
 # Each phase fits one call (10 minutes); the benchmarks write their JSON after every row, so a phase cut short
@@ -35,7 +35,7 @@ case "${1:-}" in
     timeout 400 python benchmarks/prefill.py --shape 8b --contexts 32768 --batches 1,4 --chunks 512 --repeat 2 --profile --out "$OUT/p8b" > "$OUT/p8b.log" 2>&1
     tail -n 30 "$OUT/p8b.log" ;;
   retrofit-profile)  # where the smollm2-135m retrofit's micro-step goes: dense / nosa / nosa+aux, batch 1 and 4 (about 3 minutes)
-    timeout 450 python benchmarks/retrofit_profile.py --batches 1,4 --bias-grads scatter,value_column --out "$OUT" 2>&1 | grep -v USDT | tail -80 ;;
+    timeout 450 python benchmarks/retrofit_profile.py --batches 1,4 --out "$OUT" 2>&1 | grep -v USDT | tail -80 ;;
   train-step)     # issue 17's retrofit step at 16K, 32K, 64K
     timeout 570 python benchmarks/train_step.py --lengths 16384,32768,65536 --out "$OUT" 2>&1 | tail -30 ;;
   *)
