@@ -68,6 +68,7 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         self.selector_state: dict[str, torch.Tensor] = {}
         self.seen = 0
         self.staging: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.previous_chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None  # QUOKA's last chunk
         self.peak_device_tokens = 0
         self.decode_steps = 0
         self.warm = False
@@ -411,6 +412,7 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         self.decode_steps = 0
         self.warm = False
         self.staging = None
+        self.previous_chunk = None
         self._writer = None
         self.selector_state = {}
         self.cfg = self.base_cfg

@@ -127,6 +127,7 @@ class PrefillPaths:
             else:
                 inputs = self._dense_tail_inputs(k, v, q, b, valid, start, dense_rows)
             self._store(start, k, v, b)
+            self.previous_chunk = (k, v, b, start) if end < target else None
         else:
             self._store(start, k, v, b)
             keys, values, key_bias = self._staged(k, v, b, start, target)
@@ -163,6 +164,7 @@ class PrefillPaths:
         self.peak_device_tokens = max(self.peak_device_tokens, n_selected * self.cfg.block_size + k.shape[2])
         if n_selected == 0:
             return AttentionInputs(k, v, b, None, 0, causal=True)
+        self._move_in_previous_chunk(start, selected)
         pool = SlotPool(self.slot_k, self.slot_v, self.slot_b, self.slot_block, self.tail_slot)
         fetch_selection(selected, pool, self.host, self.counters)
         S = self.n_slots
@@ -170,6 +172,46 @@ class PrefillPaths:
         values = torch.cat([self.slot_v[:, :, :S].flatten(2, 3), v], 2)
         key_bias = torch.cat([self.slot_b[:, :, :S].flatten(2), b], 2)
         return AttentionInputs(keys, values, key_bias, None, S * self.cfg.block_size, causal=True)
+
+    def _move_in_previous_chunk(self, start: int, selected: torch.Tensor) -> None:
+        """Put the previous chunk's complete blocks that this chunk's local window holds into the slot pool, copied
+        from that chunk's keys and values (still on the device) instead of fetched back over PCIe.
+
+        Each chunk's local window gains the previous chunk's blocks (``prefill_chunk_size / block_size`` of them,
+        at most ``local_blocks``), which are never resident: without this they are a third of what a 512-token
+        chunk fetches (1b shape, random weights, 16K). They take slots whose block this chunk did not select
+        (``selected [B, Hk, K]``: the fetch would free those; a pool of K + 1 slots has one more than the blocks to
+        place), and the fetch then finds them resident. The values are the ones the
+        host store was given, so with a bf16/fp32 store the chunk attends to the same keys (in other slots); with a
+        quantized store it sees them unrounded.
+        """
+        previous, self.previous_chunk = self.previous_chunk, None
+        if previous is None:
+            return
+        k, v, b, previous_start = previous
+        cfg = self.cfg
+        P, L, sink = cfg.block_size, cfg.local_blocks, cfg.sink_blocks
+        current = start // P  # this chunk's first block: its local window is blocks current - L .. current - 1
+        first = max(-(-previous_start // P), current - L, sink)  # complete blocks of the previous chunk only
+        last = min((previous_start + k.shape[2]) // P, current)
+        n = last - first
+        if n <= 0:
+            return
+        B, Hk, D = self.batch, self.kv_heads, self.head_dim
+        S = self.n_slots
+        held = self.slot_block  # [B, Hk, S]
+        kept = ((held[..., :, None] == selected[..., None, :]) & (held >= 0)[..., None]).any(-1)
+        slot = torch.sort(kept.to(torch.int8), dim=-1, stable=True).indices[..., :n]  # [B, Hk, n], free slots first
+        placed = ~kept.gather(2, slot)  # (always, unless the pool is smaller than the selection plus one slot)
+        blocks = torch.arange(first, last, device=held.device).expand(B, Hk, n)
+        held.scatter_(2, slot, torch.where(placed, blocks, held.gather(2, slot)))
+        target = torch.where(placed, slot, S)  # the scratch slot absorbs what has no place
+        a = first * P - previous_start
+        self.slot_k.scatter_(2, target[..., None, None].expand(B, Hk, n, P, D),
+                             k[:, :, a : a + n * P].reshape(B, Hk, n, P, D))
+        self.slot_v.scatter_(2, target[..., None, None].expand(B, Hk, n, P, D),
+                             v[:, :, a : a + n * P].reshape(B, Hk, n, P, D))
+        self.slot_b.scatter_(2, target[..., None].expand(B, Hk, n, P), b[:, :, a : a + n * P].reshape(B, Hk, n, P))
 
     def _dense_tail_rows(self, start: int, end: int, target: int) -> torch.Tensor | None:
         """``[B]`` CPU bool: the rows for which the chunk ``start .. end`` holds one of their last
@@ -214,6 +256,7 @@ class PrefillPaths:
         with its padding moved to the end, ``modeling.chunked``), and leave the slot pool empty but for each row's
         partly written block."""
         self.staging = None
+        self.previous_chunk = None
         offsets = self.state.prefill_offsets
         if offsets is not None and offsets.numel() == self.batch and self.selector is None:
             self._set_offsets(offsets)

@@ -445,3 +445,39 @@ def test_dense_tail_must_be_a_non_negative_integer(value):
         NosaConfig(prefill_dense_tail_tokens=value)
     saved = NosaConfig(prefill_dense_tail_tokens=0).to_dict()
     assert NosaConfig.from_dict(saved).prefill_dense_tail_tokens == 0
+
+
+@pytest.mark.parametrize("chunk, local", [(32, 64), (64, 32)], ids=["chunk-inside-local", "chunk-beyond-local"])
+@pytest.mark.parametrize("host_dtype", ["auto", "int8"])
+def test_previous_chunk_moves_into_the_pool_from_the_device(monkeypatch, chunk, local, host_dtype):
+    """The previous chunk's blocks that enter the local window are copied on the device, not fetched: the same
+    attention (with an unquantized store up to the order of the slots, within the format's rounding with a quantized
+    one), fewer bytes over PCIe, and every move-in lands where the fetch finds it resident."""
+    model = _model("llama", seed=11)
+    cfg = small_nosa_config(budget_tokens=128, query_tokens=32, local_tokens=local, prefill="quoka",
+                            prefill_budget_tokens=96, prefill_chunk_size=chunk, host_dtype=host_dtype)
+    ids, mask = _prompt(2, 420, seed=12, left_pad=(0, 45))
+    moved = []
+    original = prefill_module.PrefillPaths._move_in_previous_chunk
+
+    def counting(self, start, selected):
+        before = self.slot_block.clone()
+        original(self, start, selected)
+        moved.append(int((self.slot_block != before).sum()))
+
+    monkeypatch.setattr(prefill_module.PrefillPaths, "_move_in_previous_chunk", counting)
+    with_move = NosaCache(model.config, cfg)
+    expected_steps = _run(model, with_move, ids, mask, 3)
+    monkeypatch.setattr(prefill_module.PrefillPaths, "_move_in_previous_chunk",
+                        lambda self, start, selected: setattr(self, "previous_chunk", None))
+    without = NosaCache(model.config, cfg)
+    actual_steps = _run(model, without, ids, mask, 3)
+    for a, b in zip(expected_steps, actual_steps):
+        if host_dtype == "auto":
+            torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
+        else:
+            torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+    blocks = min(chunk, local) // cfg.block_size  # what each (row, KV head) gains per chunk in steady state
+    assert sum(moved) > 0 and max(moved) <= 2 * model.config.num_key_value_heads * blocks
+    saved = without.stats()["blocks_loaded"] - with_move.stats()["blocks_loaded"]
+    assert saved == sum(moved)  # every block moved in was one the fetch would have brought over PCIe
