@@ -106,7 +106,8 @@ def _lower_right(Tq: int, S: int, device, dtype):
 def _sdpa(q, k, v, mask, is_causal: bool, scale: float, *, gqa_with_mask: bool) -> torch.Tensor:
     """sdpa with GQA: ``q [B, H, Tq, D']``, ``k/v [B, Hk, S, D']``; mask None, a ``CausalBias`` or a tensor
     ``[B or 1, 1 or Hk, Tq, S]``. ``gqa_with_mask``: the masked kernels take GQA (CPU) or need the KV heads
-    repeated (CUDA, where a masked GQA call would fall back to the math kernel)."""
+    repeated (CUDA, where a masked GQA call would fall back to the math kernel; a half-precision ``CausalBias``
+    does not)."""
     H, Hk = q.shape[1], k.shape[1]
     G = H // Hk
     if G == 1:
@@ -119,7 +120,9 @@ def _sdpa(q, k, v, mask, is_causal: bool, scale: float, *, gqa_with_mask: bool) 
         qg = q.view(B, Hk, G, Tq, Dp)
         outs = [F.scaled_dot_product_attention(qg[:, :, g], k, v, attn_mask=mask, scale=scale) for g in range(G)]
         return torch.stack(outs, 2).view(B, H, Tq, v.shape[-1])
-    if gqa_with_mask:
+    if gqa_with_mask or (type(mask) is not torch.Tensor and q.dtype in (torch.float16, torch.bfloat16)):
+        # A CausalBias (the lower-right variant) in half precision runs FlashAttention, which reads the KV heads as
+        # they are: no copy of the keys and values per query head (4 x a QUOKA chunk's keys at every layer).
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

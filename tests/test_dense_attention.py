@@ -195,20 +195,22 @@ def test_zero_bias_that_trains_gets_its_gradient():
     assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gqa_with_mask", [True, False])
-def test_lower_right_variant_and_the_repeated_kv_branch(gqa_with_mask):
-    """sdpa's lower-right causal variant (what CUDA runs) and the repeated-KV branch (CUDA's masked GQA) give the
-    explicit mask's result; both run here on the CPU."""
+def test_lower_right_variant_and_the_repeated_kv_branch(gqa_with_mask, dtype):
+    """sdpa's lower-right causal variant (what CUDA runs; in half precision with the KV heads unrepeated) and the
+    repeated-KV branch (CUDA's masked GQA) give the explicit mask's result; both run here on the CPU."""
     from torch.nn.attention.bias import causal_lower_right
 
-    q, k, v, _ = _inputs(1, 8, 2, 24, 70, 16, torch.float32, seed=17)
-    expected = dense_attention._sdpa(q, k, v, dense_attention._causal(24, 70, 46, "cpu", torch.float32), False, 0.25,
+    q, k, v, _ = _inputs(1, 8, 2, 24, 70, 16, dtype, seed=17)
+    expected = dense_attention._sdpa(q, k, v, dense_attention._causal(24, 70, 46, "cpu", dtype), False, 0.25,
                                      gqa_with_mask=True)
-    for mask in (causal_lower_right(24, 70), dense_attention._causal(24, 70, 46, "cpu", torch.float32)):
+    same = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else TOL[dtype]
+    for mask in (causal_lower_right(24, 70), dense_attention._causal(24, 70, 46, "cpu", dtype)):
         actual = dense_attention._sdpa(q, k, v, mask, False, 0.25, gqa_with_mask=gqa_with_mask)
-        assert_close(actual, expected, atol=1e-6, rtol=1e-6)
-    reference = attend(q, AttentionInputs(k, v, torch.zeros(1, 2, 70), None, 46, True), 0.25)
-    assert_close(expected, reference, atol=2e-5, rtol=2e-5)
+        assert_close(actual, expected, **same)
+    reference = attend(q.float(), AttentionInputs(k.float(), v.float(), torch.zeros(1, 2, 70), None, 46, True), 0.25)
+    assert_close(expected.float(), reference, **TOL[dtype])
 
 
 @pytest.mark.gpu
