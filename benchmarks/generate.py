@@ -12,9 +12,13 @@ Batch search: stock methods double the batch until the prefill runs out of devic
 tokens, then a bisection). NOSA runs batch 1 and the stock batch first, then takes the smaller of the largest batch
 whose host store fits 70% of the free host memory and the batch whose peak, extrapolated from those two rows,
 reaches 92% of the cap; it steps down by 15% while the device (or pinning) says no. ``limit`` says which bound
-stopped each method.
+stopped each method. ``--nosa-batches`` runs NOSA at those batches only (``limit`` "fixed"), no search: the way to
+compare host stores (``--host-dtype``) at the same batch, one run each.
 
     python benchmarks/generate.py --shape 1b --contexts 32768 65536 --out benchmarks/results/generate.json
+    python benchmarks/generate.py --methods nosa --contexts 65536 --nosa-batches 38 --out bf16_b38.json
+    python benchmarks/generate.py --methods nosa --contexts 65536 --nosa-batches 38 --host-dtype float8_e4m3fn \
+        --out fp8_b38.json
 """
 
 from __future__ import annotations
@@ -30,10 +34,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.decode_throughput import CAP_GB, build_model  # noqa: E402
+from benchmarks.decode_throughput import CAP_GB, HOST_SHARE, build_model  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
-from hf_nosa.host_store import available_host_memory  # noqa: E402
+from hf_nosa.host_store import HostStore, available_host_memory  # noqa: E402
 from hf_nosa.kernels.cuda_graph import greedy_decode  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 from hf_nosa.workspace import workspace_of  # noqa: E402
@@ -41,7 +45,6 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 GiB = 1 << 30
 SAVE = None  # set by main(): writes the JSON after every row, so a run stopped midway keeps what it measured
-HOST_SHARE = 0.7  # of the free host memory the NOSA batch may pin (the rest: the OS, torch's pinned-pool slack)
 DEVICE_SHARE = 0.92  # of the device cap a NOSA batch is planned to peak at (the allocator's fragmentation)
 
 
@@ -123,14 +126,14 @@ def stock_batch(model, context, method, start=1, limit=256):
 
 
 def nosa_host_batch(model, context, new_tokens):
-    """The most sequences whose host stores fit HOST_SHARE of the free host memory: per token, layer and KV head,
-    K and V (bf16, or one byte each in a quantized ``host_dtype``, plus one fp32 scale each per block) and the fp32
-    eviction score."""
+    """The most sequences whose host stores fit HOST_SHARE of the free host memory, counted as NosaCache's host
+    check counts them (``HostStore.planned_bytes``: K and V in the store's format, a quantized store's block scales
+    and tail block, the fp32 eviction scores, whole blocks)."""
     cfg = model.config
     nosa = cfg.nosa  # the converted model's NosaConfig, as a dict (to_nosa)
-    quantized = nosa["host_dtype"] != "auto"
-    kv_bytes = 2 * cfg.head_dim + 2 * 4 / nosa["block_size"] if quantized else 2 * cfg.head_dim * 2
-    per_seq = cfg.num_hidden_layers * cfg.num_key_value_heads * (context + new_tokens) * (kv_bytes + 4)
+    per_seq = cfg.num_hidden_layers * HostStore.planned_bytes(
+        1, cfg.num_key_value_heads, cfg.head_dim, model.dtype, nosa["block_size"], nosa["host_dtype"],
+        context + new_tokens)
     return max(1, int(HOST_SHARE * (available_host_memory() or 0) // per_seq))
 
 
@@ -188,6 +191,7 @@ def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False)
     row.update(method=method, context=context, new_tokens=new_tokens, limit=limit, first_call_s=first_call)
     cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
     if method == "nosa":
+        row["host_dtype"] = cache.nosa_config.host_dtype
         stats = cache.stats()
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         cache_device = sum(t.numel() * t.element_size() for layer in cache.layers
@@ -214,6 +218,30 @@ def nosa_config(args) -> NosaConfig:
     the default's rows)."""
     overrides = dict(prefill_chunk_size=args.prefill_chunk_size, host_dtype=args.host_dtype)
     return NosaConfig(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def release_host_stores(model):
+    """Let the previous batch's pinned host store go back to the OS before the next one is checked and pinned."""
+    workspace_of(model).buffers.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._C._host_emptyCache()
+
+
+def fixed_nosa_row(model, batch, context, args):
+    """NOSA at ``batch`` as given (``--nosa-batches``): no stepping down, since the point is this batch; a batch
+    that does not fit gives a row with its ``error``."""
+    release_host_stores(model)
+    try:
+        return timed_row(model, batch, context, args.new_tokens, "nosa", limit="fixed", engine=not args.skip_engine)
+    except (torch.OutOfMemoryError, RuntimeError, MemoryError) as failure:
+        error = f"{type(failure).__name__}: {failure}"[:500]
+    print(f"nosa batch {batch} at {context}: {error[:200]}", flush=True)
+    row = dict(method="nosa", batch=batch, context=context, new_tokens=args.new_tokens, limit="fixed",
+               host_dtype=model.config.nosa["host_dtype"], error=error)
+    if SAVE is not None:
+        SAVE(row)
+    return row
 
 
 def run(args):
@@ -243,32 +271,29 @@ def run(args):
     torch.cuda.empty_cache()
     to_nosa(model, nosa_config(args))
     randomize_eviction_heads(model, scale=0.5, generator=torch.Generator().manual_seed(0))
-    if "nosa" in args.methods:
+    if "nosa" in args.methods and args.nosa_batches:
         for context in args.contexts:
-            workspace_of(model).buffers.clear()  # the previous context's pinned host store
-            gc.collect()
-            torch._C._host_emptyCache()
+            rows += [fixed_nosa_row(model, b, context, args) for b in args.nosa_batches]
+    elif "nosa" in args.methods:
+        for context in args.contexts:
+            release_host_stores(model)  # the previous context's
             # The fixed batches first: their peaks give the device memory one more sequence costs.
             small = sorted({1, stock_batches.get(context, 0)} - {0})
-            measured = [timed_row(model, b, context, args.new_tokens, "nosa", limit="fixed", engine=True)
-                        for b in small]
+            measured = [timed_row(model, b, context, args.new_tokens, "nosa", limit="fixed",
+                                  engine=not args.skip_engine) for b in small]
             rows += measured
-            workspace_of(model).buffers.clear()  # the small batches' pinned stores, before counting free host memory
-            gc.collect()
-            torch._C._host_emptyCache()
+            release_host_stores(model)  # the small batches', before counting free host memory
             b, limit = largest_nosa_batch(model, context, args.new_tokens, measured, cap)
             while b > max(small):
                 try:
-                    rows.append(timed_row(model, b, context, args.new_tokens, "nosa", limit=limit, engine=True))
+                    rows.append(timed_row(model, b, context, args.new_tokens, "nosa", limit=limit,
+                                          engine=not args.skip_engine))
                     break
                 except (torch.OutOfMemoryError, RuntimeError, MemoryError) as error:
                     print(f"nosa batch {b} at {context}: {type(error).__name__}: {str(error)[:200]}", flush=True)
                     failure = type(error).__name__
                 # Out of the except block, so the traceback's frames (and the failed call's cache) are gone.
-                workspace_of(model).buffers.clear()
-                gc.collect()
-                torch.cuda.empty_cache()
-                torch._C._host_emptyCache()
+                release_host_stores(model)
                 b, limit = b * 17 // 20, f"stepped down by 15% after {failure} at batch {b}"
     return rows
 
@@ -280,10 +305,13 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    contexts = sorted({r["context"] for r in result["rows"]})
+    measured = [r for r in result["rows"] if "decode_tok_s" in r]  # not the rows of a batch that did not fit
+    contexts = sorted({r["context"] for r in measured})
+    if not contexts:
+        return
     fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4), squeeze=False)
     for ax, context in zip(axes[0], contexts):
-        rows = [r for r in result["rows"] if r["context"] == context]
+        rows = [r for r in measured if r["context"] == context]
         x = range(len(rows))
         ax.bar([i - 0.2 for i in x], [r["decode_tok_s"] for r in rows], 0.4, label="decode tok/s")
         ax.bar([i + 0.2 for i in x], [r["delivered_tok_s"] for r in rows], 0.4, label="delivered tok/s")
@@ -297,7 +325,7 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main():
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="1b", choices=("1b", "8b"), help="model shape (default: 1b)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 65536], help="prompt lengths")
@@ -311,9 +339,24 @@ def main():
                         "the host fewer times and hold more activations")
     parser.add_argument("--host-dtype", default=None, choices=("auto", "float8_e4m3fn", "int8"),
                         help="NOSA's host store format (default: NosaConfig's, the model's dtype)")
+    parser.add_argument("--nosa-batches", type=int, nargs="+", default=None, metavar="N",
+                        help="run NOSA at these batches only (no largest-batch search): same-batch comparisons of "
+                        "host stores")
+    parser.add_argument("--skip-engine", action="store_true",
+                        help="skip the graph-replayed engine's tok/s after each NOSA row (saves a few seconds a row)")
     parser.add_argument("--out", required=True, help="JSON file to write (and a PNG beside it)")
     parser.add_argument("--plot-only", action="store_true", help="only redraw the PNG of an existing --out JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.nosa_batches is not None:
+        if any(b < 1 for b in args.nosa_batches):
+            raise ValueError(f"--nosa-batches must be positive integers, got {args.nosa_batches}")
+        if "nosa" not in args.methods:
+            raise ValueError(f"--nosa-batches needs 'nosa' in --methods, got {args.methods}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     if args.plot_only:
         with open(args.out) as f:
             plot(json.load(f), os.path.splitext(args.out)[0] + ".png")
