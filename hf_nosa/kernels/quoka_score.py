@@ -75,8 +75,9 @@ if HAS_TRITON:
             if HAS_BIAS:
                 p_cb = cb_ptr + i_b * stride_cbb + i_h * stride_cbh + o_w * stride_cbw
                 m_w = m_w & (tl.load(p_cb, mask=m_w, other=0.0) >= PAD_BIAS)
-            # ieee: tf32 would cost ~1e-3 on the logits, enough to reorder close blocks against the reference.
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_R, BLOCK_W]
+            # tf32x3 (three tf32 products on the tensor cores) keeps about fp32's precision; one tf32 product would
+            # cost ~1e-3 on the logits, enough to reorder close blocks against the reference.
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="tf32x3")  # [BLOCK_R, BLOCK_W]
             b_s = tl.where(m_w[None, :], b_s, float("-inf"))
             b_mn = tl.maximum(b_m, tl.max(b_s, axis=1))
             b_safe = tl.where(b_mn == float("-inf"), 0.0, b_mn)  # no usable window yet: nothing to rescale
@@ -136,7 +137,7 @@ if HAS_TRITON:
             m_w = m_n & (o_w >= 0) & (o_w < n_win)
             p_k = k_ptr + i_b * stride_kb + i_h * stride_kh + o_w[:, None] * stride_kw + o_d[None, :] * stride_kd
             b_k = tl.load(p_k, mask=m_w[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="ieee")  # [BLOCK_R, BLOCK_N]
+            b_s = tl.dot(b_q, tl.trans(b_k), input_precision="tf32x3")  # [BLOCK_R, BLOCK_N]
             b_p = tl.exp(tl.minimum(b_s - b_m[:, None], 0.0)) * b_inv[:, None]
             b_w = tl.sum(b_p, axis=0)
             b_w = tl.where(n_real > 0, b_w, float("-inf"))
