@@ -635,8 +635,9 @@ def main(argv=None):
         del model
         free(device)
     keys = ("shape", "method", "context", "batch", "tok_per_s", "speedup_vs_bf16_same_batch", "vs_bf16_largest")
-    for r in (r for r in result["rows"] if r["method"] in QUANTIZED and "tok_per_s" in r):  # the summary
-        print({k: round(r[k], 2) if isinstance(r[k], float) else r[k] for k in keys if k in r}, flush=True)
+    for r in (r for r in result["rows"] if r["method"] in QUANTIZED and "tok_per_s" in r):  # a summary
+        print("against nosa:", {k: round(r[k], 2) if isinstance(r[k], float) else r[k] for k in keys if k in r},
+              flush=True)
     if args.out:
         plot(result, args.out)
     return result
