@@ -21,9 +21,14 @@ case "${1:-}" in
     timeout 400 python benchmarks/prefill_breakdown.py --context 65536 --batch 12 --out "$OUT" 2>&1 | tail -60 ;;
   generate-64k-chunk2048)  # the same with 2048-token prefill chunks, NOSA only (QUOKA re-reads its budget 4x less)
     timeout 570 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --prefill-chunk-size 2048 --out "$OUT/generate_64k_chunk2048.json" 2>&1 | tee "$OUT/generate_64k_chunk2048.log" | grep -v '^{' ;;
-  fp8)            # issue 18: the engine with the fp8 host store beside bf16 (1b and 8b, 32K and 64K), then generate
-    timeout 330 python benchmarks/decode_throughput.py --quick --methods nosa,nosa_fp8 --out "$OUT/fp8" 2>&1 | grep -v '^{' | tail -20
-    timeout 240 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --host-dtype float8_e4m3fn --out "$OUT/generate_64k_fp8.json" 2>&1 | grep -v '^{' ;;
+  fp8-engine-1b)  # issue 18: the engine with the fp8 host store beside bf16, 1b at 32K and 64K (same batch, then each its largest)
+    timeout 570 python benchmarks/decode_throughput.py --quick --shapes 1b --methods nosa,nosa_fp8 --out "$OUT/fp8_1b" 2>&1 | grep -v '^{' | tail -30 ;;
+  fp8-engine-8b)  # the same on the 8b shape (48 GB cap)
+    timeout 570 python benchmarks/decode_throughput.py --quick --shapes 8b --methods nosa,nosa_fp8 --out "$OUT/fp8_8b" 2>&1 | grep -v '^{' | tail -30 ;;
+  fp8-generate-64k)  # generate with the fp8 store at the bf16 store's largest 64K batch (the generate-64k phase's 38)
+    timeout 570 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --nosa-batches ${NOSA_BATCH:-38} --host-dtype float8_e4m3fn --out "$OUT/generate_64k_fp8.json" 2>&1 | grep -v '^{' ;;
+  fp8-generate-32k)  # the same at 32K (the generate-32k phase's largest batch, 41)
+    timeout 570 python benchmarks/generate.py --shape 1b --contexts 32768 --methods nosa --nosa-batches ${NOSA_BATCH:-41} --host-dtype float8_e4m3fn --out "$OUT/generate_32k_fp8.json" 2>&1 | grep -v '^{' ;;
   generate-8b)    # the 8b shape beside it, 32K only (48 GB cap)
     timeout 570 python benchmarks/generate.py --shape 8b --contexts 32768 --batch1 --out "$OUT/generate_8b_32k.json" 2>&1 | tee "$OUT/generate_8b.log" | grep -v '^{' ;;
   prefill)        # QUOKA TTFT against dense at 64K (batch 1 and 4) and 128K, and the attention rates
@@ -39,5 +44,5 @@ case "${1:-}" in
   train-step)     # issue 17's retrofit step at 16K, 32K, 64K
     timeout 570 python benchmarks/train_step.py --lengths 16384,32768,65536 --out "$OUT" 2>&1 | tail -30 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|prefill-breakdown|generate-64k-chunk2048|fp8|generate-8b|prefill|prefill-8b|retrofit-profile|train-step" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|prefill-breakdown|generate-64k-chunk2048|fp8-engine-1b|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|train-step" >&2; exit 2 ;;
 esac
