@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import hf_nosa.host_store
+from benchmarks import batch_plan as bp
 from benchmarks import decode_throughput as dt
 from benchmarks import generate as gen
 from hf_nosa import NosaCache
@@ -33,7 +34,7 @@ def per_token_bytes(head_dim: int, host_dtype: str, block_size: int) -> float:
     return 2 * head_dim + 4 + 8 / block_size
 
 
-# ----- decode_throughput.py: planning -----
+# ----- batch_plan.py: planning -----
 
 
 @pytest.mark.parametrize("host_dtype", ["auto", "float8_e4m3fn", "int8"])
@@ -43,9 +44,9 @@ def test_planned_batch_passes_the_cache_host_check_and_one_more_does_not(monkeyp
     ncfg = dataclasses.replace(dt.nosa_config(smoke=True), host_dtype=host_dtype)
     model = dt.build_model("smoke", "cpu", torch.float32)
     context, args = 256, dt_args()
-    steps = dt.total_steps(args, "nosa")
+    steps = bp.total_steps(args, "nosa")
     budget = int(torch.randint(2_000_000, 8_000_000, (1,), generator=torch.Generator().manual_seed(1)))
-    batch, bound, _ = dt.pick_batch("nosa", "smoke", context, steps, ncfg, BIG_CAP, budget, 0, 0, torch.float32)
+    batch, bound, _ = bp.pick_batch("nosa", "smoke", context, steps, ncfg, BIG_CAP, budget, 0, 0, torch.float32)
     assert bound == "host" and batch > 2
     monkeypatch.setattr(hf_nosa.host_store, "available_host_memory", lambda: budget)
     cfg = model.config
@@ -62,29 +63,29 @@ def test_planned_batch_passes_the_cache_host_check_and_one_more_does_not(monkeyp
 
 def test_default_host_budget_is_a_share_of_the_available_memory(monkeypatch):
     available = 123 * GiB + 4567
-    monkeypatch.setattr(dt, "available_host_memory", lambda: available)
-    budget, source = dt.host_budget(dt_args(), smoke=False)
-    assert budget == pytest.approx(dt.HOST_SHARE * available) and "available" in source
-    assert dt.host_budget(dt_args(host_gb=50.0), smoke=False) == (50e9, "--host-gb")
-    monkeypatch.setattr(dt, "available_host_memory", lambda: None)
+    monkeypatch.setattr(bp, "available_host_memory", lambda: available)
+    budget, source = bp.host_budget(dt_args(), smoke=False)
+    assert budget == pytest.approx(bp.HOST_SHARE * available) and "available" in source
+    assert bp.host_budget(dt_args(host_gb=50.0), smoke=False) == (50e9, "--host-gb")
+    monkeypatch.setattr(bp, "available_host_memory", lambda: None)
     with pytest.raises(ValueError, match="--host-gb"):
-        dt.host_budget(dt_args(), smoke=False)
+        bp.host_budget(dt_args(), smoke=False)
 
 
 @pytest.mark.parametrize("shape", ["1b", "8b"])
 @pytest.mark.parametrize("context", [32768, 65536])
 def test_quantized_store_plans_about_twice_the_bf16_batch(monkeypatch, shape, context):
     available = int(torch.randint(40, 120, (1,), generator=torch.Generator().manual_seed(context)).item()) * GiB
-    monkeypatch.setattr(dt, "available_host_memory", lambda: available)
-    budget, _ = dt.host_budget(dt_args(), smoke=False)
+    monkeypatch.setattr(bp, "available_host_memory", lambda: available)
+    budget, _ = bp.host_budget(dt_args(), smoke=False)
     ncfg = dt.nosa_config(smoke=False)
-    steps = dt.total_steps(dt_args(), "nosa")
-    s = dt.SHAPES[shape]
+    steps = bp.total_steps(dt_args(), "nosa")
+    s = bp.SHAPES[shape]
     L, Hk, D, P = s["num_hidden_layers"], s["num_key_value_heads"], s["head_dim"], ncfg.block_size
     batches = {}
     for method, host_dtype in (("nosa", "auto"), ("nosa_fp8", "float8_e4m3fn"), ("nosa_int8", "int8")):
-        batch, bound, bounds = dt.pick_batch(method, shape, context, steps, ncfg, BIG_CAP, budget, 0, 0)
-        need = dt.bytes_per_seq(method, shape, context, steps, ncfg)["host"]
+        batch, bound, bounds = bp.pick_batch(method, shape, context, steps, ncfg, BIG_CAP, budget, 0, 0)
+        need = bp.bytes_per_seq(method, shape, context, steps, ncfg)["host"]
         assert bound == "host" and batch * need <= budget < (batch + 1) * need
         # the same count from first principles, up to the rounding to whole blocks and the quantized tails
         first_principles = L * Hk * (context + steps) * per_token_bytes(D, host_dtype, P)
