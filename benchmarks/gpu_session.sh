@@ -2,7 +2,7 @@
 # One device call of a GPU session: `bash benchmarks/gpu_session.sh PHASE` with results under $OUT.
 #
 # Run it from a snapshot of a commit, not from a working tree that others are editing: here,
-#   rm -rf .bench && mkdir .bench && git archive HEAD hf_nosa benchmarks tests recipes pyproject.toml | tar -x -C .bench
+#   rm -rf .bench && mkdir .bench && git archive HEAD hf_nosa benchmarks tests recipes experiments pyproject.toml | tar -x -C .bench
 # with /.bench/ in .git/info/exclude, then on the device (carry .bench):
 #   cd .bench && HF_NOSA_COMMIT=<sha> bash benchmarks/gpu_session.sh generate-32k
 # Each phase fits one call (10 minutes); the benchmarks write their JSON after every row, so a phase cut short
