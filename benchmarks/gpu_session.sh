@@ -12,7 +12,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:-}" in
   tests)          # the GPU-marked tests, 8 processes (Triton compilation dominates: about 4 minutes in one)
-    timeout 560 python -m pytest -q -m gpu tests/ -n 8 -p no:cacheprovider 2>&1 | tail -40 | tee "$OUT/gpu_tests.log" ;;
+    timeout 560 python -m pytest -q -m gpu tests/ -n 8 -p no:cacheprovider --tb=short > "$OUT/gpu_tests_full.log" 2>&1
+    tail -40 "$OUT/gpu_tests_full.log" ;;
   generate-32k)   # issue 14's 32K rows, stock and NOSA in one run (about 8 minutes)
     timeout 570 python benchmarks/generate.py --shape 1b --contexts 32768 --batch1 --out "$OUT/generate_32k.json" 2>&1 | tee "$OUT/generate_32k.log" | grep -v '^{' ;;
   generate-64k)   # issue 14's 64K rows (about 8 minutes)
