@@ -81,3 +81,22 @@ def test_pieces_on_gpu(dtype):
     out = attend_with_prefix(q, k[:, :, 5000:], v[:, :, 5000:], b[:, :, 5000:], prefix, 0.125)
     ref = attend(q.float(), AttentionInputs(k.float(), v.float(), b, None, 5000, causal=True), 0.125)
     assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pieces_on_gpu_are_read_ahead_on_a_side_stream():
+    """Each piece after the first is read on another stream while the previous one is attended to; the pieces are
+    fresh tensors made on that stream (as the host store's reads are), and the result equals the reference."""
+    q, k, v, b = _tensors(2, 16, 4, 256, 256 + 9000, 64, torch.bfloat16, seed=5, extreme=True, device="cuda")
+    streams = []
+
+    def read(lo, hi):
+        streams.append(torch.cuda.current_stream())
+        torch.cuda._sleep(2_000_000)  # a slow read: a missing wait would let the attention see unwritten memory
+        return k[:, :, lo:hi] * 1, v[:, :, lo:hi] * 1, b[:, :, lo:hi] + 0.0
+
+    out = attend_with_prefix(q, k[:, :, 9000:], v[:, :, 9000:], b[:, :, 9000:], Prefix(read, 9000, 2048), 0.125)
+    ref = attend(q.float(), AttentionInputs(k.float(), v.float(), b, None, 9000, causal=True), 0.125)
+    assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    assert len(streams) == 5 and all(s != torch.cuda.current_stream() for s in streams)
