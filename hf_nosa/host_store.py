@@ -112,6 +112,7 @@ class HostStore:
         self.offsets = torch.zeros(batch, dtype=torch.long)  # row b holds tokens 0 .. length - offsets[b] - 1
         self.limits: torch.Tensor | None = None  # [B]: where each row of a padded prompt will end (set_limits)
         self._limits_on: torch.Tensor | None = None  # the same on a kernel's device (int64 max per row if None)
+        self._tail_blocks: tuple[tuple, torch.Tensor] | None = None  # (key, tensor) of tail_blocks_on
         self.reserved = 0
         self._pending: torch.cuda.Event | None = None
         self._device_writer: torch.device | None = None  # a device whose kernels write the store directly
@@ -176,6 +177,21 @@ class HostStore:
             limits = self.limits if self.limits is not None else torch.full((self.batch,), 2**62, dtype=torch.long)
             self._limits_on = limits.to(device)
         return self._limits_on
+
+    def tail_blocks_on(self, device) -> torch.Tensor:
+        """``row_lengths() // block_size`` as ``[B]`` long on ``device``: the block holding each row's tail, for a
+        kernel reading a quantized store. Copied from pinned memory once per change of the lengths, so a read makes
+        no host sync (a copy from pageable memory may wait for the stream)."""
+        device = torch.device(device)
+        blocks = self.row_lengths() // self.block_size
+        key = (device, tuple(blocks.tolist()))
+        if self._tail_blocks is None or self._tail_blocks[0] != key:
+            moved = blocks.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else blocks.to(device)
+            self._tail_blocks = (key, moved)
+        moved = self._tail_blocks[1]
+        if device.type == "cuda":  # read on whichever stream asks (the dense tail reads on a side stream)
+            moved.record_stream(torch.cuda.current_stream(device))
+        return moved
 
     def block_bytes(self) -> int:
         """Bytes one block of one (sequence, KV head) takes in the store, and so what fetching it moves: K, V in the

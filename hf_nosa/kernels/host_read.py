@@ -90,7 +90,7 @@ def _read_span_triton(host, start: int, end: int, device: torch.device):
         return k, v, b
     table = host.block_table(device)
     if host.format is not None:
-        tail_block = (host.row_lengths() // P).to(device, non_blocking=True)
+        tail_block = host.tail_blocks_on(device)
     else:
         tail_block = table  # not read
     if device.type == "cuda":

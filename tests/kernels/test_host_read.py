@@ -81,3 +81,16 @@ def test_read_span_on_gpu_matches_reference(host_dtype):
                 n = max(0, min(end, n) - start)
                 torch.testing.assert_close(g[row, :, :n], w[row, :, :n], rtol=0, atol=0,
                                            msg=f"{name} span {start}..{end} row {row}")
+
+
+def test_tail_blocks_follow_the_row_lengths():
+    """The tail block per row a quantized read needs on the device: right values, the same tensor while the lengths
+    stay, a new one when they change."""
+    host = make_store(3, 2, 8, 16, 70, torch.float32, "int8", torch.tensor([0, 5, 40]), pin=False)
+    first = host.tail_blocks_on("cpu")
+    assert first.tolist() == (host.row_lengths() // 16).tolist() == [4, 4, 1]
+    assert host.tail_blocks_on("cpu") is first
+    host.write_rows(torch.tensor([70, 65, 30]), *(torch.randn(3, 2, 10, 8),) * 2, torch.randn(3, 2, 10))
+    host.length = 80
+    moved = host.tail_blocks_on("cpu")
+    assert moved is not first and moved.tolist() == (host.row_lengths() // 16).tolist() == [5, 4, 2]
