@@ -11,7 +11,10 @@ it (torch.profiler, CUDA activity only):
 - ``by_kind``: summed kernel time per kind (GEMM, attention, fetch, host write/read, QUOKA scoring, copies, other
   elementwise, sort/top-k, reductions), with the top kernels of each;
 - ``host_syncs``: the ``file:line`` places where a prefill at a small size synchronised with the host (torch's sync
-  debug mode), with counts: a sync per layer and chunk serialises the host's launches with the GPU's work.
+  debug mode), with counts: a sync per layer and chunk serialises the host's launches with the GPU's work;
+- ``wall_s_by_fetch_parts``: the prefill's wall time with a QUOKA chunk's fetch split into 1, 2, 4, 8 parts of the
+  batch (``HF_NOSA_PREFILL_FETCH_PARTS``; ``pool_attention``), each part's fetch overlapping the previous part's
+  attention.
 
     PYTHONPATH=. python benchmarks/prefill_breakdown.py --context 65536 --batch 12 --out DIR
     python benchmarks/prefill_breakdown.py --smoke       # CPU: the bookkeeping only (no profile)
@@ -36,6 +39,7 @@ from benchmarks.decode_throughput import CAP_GB, build_model  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
+from hf_nosa.pool_attention import PARTS_ENV_VAR  # noqa: E402
 
 # First match wins: the order puts the specific names before the generic ones.
 KINDS = [
@@ -129,6 +133,8 @@ def main():
     parser.add_argument("--host-dtype", default=None, choices=("auto", "float8_e4m3fn", "int8"),
                         help="the host store's format (default: NosaConfig's, the model's dtype)")
     parser.add_argument("--sync-context", type=int, default=4096, help="prompt length of the host-sync pass")
+    parser.add_argument("--fetch-parts", default="1,2,4,8",
+                        help="also time the prefill with HF_NOSA_PREFILL_FETCH_PARTS at each of these (comma list)")
     parser.add_argument("--out", default=None, help="folder for prefill_breakdown.json")
     parser.add_argument("--smoke", action="store_true", help="check the bookkeeping on the CPU and exit")
     args = parser.parse_args()
@@ -162,6 +168,17 @@ def main():
     result["launches"] = len(kernels)
     result["by_kind"] = summarize(kernels)
     result["per_sequence_s"] = result["wall_s"] / args.batch
+    result["wall_s_by_fetch_parts"] = {}
+    default_parts = os.environ.get(PARTS_ENV_VAR)
+    for parts in (p for p in args.fetch_parts.split(",") if p):
+        os.environ[PARTS_ENV_VAR] = parts
+        t0 = time.perf_counter()
+        prefill(model, args.batch, args.context)
+        result["wall_s_by_fetch_parts"][parts] = time.perf_counter() - t0
+    if default_parts is None:
+        os.environ.pop(PARTS_ENV_VAR, None)
+    else:
+        os.environ[PARTS_ENV_VAR] = default_parts
     print(json.dumps({k: v for k, v in result.items() if k != "by_kind"}, indent=1))
     for kind, entry in result["by_kind"].items():
         print(f"{kind:12s} {entry['ms']:10.1f} ms  {entry['launches']:8d} launches  "

@@ -9,6 +9,7 @@ import torch
 from .masks import additive_mask
 
 if TYPE_CHECKING:
+    from .pool_attention import PoolBlocks
     from .prefix_attention import Prefix
 
 # Query rows per chunk, so that long prefills never hold all logits at once.
@@ -23,6 +24,8 @@ class AttentionInputs(NamedTuple):
     the first query among the keys (for causal masking when attn_mask is None); causal: whether to apply it.
     prefix: keys before these, too many for the device at once, read in pieces (``prefix_attention.Prefix``;
     every query sees all of them; q_offset and attn_mask then count the keys above only); None: none.
+    blocks: keys before these held in the slot pool once fetched, a part of the batch at a time
+    (``pool_attention.PoolBlocks``; every query sees all of them; q_offset counts the keys above only); None: none.
     """
 
     keys: torch.Tensor
@@ -32,18 +35,24 @@ class AttentionInputs(NamedTuple):
     q_offset: int
     causal: bool
     prefix: Prefix | None = None
+    blocks: PoolBlocks | None = None
 
 
 def with_prefix_read(inputs: AttentionInputs) -> AttentionInputs:
-    """``inputs`` with its prefix read whole and put before its keys (the reference's view of it)."""
-    if inputs.prefix is None:
+    """``inputs`` with its prefix read whole (or its pool blocks fetched for every row) and put before its keys:
+    the reference's view of it."""
+    if inputs.prefix is None and inputs.blocks is None:
         return inputs
     if inputs.attn_mask is not None:
         raise ValueError("AttentionInputs: a prefix goes with the causal rule, not with an attn_mask")
-    n = inputs.prefix.length
-    k, v, b = inputs.prefix.read(0, n)
+    if inputs.prefix is not None and inputs.blocks is not None:
+        raise ValueError("AttentionInputs: a prefix or pool blocks, not both")
+    if inputs.prefix is not None:
+        k, v, b = inputs.prefix.read(0, inputs.prefix.length)
+    else:
+        k, v, b = inputs.blocks.fetch(0, inputs.keys.shape[0])
     return AttentionInputs(torch.cat([k, inputs.keys], 2), torch.cat([v, inputs.values], 2),
-                           torch.cat([b, inputs.key_bias], 2), None, inputs.q_offset + n, inputs.causal)
+                           torch.cat([b, inputs.key_bias], 2), None, inputs.q_offset + k.shape[2], inputs.causal)
 
 
 def attend(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.Tensor:

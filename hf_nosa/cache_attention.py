@@ -18,6 +18,7 @@ from .attend import AttentionInputs
 from .dense_attention import biased_attention
 from .kernels.backend import kernel_path
 from .kernels.decode_attention import decode_attention
+from .pool_attention import attend_with_pool_blocks
 from .prefix_attention import attend_with_prefix
 
 
@@ -28,6 +29,8 @@ def attend_cache_inputs(query: torch.Tensor, inputs: AttentionInputs, scale: flo
                 or inputs.keys.shape[2] != query.shape[2]:
             raise ValueError("attend_cache_inputs: a prefix goes with a causal chunk over its own keys only")
         return attend_with_prefix(query, inputs.keys, inputs.values, inputs.key_bias, inputs.prefix, scale)
+    if inputs.blocks is not None:  # a QUOKA chunk: its blocks fetched a part of the batch at a time, then the chunk
+        return attend_with_pool_blocks(query, inputs, scale)
     if query.shape[2] == 1 and not inputs.causal and inputs.attn_mask is None \
             and kernel_path("cache_attention", query) == "triton":
         return decode_attention(query, inputs.keys, inputs.values, inputs.key_bias, scale)

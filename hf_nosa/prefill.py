@@ -9,9 +9,10 @@ chunk and per KV head:
 2. ``kernels.quoka_score`` scores every complete block before the chunk by those queries' attention on its
    compressed keys (softmax over windows, summed over the GQA group, mean over the kept queries);
 3. ``selection.quoka_select_blocks`` takes sink + local + the top blocks, ``prefill_budget_blocks`` in all;
-4. the layer fetches those blocks into its slot pool (``kernels.fetch.fetch_selection``: blocks kept from the
-   previous chunk stay, the others come from the host store) and the chunk attends to them plus itself (causal),
-   with the eviction bias.
+4. the attention fetches those blocks into the slot pool (``kernels.fetch.fetch_selection``: blocks kept from the
+   previous chunk stay, the previous chunk's own blocks are moved in on the device, the others come from the host
+   store), a part of the batch at a time so that a part's fetch overlaps the attention of the previous part
+   (``pool_attention``), and the chunk attends to them plus itself (causal), with the eviction bias.
 
 So a chunk reads at most ``prefill_budget_tokens + prefill_chunk_size`` KV tokens per (sequence, KV head)
 (``stats()["device_tokens"]``), and the prompt's K/V are never on the device at once.
@@ -34,6 +35,7 @@ from .kernels.host_write import host_write
 from .kernels.quoka_score import quoka_score
 from .masks import additive_mask, padding_bias
 from .padding import from_rows
+from .pool_attention import PoolBlocks, fetch_parts
 from .prefix_attention import Prefix
 from .selection import MASK_VALUE, nosa_token_mask, quoka_query_choice, quoka_select_blocks, windows_available
 
@@ -165,13 +167,18 @@ class PrefillPaths:
         if n_selected == 0:
             return AttentionInputs(k, v, b, None, 0, causal=True)
         self._move_in_previous_chunk(start, selected)
-        pool = SlotPool(self.slot_k, self.slot_v, self.slot_b, self.slot_block, self.tail_slot)
-        fetch_selection(selected, pool, self.host, self.counters)
         S = self.n_slots
-        keys = torch.cat([self.slot_k[:, :, :S].flatten(2, 3), k], 2)
-        values = torch.cat([self.slot_v[:, :, :S].flatten(2, 3), v], 2)
-        key_bias = torch.cat([self.slot_b[:, :, :S].flatten(2), b], 2)
-        return AttentionInputs(keys, values, key_bias, None, S * self.cfg.block_size, causal=True)
+
+        def fetch(b0: int, b1: int):
+            """Rows b0 .. b1 - 1 of the pool made to hold their selection (``pool_attention``: the attention asks for
+            a part of the batch at a time, and fetches the next part while it attends over this one)."""
+            pool = SlotPool(self.slot_k[b0:b1], self.slot_v[b0:b1], self.slot_b[b0:b1], self.slot_block[b0:b1],
+                            self.tail_slot[b0:b1])
+            fetch_selection(selected[b0:b1], pool, self.host, self.counters, row0=b0)
+            return (self.slot_k[b0:b1, :, :S].flatten(2, 3), self.slot_v[b0:b1, :, :S].flatten(2, 3),
+                    self.slot_b[b0:b1, :, :S].flatten(2))
+
+        return AttentionInputs(k, v, b, None, 0, causal=True, blocks=PoolBlocks(fetch, fetch_parts(k.device, self.batch)))
 
     def _move_in_previous_chunk(self, start: int, selected: torch.Tensor) -> None:
         """Put the previous chunk's complete blocks that this chunk's local window holds into the slot pool, copied

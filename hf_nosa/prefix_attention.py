@@ -12,9 +12,9 @@ which equals one softmax over all keys. Each piece runs on sdpa's fused kernels 
 head dimensions (``dense_attention.bias_columns``); a piece precedes every query, so the GQA group is folded into
 the query rows (no copy of the keys per query head).
 
-On CUDA the next piece is read on a side stream while the current one is attended to: the reads cross PCIe (a
-64K prompt's prefix is about 2 GB per sequence in the 1b shape) and the attention runs on the device, so each hides
-the other where they overlap.
+On CUDA the next piece is read on a side stream while the current one is attended to (``read_ahead``): the reads
+cross PCIe (a 64K prompt's prefix is about 2 GB per sequence in the 1b shape) and the attention runs on the device,
+so each hides the other where they overlap.
 
 ``attend.attend`` reads the prefix whole and is the reference (``tests/test_prefix_attention.py``).
 """
@@ -22,11 +22,13 @@ the other where they overlap.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
 
 from .dense_attention import bias_columns
+from .read_ahead import read_ahead
 
 
 class Prefix(NamedTuple):
@@ -37,39 +39,6 @@ class Prefix(NamedTuple):
     read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     length: int
     piece_tokens: int
-
-
-_READERS: dict[torch.device, "torch.cuda.Stream"] = {}
-
-
-def _pieces(prefix: Prefix, device: torch.device):
-    """``(k, v, b)`` of each piece in order. On CUDA piece i + 1 is read on a side stream while the caller works on
-    piece i; the current stream waits for a piece before it is handed out."""
-    spans = [(lo, min(prefix.length, lo + prefix.piece_tokens)) for lo in range(0, prefix.length, prefix.piece_tokens)]
-    if device.type != "cuda" or len(spans) < 2:
-        for lo, hi in spans:
-            yield prefix.read(lo, hi)
-        return
-    main = torch.cuda.current_stream(device)
-    reader = _READERS.get(device)
-    if reader is None:
-        reader = _READERS[device] = torch.cuda.Stream(device)
-    reader.wait_stream(main)  # what the reads need (the store's writes, the masks) was queued on the current stream
-
-    def start(lo, hi):
-        with torch.cuda.stream(reader):
-            piece = prefix.read(lo, hi)
-        return piece, reader.record_event()
-
-    ahead = start(*spans[0])
-    for i in range(len(spans)):
-        piece, ready = ahead
-        main.wait_event(ready)
-        for t in piece:
-            t.record_stream(main)  # allocated on the reader, used and freed on the current stream
-        if i + 1 < len(spans):
-            ahead = start(*spans[i + 1])
-        yield piece
 
 
 def _fused(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +93,8 @@ def attend_with_prefix(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
         ``[B, H, Tq, D]`` in the query's dtype.
     """
     out, lse = attention_with_lse(query, keys, values, bias, scale, causal=True)
-    for k, v, b in _pieces(prefix, query.device):
+    spans = [(lo, min(prefix.length, lo + prefix.piece_tokens)) for lo in range(0, prefix.length, prefix.piece_tokens)]
+    for k, v, b in read_ahead([partial(prefix.read, lo, hi) for lo, hi in spans], query.device):
         piece_out, piece_lse = attention_with_lse(query, k, v, b, scale, causal=False)
         m = torch.maximum(lse, piece_lse)
         w, piece_w = torch.exp(lse - m), torch.exp(piece_lse - m)

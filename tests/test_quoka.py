@@ -186,7 +186,8 @@ def test_device_kv_never_exceeds_budget_plus_chunk(monkeypatch, chunk, budget):
 
     def spy(query, inputs, scale):
         if query.shape[2] > 1:  # a prefill chunk: the keys it can attend to (the rest carry MASK_VALUE)
-            seen.append(int((inputs.key_bias > MASK_VALUE / 2).sum(-1).amax()))
+            whole = with_prefix_read(inputs)  # the chunk's blocks fetched for every row, before its own keys
+            seen.append(int((whole.key_bias > MASK_VALUE / 2).sum(-1).amax()))
         return original(query, inputs, scale)
 
     monkeypatch.setattr(attention_module, "attend_cache_inputs", spy)

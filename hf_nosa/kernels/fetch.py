@@ -107,14 +107,16 @@ def fetch_blocks_ref(
     slot_k: torch.Tensor,
     slot_v: torch.Tensor,
     slot_b: torch.Tensor,
+    row0: int = 0,
 ) -> None:
-    """Copy the missing blocks of ``plan`` from the host store into their slots (torch; syncs on CUDA)."""
+    """Copy the missing blocks of ``plan`` from the host store into their slots (torch; syncs on CUDA). The pool's
+    rows are the store's rows ``row0 ..``."""
     b_idx, h_idx, i_idx = plan.missing.nonzero(as_tuple=True)
     if b_idx.numel() == 0:
         return
     blocks = selected[b_idx, h_idx, i_idx]
     dst = plan.dst_slot[b_idx, h_idx, i_idx]
-    k, v, b = host.gather_blocks(b_idx.cpu(), h_idx.cpu(), blocks.cpu())
+    k, v, b = host.gather_blocks(b_idx.cpu() + row0, h_idx.cpu(), blocks.cpu())
     device = slot_k.device
     slot_k[b_idx, h_idx, dst] = k.to(device, non_blocking=True)
     slot_v[b_idx, h_idx, dst] = v.to(device, non_blocking=True)
@@ -173,7 +175,7 @@ if HAS_TRITON:
         stride_sel_b, stride_sel_h, stride_sb_b, stride_sb_h, stride_tail_b, stride_tail_h,
         stride_k_b, stride_k_h, stride_k_s, stride_v_b, stride_v_h, stride_v_s, stride_b_b, stride_b_h, stride_b_s,
         stride_kn_b, stride_kn_h, stride_vn_b, stride_vn_h, stride_bn_b, stride_bn_h,
-        table_stride, block_bytes, count_locality, n_programs,
+        table_stride, block_bytes, count_locality, n_programs, row0,
         HK: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
         P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NB: tl.constexpr,
         MASK: tl.constexpr, WRITE_HOST: tl.constexpr, DECODE: tl.constexpr,
@@ -223,7 +225,7 @@ if HAS_TRITON:
         o_p = tl.arange(0, P)
         o_d = tl.arange(0, D_PAD)
         m_d = o_d < D
-        i_row = (i_b * HK + i_h).to(tl.int64)  # this (sequence, head)'s row in a host chunk
+        i_row = ((i_b + row0) * HK + i_h).to(tl.int64)  # this (sequence, head)'s row in a host chunk
         p_k_slots = slot_k_ptr + i_b.to(tl.int64) * stride_k_b + i_h * stride_k_h
         p_v_slots = slot_v_ptr + i_b.to(tl.int64) * stride_v_b + i_h * stride_v_h
         p_b_slots = slot_b_ptr + i_b.to(tl.int64) * stride_b_b + i_h * stride_b_h
@@ -334,7 +336,7 @@ if HAS_TRITON:
 
 
 def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, b_new, step, offsets, counters,
-                       count_locality, decode: bool = True):
+                       count_locality, decode: bool = True, row0: int = 0):
     B, Hk, K = selected.shape
     S = pool.slot_block.shape[-1]
     P, D = pool.slot_k.shape[3], pool.slot_k.shape[4]
@@ -351,7 +353,7 @@ def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, 
             pool.slot_v.stride(0), pool.slot_v.stride(1), pool.slot_v.stride(2),
             pool.slot_b.stride(0), pool.slot_b.stride(1), pool.slot_b.stride(2),
             k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), b_new.stride(0), b_new.stride(1),
-            table.stride(0), block_bytes, int(bool(count_locality)), B * Hk,
+            table.stride(0), block_bytes, int(bool(count_locality)), B * Hk, row0,
             HK=Hk, K=K, K_PAD=next_power_of_2(K), S=S, S_PAD=next_power_of_2(S), P=P, D=D,
             D_PAD=next_power_of_2(D), NB=2, MASK=MASK_VALUE, WRITE_HOST=True, DECODE=decode,
             QUANT=fmt is not None, FP8=fmt is not None and not fmt.integer, QMAX=fmt.qmax if fmt is not None else 1.0,
@@ -434,12 +436,12 @@ def fetch_step(
     _fetch_step_triton(selected, pool, host, k_new, v_new, b_new, step, offsets, counters, count_locality)
 
 
-def fetch_selection_ref(selected, pool: SlotPool, host: HostStore, counters: StepCounters) -> None:
+def fetch_selection_ref(selected, pool: SlotPool, host: HostStore, counters: StepCounters, row0: int = 0) -> None:
     """Torch reference of ``fetch_selection``."""
     S = pool.slot_block.shape[-1]
     no_tail = torch.full_like(pool.tail_slot, -1)
     plan = plan_fetch(selected, pool.slot_block, no_tail, new_block=False, current_block=-1)
-    fetch_blocks_ref(plan, selected, host, pool.slot_k, pool.slot_v, pool.slot_b)
+    fetch_blocks_ref(plan, selected, host, pool.slot_k, pool.slot_v, pool.slot_b, row0)
     pool.slot_block.copy_(plan.slot_block)
     pool.slot_b[:, :, :S].masked_fill_((pool.slot_block < 0)[..., None], MASK_VALUE)
     loaded = plan.missing.sum()
@@ -447,7 +449,8 @@ def fetch_selection_ref(selected, pool: SlotPool, host: HostStore, counters: Ste
     counters.counts[1].add_(loaded * host.block_bytes())
 
 
-def fetch_selection(selected: torch.Tensor, pool: SlotPool, host: HostStore, counters: StepCounters) -> None:
+def fetch_selection(selected: torch.Tensor, pool: SlotPool, host: HostStore, counters: StepCounters, *,
+                    row0: int = 0) -> None:
     """Make the slot pool hold exactly ``selected`` (QUOKA prefill: no token is written, no tail is kept).
 
     Blocks still selected stay in their slots, the missing ones are copied from the host store into freed slots
@@ -456,20 +459,23 @@ def fetch_selection(selected: torch.Tensor, pool: SlotPool, host: HostStore, cou
 
     Args:
         selected: ``[B, Hk, K]`` long complete blocks of the host store (-1 = none), ``K < S``.
+        row0: the pool's rows are the store's rows ``row0 .. row0 + B - 1`` (a slice of a layer's pool, fetched
+            while the attention works on the rows before it: ``prefill.QuokaBlocks``).
     """
     step = torch.zeros(1, dtype=torch.long, device=pool.slot_k.device)
     B, Hk = pool.tail_slot.shape
     D = pool.slot_k.shape[4]
     dummy_kv = pool.slot_k.new_zeros(B, Hk, 1, D)
     dummy_b = torch.zeros(B, Hk, 1, dtype=torch.float32, device=pool.slot_k.device)
-    _check_step(selected, pool, host, dummy_kv, dummy_kv, dummy_b, step, counters)
+    _check_step(selected, pool, host, dummy_kv, dummy_kv, dummy_b, step, counters, row0=row0)
     path = kernel_path("fetch", pool.slot_k)
     if path == "triton" and pool.slot_k.is_cuda and not host.pin:
         path = _unpinned_fallback()
     if path == "torch":
-        return fetch_selection_ref(selected, pool, host, counters)
+        return fetch_selection_ref(selected, pool, host, counters, row0)
     offsets = torch.zeros(B, dtype=torch.long, device=pool.slot_k.device)
-    _fetch_step_triton(selected, pool, host, dummy_kv, dummy_kv, dummy_b, step, offsets, counters, False, decode=False)
+    _fetch_step_triton(selected, pool, host, dummy_kv, dummy_kv, dummy_b, step, offsets, counters, False,
+                       decode=False, row0=row0)
 
 
 def _unpinned_fallback() -> str:
@@ -484,7 +490,9 @@ def _unpinned_fallback() -> str:
     return "torch"
 
 
-def _check_step(selected, pool, host, k_new, v_new, b_new, step, counters) -> None:
+def _check_step(selected, pool, host, k_new, v_new, b_new, step, counters, row0: int | None = None) -> None:
+    """Shapes, dtypes and devices of a fetch; ``row0`` None: the pool holds every row of the store, else the store's
+    rows ``row0 ..``."""
     B, Hk, S = pool.slot_block.shape
     P, D = pool.slot_k.shape[3], pool.slot_k.shape[4]
     if selected.dim() != 3 or tuple(selected.shape[:2]) != (B, Hk) or selected.dtype != torch.long:
@@ -505,7 +513,9 @@ def _check_step(selected, pool, host, k_new, v_new, b_new, step, counters) -> No
         raise ValueError(f"b_new must be float32 [B, Hk, 1] = {(B, Hk, 1)}; got {b_new.dtype} {tuple(b_new.shape)}")
     if step.numel() != 1 or step.dtype != torch.long or step.device != pool.slot_k.device:
         raise ValueError("step must be a one-element long tensor on the slot pool's device")
-    if (host.batch, host.kv_heads, host.head_dim, host.dtype, host.block_size) != (B, Hk, D, pool.slot_k.dtype, P):
-        raise ValueError("the host store's batch, KV heads, head dim, dtype or block size differ from the slot pool's")
+    rows_fit = host.batch == B if row0 is None else 0 <= row0 <= host.batch - B
+    if (host.kv_heads, host.head_dim, host.dtype, host.block_size) != (Hk, D, pool.slot_k.dtype, P) or not rows_fit:
+        raise ValueError("the host store's batch, KV heads, head dim, dtype or block size do not fit the slot pool's "
+                         f"(store batch {host.batch}, pool rows {row0 or 0} .. {(row0 or 0) + B - 1})")
     if counters.counts.device != pool.slot_k.device or counters.counts.numel() != 5:
         raise ValueError("counters must be StepCounters.zeros(device) on the slot pool's device")

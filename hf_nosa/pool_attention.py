@@ -1,0 +1,71 @@
+"""A QUOKA chunk over the blocks its selection holds in the slot pool, fetched a part of the batch at a time.
+
+A QUOKA chunk attends to the blocks chosen for it, held in the layer's slot pool, then to itself (causal). Bringing
+the chosen blocks in crosses PCIe: in the 1b shape with random weights at 64K tokens, 35 of a chunk's 64 blocks per
+layer and KV head are not yet on the device (``benchmarks/quoka_fetch_bytes.py``), about 8 GB per sequence over a
+prompt, and the attention over them cannot start before they are in. So the cache hands the attention a
+``PoolBlocks``: ``fetch(b0, b1)`` makes rows ``b0 .. b1 - 1`` of the pool hold their selection and returns those
+rows' keys, values and bias; the attention runs a part of the batch at a time and, on CUDA, fetches part p + 1 on a
+side stream while it attends over part p (``read_ahead``). Rows share nothing: the fetch of one part and the
+attention of another touch different rows of the pool.
+
+``attend.with_prefix_read`` fetches every row at once and puts the blocks before the chunk's keys: the reference.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import NamedTuple
+
+import torch
+
+from .attend import AttentionInputs
+from .dense_attention import biased_attention
+from .read_ahead import read_ahead
+
+PARTS_ENV_VAR = "HF_NOSA_PREFILL_FETCH_PARTS"
+
+
+class PoolBlocks(NamedTuple):
+    """Keys before those an ``AttentionInputs`` holds, in the slot pool once fetched: ``fetch(b0, b1)`` returns
+    ``(k, v, b)`` of rows ``b0 .. b1 - 1`` (``[b1 - b0, Hk, S, D]`` twice and ``[b1 - b0, Hk, S]`` fp32), every
+    query seeing all of them; the attention asks for them ``parts`` rows ranges at a time."""
+
+    fetch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    parts: int
+
+
+def fetch_parts(device: torch.device, batch: int) -> int:
+    """How many parts of the batch a QUOKA chunk's fetch is split into: on CUDA ``HF_NOSA_PREFILL_FETCH_PARTS``
+    (default 4; 1 turns the overlap off), at most one row a part; on the CPU 1 (nothing to overlap with)."""
+    if torch.device(device).type != "cuda":
+        return 1
+    value = os.environ.get(PARTS_ENV_VAR, "4")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{PARTS_ENV_VAR}={value!r} is invalid: it must be a positive integer (1: no overlap)")
+    return min(int(value), batch)
+
+
+def part_bounds(batch: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous row ranges covering ``0 .. batch - 1``, sizes differing by at most one."""
+    parts = max(1, min(parts, batch))
+    edges = [batch * i // parts for i in range(parts + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def attend_with_pool_blocks(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.Tensor:
+    """``query [B, H, Tq, D]`` over ``inputs.blocks`` (all visible) and then ``inputs``' own keys (its causal rule,
+    ``q_offset`` counted from the end of the blocks), one part of the batch at a time. Returns ``[B, H, Tq, D]``."""
+    blocks = inputs.blocks
+    bounds = part_bounds(query.shape[0], blocks.parts)
+    out = torch.empty_like(query)
+    reads = [partial(blocks.fetch, b0, b1) for b0, b1 in bounds]
+    for (b0, b1), (k, v, b) in zip(bounds, read_ahead(reads, query.device)):
+        rows = AttentionInputs(torch.cat([k, inputs.keys[b0:b1]], 2), torch.cat([v, inputs.values[b0:b1]], 2),
+                               torch.cat([b, inputs.key_bias[b0:b1]], 2), None, k.shape[2] + inputs.q_offset,
+                               inputs.causal)
+        # The pool's bias is nonzero in nearly every call (eviction scores, empty slots): fold without looking.
+        out[b0:b1] = biased_attention(query[b0:b1], rows, scale, fold=True if query.is_cuda else None)
+    return out

@@ -1,0 +1,120 @@
+"""A QUOKA chunk's blocks fetched a part of the batch at a time (``pool_attention``) against fetching every row at
+once (``attend.with_prefix_read``, the reference), from the parts' bookkeeping to whole prefills."""
+
+import pytest
+import torch
+
+from hf_nosa import NosaCache
+from hf_nosa import prefill as prefill_module
+from hf_nosa.attend import AttentionInputs, attend, with_prefix_read
+from hf_nosa.kernels.backend import HAS_TRITON
+from hf_nosa.pool_attention import PARTS_ENV_VAR, PoolBlocks, attend_with_pool_blocks, fetch_parts, part_bounds
+from hf_nosa.selection import MASK_VALUE
+
+from .conftest import small_nosa_config
+from .test_quoka import _model, _prompt
+from .utils import assert_close
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+@pytest.mark.parametrize("batch, parts", [(1, 4), (5, 3), (7, 7), (8, 4), (3, 10)])
+def test_parts_cover_the_batch_in_order(batch, parts):
+    bounds = part_bounds(batch, parts)
+    assert len(bounds) == min(batch, parts)
+    assert bounds[0][0] == 0 and bounds[-1][1] == batch
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [hi - lo for lo, hi in bounds]
+    assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+
+
+def test_parts_from_the_environment(monkeypatch):
+    assert fetch_parts(torch.device("cpu"), 8) == 1  # nothing to overlap with on the CPU
+    monkeypatch.delenv(PARTS_ENV_VAR, raising=False)
+    assert fetch_parts(torch.device("cuda"), 8) == 4 and fetch_parts(torch.device("cuda"), 2) == 2
+    monkeypatch.setenv(PARTS_ENV_VAR, "1")
+    assert fetch_parts(torch.device("cuda"), 8) == 1
+    for bad in ("0", "-2", "two"):
+        monkeypatch.setenv(PARTS_ENV_VAR, bad)
+        with pytest.raises(ValueError, match=PARTS_ENV_VAR):
+            fetch_parts(torch.device("cuda"), 8)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_in_parts_equal_the_reference(parts, dtype):
+    """Random keys with extreme biases and hidden keys, GQA, 5 rows: every part split gives the reference's
+    attention, and each row is fetched exactly once, in order."""
+    g = torch.Generator().manual_seed(parts)
+    B, H, Hk, Tq, S, D = 5, 8, 2, 12, 40, 16
+    q = torch.randn(B, H, Tq, D, generator=g).to(dtype)
+    pool_k, pool_v = torch.randn(B, Hk, S, D, generator=g).to(dtype), torch.randn(B, Hk, S, D, generator=g).to(dtype)
+    pool_b = (torch.randn(B, Hk, S, generator=g) * 30).clamp(-80, 80)
+    pool_b[..., 5::7] = MASK_VALUE
+    k, v = torch.randn(B, Hk, Tq, D, generator=g).to(dtype), torch.randn(B, Hk, Tq, D, generator=g).to(dtype)
+    b = torch.randn(B, Hk, Tq, generator=g)
+    fetched = []
+
+    def fetch(b0, b1):
+        fetched.append((b0, b1))
+        return pool_k[b0:b1], pool_v[b0:b1], pool_b[b0:b1]
+
+    inputs = AttentionInputs(k, v, b, None, 0, True, blocks=PoolBlocks(fetch, parts))
+    out = attend_with_pool_blocks(q, inputs, 0.25)
+    assert [r for lo, hi in fetched for r in range(lo, hi)] == list(range(B))
+    whole = with_prefix_read(inputs)
+    assert whole.q_offset == S and whole.keys.shape[2] == S + Tq
+    expected = attend(q.float(), whole._replace(keys=whole.keys.float(), values=whole.values.float()), 0.25)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    assert_close(out.float(), expected, **tol)
+
+
+def _prefill_in_parts(monkeypatch, parts, **env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(prefill_module, "fetch_parts", lambda device, batch: min(parts, batch))
+    model = _model("qwen3", seed=21)
+    ids, mask = _prompt(5, 300, seed=22, left_pad=(0, 31, 0, 64, 7))
+    cache = NosaCache(model.config, small_nosa_config(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=32,
+                                                      budget_tokens=96, query_tokens=16))
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+    return logits[mask.bool()], cache.stats()
+
+
+def test_quoka_prefill_in_parts_equals_one_part(monkeypatch):
+    """5 rows (two left-padded), parts of 2/2/1 rows: each part's fetch reads its own rows of the host store."""
+    one, one_stats = _prefill_in_parts(monkeypatch, 1)
+    three, three_stats = _prefill_in_parts(monkeypatch, 3)
+    assert_close(three, one, atol=1e-5, rtol=1e-5)
+    assert three_stats["blocks_loaded"] == one_stats["blocks_loaded"] > 0
+    assert three_stats["bytes_to_device"] == one_stats["bytes_to_device"]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
+def test_quoka_prefill_in_parts_with_the_interpreted_fetch_kernel(monkeypatch):
+    """The fetch kernel's row offset (``row0``) in the Triton interpreter against the torch path in one part."""
+    expected, expected_stats = _prefill_in_parts(monkeypatch, 1, HF_NOSA_KERNELS="torch")
+    actual, actual_stats = _prefill_in_parts(monkeypatch, 3, HF_NOSA_KERNELS="triton", TRITON_INTERPRET="1")
+    assert_close(actual, expected, atol=1e-4, rtol=1e-4)
+    assert actual_stats["blocks_loaded"] == expected_stats["blocks_loaded"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_quoka_prefill_in_parts_on_gpu(monkeypatch):
+    """CUDA: 4 parts (each fetched on a side stream while the previous part is attended to) against 1."""
+    def run(parts):
+        monkeypatch.setenv(PARTS_ENV_VAR, str(parts))
+        model = _model("llama", seed=23).cuda()
+        ids, mask = _prompt(8, 700, seed=24, left_pad=(0, 50, 0, 0, 120, 0, 3, 0))
+        cache = NosaCache(model.config, small_nosa_config(prefill="quoka", prefill_budget_tokens=96,
+                                                          prefill_chunk_size=64))
+        with torch.no_grad():
+            logits = model(ids.cuda(), attention_mask=mask.cuda(), past_key_values=cache).logits
+        return logits[mask.cuda().bool()], cache.stats()
+
+    one, one_stats = run(1)
+    four, four_stats = run(4)
+    assert_close(four, one, atol=1e-3, rtol=1e-3)
+    assert four_stats["blocks_loaded"] == one_stats["blocks_loaded"] > 0
