@@ -69,12 +69,12 @@ def test_blocks_in_parts_equal_the_reference(parts, dtype):
     assert_close(out.float(), expected, **tol)
 
 
-def _prefill_in_parts(monkeypatch, parts, **env):
+def _prefill_in_parts(monkeypatch, parts, left_pad=(0, 31, 0, 64, 7), length=300, **env):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(prefill_module, "fetch_parts", lambda device, batch: min(parts, batch))
     model = _model("qwen3", seed=21)
-    ids, mask = _prompt(5, 300, seed=22, left_pad=(0, 31, 0, 64, 7))
+    ids, mask = _prompt(len(left_pad), length, seed=22, left_pad=left_pad)
     cache = NosaCache(model.config, small_nosa_config(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=32,
                                                       budget_tokens=96, query_tokens=16))
     with torch.no_grad():
@@ -94,8 +94,9 @@ def test_quoka_prefill_in_parts_equals_one_part(monkeypatch):
 @pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
 def test_quoka_prefill_in_parts_with_the_interpreted_fetch_kernel(monkeypatch):
     """The fetch kernel's row offset (``row0``) in the Triton interpreter against the torch path in one part."""
-    expected, expected_stats = _prefill_in_parts(monkeypatch, 1, HF_NOSA_KERNELS="torch")
-    actual, actual_stats = _prefill_in_parts(monkeypatch, 3, HF_NOSA_KERNELS="triton", TRITON_INTERPRET="1")
+    small = dict(left_pad=(0, 31, 0), length=170)
+    expected, expected_stats = _prefill_in_parts(monkeypatch, 1, HF_NOSA_KERNELS="torch", **small)
+    actual, actual_stats = _prefill_in_parts(monkeypatch, 3, HF_NOSA_KERNELS="triton", TRITON_INTERPRET="1", **small)
     assert_close(actual, expected, atol=1e-4, rtol=1e-4)
     assert actual_stats["blocks_loaded"] == expected_stats["blocks_loaded"]
 
