@@ -26,6 +26,7 @@ from .dense_attention import biased_attention
 from .read_ahead import read_ahead
 
 PARTS_ENV_VAR = "HF_NOSA_PREFILL_FETCH_PARTS"
+MIN_ROWS_PER_PART = 4  # a small batch's prefill waits on kernel launches, not PCIe: more parts would only add launches
 
 
 class PoolBlocks(NamedTuple):
@@ -39,13 +40,14 @@ class PoolBlocks(NamedTuple):
 
 def fetch_parts(device: torch.device, batch: int) -> int:
     """How many parts of the batch a QUOKA chunk's fetch is split into: on CUDA ``HF_NOSA_PREFILL_FETCH_PARTS``
-    (default 4; 1 turns the overlap off), at most one row a part; on the CPU 1 (nothing to overlap with)."""
+    (default 4; 1 turns the overlap off), with at least ``MIN_ROWS_PER_PART`` rows a part; on the CPU 1 (nothing to
+    overlap with)."""
     if torch.device(device).type != "cuda":
         return 1
     value = os.environ.get(PARTS_ENV_VAR, "4")
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"{PARTS_ENV_VAR}={value!r} is invalid: it must be a positive integer (1: no overlap)")
-    return min(int(value), batch)
+    return min(int(value), max(1, batch // MIN_ROWS_PER_PART))
 
 
 def part_bounds(batch: int, parts: int) -> list[tuple[int, int]]:

@@ -31,9 +31,12 @@ def test_parts_cover_the_batch_in_order(batch, parts):
 def test_parts_from_the_environment(monkeypatch):
     assert fetch_parts(torch.device("cpu"), 8) == 1  # nothing to overlap with on the CPU
     monkeypatch.delenv(PARTS_ENV_VAR, raising=False)
-    assert fetch_parts(torch.device("cuda"), 8) == 4 and fetch_parts(torch.device("cuda"), 2) == 2
+    cuda = torch.device("cuda")
+    assert [fetch_parts(cuda, b) for b in (1, 2, 7, 8, 12, 38)] == [1, 1, 1, 2, 3, 4]  # 4 rows a part at least
+    monkeypatch.setenv(PARTS_ENV_VAR, "8")
+    assert fetch_parts(cuda, 38) == 8 and fetch_parts(cuda, 16) == 4
     monkeypatch.setenv(PARTS_ENV_VAR, "1")
-    assert fetch_parts(torch.device("cuda"), 8) == 1
+    assert fetch_parts(cuda, 38) == 1
     for bad in ("0", "-2", "two"):
         monkeypatch.setenv(PARTS_ENV_VAR, bad)
         with pytest.raises(ValueError, match=PARTS_ENV_VAR):
@@ -104,7 +107,7 @@ def test_quoka_prefill_in_parts_with_the_interpreted_fetch_kernel(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_quoka_prefill_in_parts_on_gpu(monkeypatch):
-    """CUDA: 4 parts (each fetched on a side stream while the previous part is attended to) against 1."""
+    """CUDA: 8 rows in 2 parts (the second fetched on a side stream while the first is attended to) against 1."""
     def run(parts):
         monkeypatch.setenv(PARTS_ENV_VAR, str(parts))
         model = _model("llama", seed=23).cuda()
@@ -116,6 +119,6 @@ def test_quoka_prefill_in_parts_on_gpu(monkeypatch):
         return logits[mask.cuda().bool()], cache.stats()
 
     one, one_stats = run(1)
-    four, four_stats = run(4)
+    four, four_stats = run(4)  # 8 rows: 2 parts of 4
     assert_close(four, one, atol=1e-3, rtol=1e-3)
     assert four_stats["blocks_loaded"] == one_stats["blocks_loaded"] > 0
