@@ -19,7 +19,7 @@ case "${1:-}" in
   generate-64k)   # issue 14's 64K rows (about 8 minutes)
     timeout 570 python benchmarks/generate.py --shape 1b --contexts 65536 --batch1 --out "$OUT/generate_64k.json" 2>&1 | tee "$OUT/generate_64k.log" | grep -v '^{' ;;
   prefill-breakdown)  # issue 14: the 64K NOSA prefill of generate, GPU time by kernel kind, and its host syncs (about 3 minutes)
-    timeout 400 python benchmarks/prefill_breakdown.py --context 65536 --batch 12 --out "$OUT" 2>&1 | tail -60 ;;
+    timeout 400 python benchmarks/prefill_breakdown.py --context 65536 --batch 16 --out "$OUT" 2>&1 | tail -60 ;;
   prefill-breakdown-8b)  # the 8b shape's prefill (11 s at batch 1 and 32K against 1.4 s stock), by kernel kind (about 3 minutes)
     timeout 400 python benchmarks/prefill_breakdown.py --shape 8b --context 32768 --batch 2 --out "$OUT/8b" 2>&1 | tail -60 ;;
   pinning)        # pinned host allocation rate: torch's default against its cudaHostRegister mode (about 1 minute)

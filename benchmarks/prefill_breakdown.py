@@ -12,11 +12,11 @@ it (torch.profiler, CUDA activity only):
   elementwise, sort/top-k, reductions), with the top kernels of each;
 - ``host_syncs``: the ``file:line`` places where a prefill at a small size synchronised with the host (torch's sync
   debug mode), with counts: a sync per layer and chunk serialises the host's launches with the GPU's work;
-- ``wall_s_by_fetch_parts``: the prefill's wall time with a QUOKA chunk's fetch split into 1, 2, 4, 8 parts of the
+- ``wall_s_by_fetch_parts``: the prefill's wall time with a QUOKA chunk's fetch split into 1, 2, 4 parts of the
   batch (``HF_NOSA_PREFILL_FETCH_PARTS``; ``pool_attention``), each part's fetch overlapping the previous part's
   attention.
 
-    PYTHONPATH=. python benchmarks/prefill_breakdown.py --context 65536 --batch 12 --out DIR
+    PYTHONPATH=. python benchmarks/prefill_breakdown.py --context 65536 --batch 16 --out DIR
     python benchmarks/prefill_breakdown.py --smoke       # CPU: the bookkeeping only (no profile)
 """
 
@@ -128,12 +128,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="1b", choices=("1b", "8b"))
     parser.add_argument("--context", type=int, default=65536)
-    parser.add_argument("--batch", type=int, default=12)
+    parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prefill-chunk-size", type=int, default=None, help="default: NosaConfig's")
     parser.add_argument("--host-dtype", default=None, choices=("auto", "float8_e4m3fn", "int8"),
                         help="the host store's format (default: NosaConfig's, the model's dtype)")
     parser.add_argument("--sync-context", type=int, default=4096, help="prompt length of the host-sync pass")
-    parser.add_argument("--fetch-parts", default="1,2,4,8",
+    parser.add_argument("--fetch-parts", default="1,2,4",
                         help="also time the prefill with HF_NOSA_PREFILL_FETCH_PARTS at each of these (comma list)")
     parser.add_argument("--out", default=None, help="folder for prefill_breakdown.json")
     parser.add_argument("--smoke", action="store_true", help="check the bookkeeping on the CPU and exit")
