@@ -32,7 +32,7 @@ from .attend import AttentionInputs, with_prefix_read
 from .attend import attend as biased_attention_ref
 from .selection import MASK_VALUE
 
-__all__ = ["biased_attention", "biased_attention_ref", "bias_columns"]
+__all__ = ["biased_attention", "biased_attention_joined", "biased_attention_ref", "bias_columns"]
 
 _ALIGN = 8  # head-dim multiple the fused sdpa kernels need
 _FP16_LIMIT = 65504.0
@@ -60,26 +60,82 @@ def bias_columns(
         >>> torch.allclose(q2 @ k2.transpose(-1, -2) * 0.5, q @ k.transpose(-1, -2) * 0.5 + b[:, :, None], atol=1e-5)
         True
     """
-    dtype = query.dtype
-    x = bias.float() / scale
-    if dtype == torch.float32 or dtype == torch.float64:
-        cols = [x.to(dtype)]
-    else:
-        if dtype == torch.float16:
-            x = x.clamp(-_FP16_LIMIT, _FP16_LIMIT)
-        hi = x.to(dtype)
-        mid = (x - hi.float()).to(dtype)
-        lo = (x - hi.float() - mid.float()).to(dtype)
-        cols = [hi, mid, lo]
+    cols = _columns(bias, query.dtype, scale)
     D, n = query.shape[-1], len(cols)
-    width = -(-(D + n) // _ALIGN) * _ALIGN
-    B, H, Tq, _ = query.shape
+    width = _width(D, n)
     # One concatenation per tensor (a single copy): q gets [1] * n + [0] * pad, k the columns then zeros.
-    extra = torch.cat([query.new_ones(n), query.new_zeros(width - D - n)])
-    q2 = torch.cat([query, extra.expand(B, H, Tq, width - D)], -1)
+    q2 = _widened_query(query, n, width)
     k2 = torch.cat([keys, F.pad(torch.stack(cols, -1), (0, width - D - n))], -1)
     v2 = torch.cat([values, values.new_zeros(1, 1, 1, width - D).expand(*values.shape[:3], width - D)], -1)
     return q2, k2, v2
+
+
+def _columns(bias: torch.Tensor, dtype: torch.dtype, scale: float) -> list[torch.Tensor]:
+    """``bias / scale`` as the columns the keys carry: one in fp32/fp64, three (``hi + mid + lo``) in bf16/fp16."""
+    x = bias.float() / scale
+    if dtype == torch.float32 or dtype == torch.float64:
+        return [x.to(dtype)]
+    if dtype == torch.float16:
+        x = x.clamp(-_FP16_LIMIT, _FP16_LIMIT)
+    hi = x.to(dtype)
+    mid = (x - hi.float()).to(dtype)
+    return [hi, mid, (x - hi.float() - mid.float()).to(dtype)]
+
+
+def _width(D: int, n: int) -> int:
+    return -(-(D + n) // _ALIGN) * _ALIGN
+
+
+def _widened_query(query: torch.Tensor, n: int, width: int) -> torch.Tensor:
+    """``[B, H, Tq, width]``: the query, then ``n`` ones (they meet the keys' bias columns), then zeros."""
+    B, H, Tq, D = query.shape
+    extra = torch.cat([query.new_ones(n), query.new_zeros(width - D - n)])
+    return torch.cat([query, extra.expand(B, H, Tq, width - D)], -1)
+
+
+def _widened(parts: list[torch.Tensor], width: int, columns: torch.Tensor | None) -> torch.Tensor:
+    """``parts`` (``[B, Hk, S_i, D]``) joined along the keys into one ``[B, Hk, S, width]`` buffer in a single copy,
+    ``columns`` (``[B, Hk, S, n]``) after the first D columns and zeros in the rest."""
+    B, Hk, _, D = parts[0].shape
+    out = parts[0].new_empty(B, Hk, sum(p.shape[2] for p in parts), width)
+    lo = 0
+    for part in parts:
+        out[:, :, lo : lo + part.shape[2], :D].copy_(part)
+        lo += part.shape[2]
+    n = 0 if columns is None else columns.shape[-1]
+    if columns is not None:
+        out[..., D : D + n].copy_(columns)
+    out[..., D + n :].zero_()
+    return out
+
+
+def biased_attention_joined(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                            bias: list[torch.Tensor], scale: float) -> torch.Tensor:
+    """``biased_attention`` over keys given in parts along the key axis, the queries being the last ``Tq`` keys
+    (lower-right causal): a QUOKA chunk over its blocks and then itself (``pool_attention``). The parts go straight
+    into the widened buffers the fused kernels read (one copy of the keys and values, where joining them first and
+    then widening would copy them twice). No gradient.
+
+    Args:
+        query: ``[B, H, Tq, D]``; keys, values: lists of ``[B, Hk, S_i, D]``; bias: list of ``[B, Hk, S_i]`` fp32.
+
+    Returns:
+        ``[B, H, Tq, D]`` in the query's dtype.
+    """
+    B, H, Tq, D = query.shape
+    dtype = query.dtype
+    cols = torch.stack(_columns(torch.cat(bias, 2), dtype, scale), -1)  # [B, Hk, S, n]: small beside the keys
+    width = _width(D, cols.shape[-1])
+    q2 = _widened_query(query, cols.shape[-1], width)
+    k2 = _widened([k.to(dtype) for k in keys], width, cols)
+    v2 = _widened([v.to(dtype) for v in values], width, None)
+    S = k2.shape[2]
+    if Tq == S:
+        out = _sdpa(q2, k2, v2, None, True, scale, gqa_with_mask=query.device.type == "cpu")
+    else:
+        out = _sdpa(q2, k2, v2, _lower_right(Tq, S, query.device, dtype), False, scale,
+                    gqa_with_mask=query.device.type == "cpu")
+    return out[..., :D]
 
 
 def _mask_floor(dtype: torch.dtype) -> float:

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from .attend import AttentionInputs
-from .dense_attention import biased_attention
+from .dense_attention import biased_attention_joined
 from .read_ahead import read_ahead
 
 PARTS_ENV_VAR = "HF_NOSA_PREFILL_FETCH_PARTS"
@@ -58,16 +58,18 @@ def part_bounds(batch: int, parts: int) -> list[tuple[int, int]]:
 
 
 def attend_with_pool_blocks(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.Tensor:
-    """``query [B, H, Tq, D]`` over ``inputs.blocks`` (all visible) and then ``inputs``' own keys (its causal rule,
-    ``q_offset`` counted from the end of the blocks), one part of the batch at a time. Returns ``[B, H, Tq, D]``."""
+    """``query [B, H, Tq, D]`` over ``inputs.blocks`` (all visible) and then ``inputs``' own keys, the queries
+    being the last of them (causal), one part of the batch at a time. Returns ``[B, H, Tq, D]``."""
+    if not inputs.causal or inputs.attn_mask is not None or inputs.q_offset != 0 \
+            or inputs.keys.shape[2] != query.shape[2]:
+        raise ValueError("attend_with_pool_blocks: pool blocks go with a causal chunk over its own keys only")
     blocks = inputs.blocks
     bounds = part_bounds(query.shape[0], blocks.parts)
     out = torch.empty_like(query)
     reads = [partial(blocks.fetch, b0, b1) for b0, b1 in bounds]
     for (b0, b1), (k, v, b) in zip(bounds, read_ahead(reads, query.device)):
-        rows = AttentionInputs(torch.cat([k, inputs.keys[b0:b1]], 2), torch.cat([v, inputs.values[b0:b1]], 2),
-                               torch.cat([b, inputs.key_bias[b0:b1]], 2), None, k.shape[2] + inputs.q_offset,
-                               inputs.causal)
-        # The pool's bias is nonzero in nearly every call (eviction scores, empty slots): fold without looking.
-        out[b0:b1] = biased_attention(query[b0:b1], rows, scale, fold=True if query.is_cuda else None)
+        # The blocks and the chunk go straight into the kernels' widened buffers, the bias always folded in (the
+        # pool's is nonzero in nearly every call: eviction scores, empty slots).
+        out[b0:b1] = biased_attention_joined(query[b0:b1], [k, inputs.keys[b0:b1]], [v, inputs.values[b0:b1]],
+                                             [b, inputs.key_bias[b0:b1]], scale)
     return out

@@ -261,3 +261,34 @@ def test_fold_without_looking_equals_the_reference(dtype, zero_bias):
     live = _live(inputs, 2, 4, 24)
     assert_close(folded[live], expected[live], **TOL[dtype])
     assert_close(folded, biased_attention(q, inputs, 0.3), **TOL[dtype])
+
+
+def _joined_case(device, dtype, Tq, splits):
+    """Keys in parts (a pool's blocks, then the chunk) against the reference over the joined keys."""
+    S = sum(splits)
+    # biases of |b| up to ~160 and a tenth of the keys hidden (MASK_VALUE)
+    q, k, v, bias = (t.to(device) for t in _inputs(2, 8, 2, Tq, S, 64, dtype, seed=S + Tq, bias_scale=40.0))
+    edges = [0]
+    for n in splits:
+        edges.append(edges[-1] + n)
+    parts = [(k[:, :, a:b], v[:, :, a:b], bias[:, :, a:b]) for a, b in zip(edges, edges[1:])]
+    actual = dense_attention.biased_attention_joined(q, [p[0] for p in parts], [p[1] for p in parts],
+                                                     [p[2] for p in parts], 0.125)
+    inputs = AttentionInputs(k, v, bias, None, S - Tq, causal=True)
+    expected = attend(q.float(), inputs._replace(keys=k.float(), values=v.float()), 0.125)
+    live = _live(inputs, 2, 8, Tq)
+    assert_close(actual[live].float(), expected[live], **TOL[dtype])
+    assert actual.shape == q.shape and actual.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Tq, splits", [(24, [96, 24]), (24, [24]), (16, [40, 7, 16])])
+def test_joined_parts_equal_the_reference(dtype, Tq, splits):
+    _joined_case("cpu", dtype, Tq, splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_joined_parts_on_gpu(dtype):
+    _joined_case("cuda", dtype, 512, [4160, 512])
