@@ -32,7 +32,7 @@ from benchmarks.environment import environment  # noqa: E402
 from benchmarks.train_step import _sync, _timed  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.attend import AttentionInputs, attend  # noqa: E402
-from hf_nosa.dense_attention import bias_columns, biased_attention  # noqa: E402
+from hf_nosa.dense_attention import bias_columns, biased_attention, biased_attention_joined  # noqa: E402
 from hf_nosa.kernels.flash_biased import flash_biased  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 
@@ -123,7 +123,7 @@ def quoka_chunk_rows(name: str, args, device, dtype) -> list[dict]:
     kernel's rate, what a converted model cannot beat), the library's biased attention (FlashAttention with the bias
     in extra head dimensions, some slots empty), and the Triton chunk-attention kernel it replaced."""
     H, Hk, D = HEADS[name] if not args.smoke else (4, 2, 16)
-    chunk, budget = (64, 128) if args.smoke else (2048, 4096)
+    chunk, budget = (64, 128) if args.smoke else (args.quoka_chunk, 4096)
     B, S, scale = args.quoka_batch, budget + chunk, D**-0.5
     g = torch.Generator(device=device).manual_seed(1)
     q = torch.randn(B, H, chunk, D, device=device, generator=g).to(dtype)
@@ -138,6 +138,11 @@ def quoka_chunk_rows(name: str, args, device, dtype) -> list[dict]:
             q, k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1), scale=scale,
             attn_mask=_lower_right_bias(chunk, S, device, dtype)),
         "biased": lambda: biased_attention(q, inputs, scale),
+        # what a QUOKA chunk runs now (pool_attention): the pool's blocks and the chunk go straight into the widened
+        # buffers, the KV heads unrepeated
+        "biased_joined": lambda: biased_attention_joined(q, [k[:, :, :budget], k[:, :, budget:]],
+                                                         [v[:, :, :budget], v[:, :, budget:]],
+                                                         [bias[:, :, :budget], bias[:, :, budget:]], scale),
     }
     if device.type == "cuda":
         from hf_nosa.kernels.chunk_attention import chunk_attention
@@ -261,6 +266,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1, help="batch of the model prefill")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats after one untimed call")
     parser.add_argument("--quoka-batch", type=int, default=4, help="batch of the QUOKA chunk rows")
+    parser.add_argument("--quoka-chunk", type=int, default=2048, help="queries of the QUOKA chunk rows (budget 4096)")
+    parser.add_argument("--quoka-only", action="store_true", help="only the QUOKA chunk rows (no model prefill)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
@@ -272,6 +279,12 @@ def main() -> int:
     report = dict(environment(), results=[], targets={})
     for name in HEADS:
         report["results"] += quoka_chunk_rows(name, args, device, dtype)
+    if args.quoka_only:
+        lengths = []
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"quoka_attention_{args.quoka_chunk}.json"), "w") as f:
+                json.dump(report, f, indent=1)
     for seq_len in lengths:
         for name in HEADS:
             report["results"] += attention_rows(name, seq_len, args, device, dtype)

@@ -24,6 +24,8 @@ case "${1:-}" in
     timeout 400 python benchmarks/prefill_breakdown.py --shape 8b --context 32768 --batch 2 --out "$OUT/8b" 2>&1 | tail -60 ;;
   pinning)        # pinned host allocation rate: torch's default against its cudaHostRegister mode (about 1 minute)
     timeout 300 python benchmarks/pinning.py --gib 16 --out "$OUT" 2>&1 | tail -5 ;;
+  quoka-attention)  # issue 17 item 2: a QUOKA chunk's attention by every candidate beside plain sdpa, chunks of 512 and 2048 (about 2 minutes)
+    for c in 512 2048; do timeout 250 python benchmarks/dense_attention.py --quoka-only --quoka-chunk $c --out "$OUT" 2>&1 | grep '"quoka_chunk"' | python -c "import json,sys; [print(r['shape'], r['chunk'], r['run'], round(r.get('tflops', 0), 1), 'TFLOP/s', r.get('error', '')[:80]) for r in map(json.loads, sys.stdin)]"; done ;;
   generate-64k-chunk2048)  # the same with 2048-token prefill chunks, NOSA only (QUOKA re-reads its budget 4x less)
     timeout 570 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --prefill-chunk-size 2048 --out "$OUT/generate_64k_chunk2048.json" 2>&1 | tee "$OUT/generate_64k_chunk2048.log" | grep -v '^{' ;;
   fp8-engine-1b)  # issue 18: the engine with the fp8 host store beside bf16, 1b at 32K and 64K (same batch, then each its largest)
@@ -49,5 +51,5 @@ case "${1:-}" in
   train-step)     # issue 17's retrofit step at 16K, 32K, 64K
     timeout 570 python benchmarks/train_step.py --lengths 16384,32768,65536 --out "$OUT" 2>&1 | tail -30 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|prefill-breakdown|prefill-breakdown-8b|pinning|generate-64k-chunk2048|fp8-engine-1b|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|train-step" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|prefill-breakdown|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|train-step" >&2; exit 2 ;;
 esac
