@@ -40,6 +40,7 @@ from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.host_store import HostStore, available_host_memory  # noqa: E402
 from hf_nosa.kernels.cuda_graph import greedy_decode  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
+from hf_nosa.pool_attention import fetch_parts  # noqa: E402
 from hf_nosa.workspace import workspace_of  # noqa: E402
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
@@ -167,21 +168,21 @@ def engine_tok_s(model, cache, batch, steps=48):
 
 def chunk_activations(model, cache, batch) -> int:
     """Bytes one prefill chunk holds at once in a layer, counted from the shapes (bf16): the residual stream and
-    its norm, q/k/v/o, the MLP's gate, up and product, QUOKA's gathered keys and values (selected blocks + chunk),
-    the attention's copies of them with the bias columns (head dim padded to D', ``dense_attention.bias_columns``;
-    sdpa's lower-right causal call reads the KV heads unrepeated), the fp32 eviction scores, the previous chunk's
-    keys and values (held per layer until the next chunk moves them into the slot pool, ``prefill
-    ._move_in_previous_chunk``), and the chunk's output logits row in fp32."""
+    its norm, q/k/v/o, the MLP's gate, up and product, the fp32 eviction scores, the previous chunk's keys and
+    values (held per layer until the next chunk moves them into the slot pool, ``prefill._move_in_previous_chunk``),
+    the chunk's output logits row in fp32, and the attention's widened copies of the query and of the selected
+    blocks + chunk keys and values (head dim padded to D', ``dense_attention.biased_attention_joined``), which
+    exist for one part of the batch at a time (``pool_attention.fetch_parts``)."""
     cfg, ncfg = model.config, cache.nosa_config
     C, h, f = ncfg.prefill_chunk_size, cfg.hidden_size, cfg.intermediate_size
     Hk, D, H = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
     wide = -(-(D + 3) // 8) * 8  # D': bf16 keeps the bias in three columns
     S = cache.layers[0].n_slots * ncfg.block_size + C
-    keys = S * Hk * D * 2 * 2
     attention_copies = (C * H * wide + S * Hk * wide * 2) * 2
+    rows_per_part = -(-batch // fetch_parts(torch.device("cuda"), batch))
     previous_chunks = cfg.num_hidden_layers * C * Hk * (2 * D * 2 + 4)
     per_token = (2 * h + (H + 2 * Hk) * D + H * D + 3 * f) * 2
-    return batch * (C * per_token + keys + attention_copies + previous_chunks + cfg.vocab_size * 4)
+    return batch * (C * per_token + previous_chunks + cfg.vocab_size * 4) + rows_per_part * attention_copies
 
 
 def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False):
