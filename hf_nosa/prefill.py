@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .attend import AttentionInputs
+from .attend import AttentionInputs, with_prefix_read
 from .kernels.fetch import SlotPool, fetch_selection
 from .kernels.host_write import host_write
 from .kernels.quoka_score import quoka_score
@@ -140,6 +140,8 @@ class PrefillPaths:
             inputs = AttentionInputs(keys, values, key_bias, mask, start, causal=mask is None)
             self.peak_device_tokens = max(self.peak_device_tokens, end)
         if end >= target:
+            if inputs.blocks is not None:  # fetched now: settling the rows below empties the slot pool
+                inputs = with_prefix_read(inputs)
             self._finish_prefill(k, v, b, start)
         return inputs
 

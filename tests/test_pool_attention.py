@@ -122,3 +122,27 @@ def test_quoka_prefill_in_parts_on_gpu(monkeypatch):
     four, four_stats = run(4)  # 8 rows: 2 parts of 4
     assert_close(four, one, atol=1e-3, rtol=1e-3)
     assert four_stats["blocks_loaded"] == one_stats["blocks_loaded"] > 0
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_last_quoka_chunk_attends_before_the_pool_is_settled(monkeypatch, parts):
+    """Without a dense tail the prompt's last chunk is a QUOKA chunk; its blocks are fetched before the prompt is
+    settled (which empties the pool but for each row's partial block in slot 0, where decoding goes on writing):
+    afterwards slot 0 still holds that block and nothing else is held. (Fetched lazily, after settling, the blocks
+    would land in slot 0 over the partial block.)"""
+    monkeypatch.setattr(prefill_module, "fetch_parts", lambda device, batch: min(parts, batch))
+    model = _model("llama", seed=31)
+    ids, mask = _prompt(3, 301, seed=32, left_pad=(0, 20, 5))
+    cfg = small_nosa_config(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=32,
+                            prefill_dense_tail_tokens=0)
+    cache = NosaCache(model.config, cfg)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+    for layer in cache.layers:
+        rows = layer.row_lengths().to(layer.slot_block.device)
+        partial_rows = rows % 16 != 0
+        assert bool(partial_rows.any())
+        held = layer.slot_block[:, :, 0]
+        assert torch.equal(held[partial_rows], (rows // 16)[partial_rows, None].expand_as(held[partial_rows]))
+        assert int((layer.slot_block[:, :, 1:] >= 0).sum()) == 0  # the rest of the pool is empty after settling
+    assert torch.isfinite(logits).all()
