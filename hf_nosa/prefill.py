@@ -190,9 +190,9 @@ class PrefillPaths:
         at most ``local_blocks``), which are never resident: without this they are a third of what a 512-token
         chunk fetches (1b shape, random weights, 16K). They take slots whose block this chunk did not select
         (``selected [B, Hk, K]``: the fetch would free those; a pool of K + 1 slots has one more than the blocks to
-        place), and the fetch then finds them resident. The values are the ones the
-        host store was given, so with a bf16/fp32 store the chunk attends to the same keys (in other slots); with a
-        quantized store it sees them unrounded.
+        place), and the fetch then finds them resident. The values are the ones the host store was given, so with a
+        bf16/fp32 store the chunk attends to the same keys (in other slots); with a quantized store it sees them
+        unrounded.
         """
         previous, self.previous_chunk = self.previous_chunk, None
         if previous is None:
