@@ -2,7 +2,7 @@
 
 A NosaCache pins its whole host store up front (78 GiB for 38 sequences of 64K tokens in the 1b shape), and the
 first ``generate`` call at a new shape pays for it: ``first_call_s`` in ``benchmarks/results/generate_64k.json``
-is 145 s against 62 s for the timed call. torch allocates pinned memory with ``cudaHostAlloc`` by default; with
+is 94 s for a warm-up call that stops after 8 tokens, whose prefill alone takes about 45 s. torch allocates pinned memory with ``cudaHostAlloc`` by default; with
 ``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:N`` it allocates pageable
 memory and registers it with ``cudaHostRegister`` from N threads. Each setting runs in its own process (the
 setting is read when CUDA starts): GB/s for ``--gib`` GiB in chunks of ``--chunk-mib`` MiB (the host store's own
