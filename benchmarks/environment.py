@@ -15,12 +15,15 @@ import hf_nosa
 
 
 def command_line() -> str:
-    """The command that ran, with the output folder written as DIR (it is a path of the machine that ran it)."""
+    """The command that ran, with the output folder written as DIR (it is a path of the machine that ran it) and
+    the ``HF_NOSA_*`` settings of the run in front (they change what runs, e.g. ``HF_NOSA_PREFILL_FETCH_PARTS``;
+    ``HF_NOSA_COMMIT`` only names the code and is left out)."""
     args = list(sys.argv)
     for i, arg in enumerate(args[:-1]):
         if arg == "--out":
             args[i + 1] = "DIR"
-    return "PYTHONPATH=. python " + " ".join(args)
+    settings = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("HF_NOSA_") and k != "HF_NOSA_COMMIT"]
+    return " ".join(settings + ["PYTHONPATH=. python"] + args)
 
 
 def package_version(name: str) -> str:
