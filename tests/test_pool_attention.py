@@ -43,11 +43,19 @@ def test_parts_from_the_environment(monkeypatch):
             fetch_parts(torch.device("cuda"), 8)
 
 
+KERNELS = ["sdpa", pytest.param("flash_biased", marks=pytest.mark.skipif(not HAS_TRITON, reason="needs triton"))]
+
+
 @pytest.mark.parametrize("parts", [1, 2, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocks_in_parts_equal_the_reference(parts, dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_blocks_in_parts_equal_the_reference(monkeypatch, parts, dtype, kernel):
     """Random keys with extreme biases and hidden keys, GQA, 5 rows: every part split gives the reference's
-    attention, and each row is fetched exactly once, in order."""
+    attention, and each row is fetched exactly once, in order; through the sdpa route (the CPU's) and through the
+    flash_biased kernel reading the blocks in place (CUDA's; here in the Triton interpreter)."""
+    if kernel == "flash_biased":
+        monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
     g = torch.Generator().manual_seed(parts)
     B, H, Hk, Tq, S, D = 5, 8, 2, 12, 40, 16
     q = torch.randn(B, H, Tq, D, generator=g).to(dtype)
@@ -70,6 +78,26 @@ def test_blocks_in_parts_equal_the_reference(parts, dtype):
     expected = attend(q.float(), whole._replace(keys=whole.keys.float(), values=whole.values.float()), 0.25)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     assert_close(out.float(), expected, **tol)
+
+
+def test_head_dims_the_kernel_does_not_take_run_the_sdpa_route(monkeypatch, caplog):
+    """Head dim 24 under the Triton kernels: the sdpa route, said once in the log, and still the reference."""
+    from hf_nosa.kernels import backend
+
+    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(backend, "_logged", set())
+    g = torch.Generator().manual_seed(3)
+    q, pk, pv = torch.randn(2, 4, 6, 24, generator=g), torch.randn(2, 2, 10, 24, generator=g), \
+        torch.randn(2, 2, 10, 24, generator=g)
+    k, v, b, pb = torch.randn(2, 2, 6, 24, generator=g), torch.randn(2, 2, 6, 24, generator=g), \
+        torch.randn(2, 2, 6, generator=g), torch.randn(2, 2, 10, generator=g)
+    inputs = AttentionInputs(k, v, b, None, 0, True, blocks=PoolBlocks(lambda b0, b1: (pk[b0:b1], pv[b0:b1],
+                                                                                        pb[b0:b1]), 1))
+    with caplog.at_level("WARNING", logger="hf_nosa"):
+        out = attend_with_pool_blocks(q, inputs, 0.3)
+    assert "head dim 24" in caplog.text
+    assert_close(out, attend(q, with_prefix_read(inputs), 0.3), atol=1e-5, rtol=1e-5)
 
 
 def _prefill_in_parts(monkeypatch, parts, left_pad=(0, 31, 0, 64, 7), length=300, **env):

@@ -14,6 +14,9 @@ of the tile sees (no mask, so the compiler can pipeline the loads) and those on 
 past the diagonal are never read. Masked logits are a finite floor, as ``attend``'s masks are, so a row that sees
 no key (possible only when ``q_offset < 0``) gives an arbitrary average instead of NaN.
 
+A prefix of keys every query sees can be read from a second place (``prefix=``): a QUOKA chunk attends to its
+blocks where they lie in the slot pool, then to itself, with no copy joining the two (``pool_attention``).
+
 The torch reference is ``attend.attend``; ``tests/kernels/test_flash_biased.py`` holds this kernel to it.
 """
 
@@ -72,11 +75,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _flash_biased_kernel(
-        q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, pk_ptr, pv_ptr, pb_ptr,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_bb, stride_bh, stride_ob, stride_oh, stride_ot,
-        H, G, Tq, S, q_offset, qk_scale,
-        D: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, FLOOR: tl.constexpr,
+        stride_pkb, stride_pkh, stride_pkt, stride_pvb, stride_pvh, stride_pvt, stride_pbb, stride_pbh,
+        H, G, Tq, S, S0, q_offset, qk_scale,
+        D: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, FLOOR: tl.constexpr, PREFIX: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         i_m, i_bh = tl.program_id(0), tl.program_id(1)
@@ -98,6 +102,17 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
         limit = o_m + q_offset  # the last key each query sees (causal)
+        if PREFIX:
+            # Keys every query sees, read where they lie (a QUOKA chunk's blocks in the slot pool): no join copy.
+            p_pk = pk_ptr + i_b.to(tl.int64) * stride_pkb + i_hk.to(tl.int64) * stride_pkh + o_d[None, :]
+            p_pv = pv_ptr + i_b.to(tl.int64) * stride_pvb + i_hk.to(tl.int64) * stride_pvh + o_d[None, :]
+            p_pb = pb_ptr + i_b.to(tl.int64) * stride_pbb + i_hk.to(tl.int64) * stride_pbh
+            for n0 in range(0, S0 // BLOCK_N * BLOCK_N, BLOCK_N):
+                m_i, l_i, acc = _tile(b_q, p_pk, p_pv, p_pb, o_n, n0, limit, m_i, l_i, acc, qk_scale, stride_pkt,
+                                      stride_pvt, S0, False, False, IEEE, FLOOR)
+            for n0 in range(S0 // BLOCK_N * BLOCK_N, S0, BLOCK_N):
+                m_i, l_i, acc = _tile(b_q, p_pk, p_pv, p_pb, o_n, n0, limit, m_i, l_i, acc, qk_scale, stride_pkt,
+                                      stride_pvt, S0, True, False, IEEE, FLOOR)
         if CAUSAL:
             # keys every query of the tile sees: j <= q_offset + first query of the tile
             full = tl.minimum(tl.maximum(i_m * BLOCK_M + q_offset + 1, 0), S) // BLOCK_N * BLOCK_N
@@ -118,31 +133,35 @@ if HAS_TRITON:
         tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_m[:, None])
 
 
-_BEST: dict[tuple, tuple] = {}  # (D, causal, dtype, device) -> the fastest of CONFIGS, timed on the first call
+_BEST: dict[tuple, tuple] = {}  # (D, causal, prefix, dtype, device) -> the fastest of CONFIGS, timed on the first call
 
 
-def _launch(query, keys, values, bias, scale, q_offset, causal, out, config=None):
+def _launch(query, keys, values, bias, scale, q_offset, causal, out, config=None, prefix=None):
     B, H, Tq, D = query.shape
     Hk, S = keys.shape[1], keys.shape[2]
     ieee = query.dtype == torch.float32 or interpreting()  # the interpreter's bf16 tl.dot is wrong: it casts
-    common = dict(D=D, CAUSAL=causal, IEEE=ieee, FLOOR=MASK_VALUE * LOG2E)
+    common = dict(D=D, CAUSAL=causal, IEEE=ieee, FLOOR=MASK_VALUE * LOG2E, PREFIX=prefix is not None)
+    pk, pv, pb = prefix if prefix is not None else (keys, values, bias)  # (unread without a prefix)
+    S0 = pk.shape[2] if prefix is not None else 0
 
     def run(block_m, block_n, warps, stages):
         grid = (triton.cdiv(Tq, block_m), B * H)
         with on_device(query):
             launcher(_flash_biased_kernel)[grid](
-                query, keys, values, bias, out,
+                query, keys, values, bias, out, pk, pv, pb,
                 query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
                 values.stride(0), values.stride(1), values.stride(2), bias.stride(0), bias.stride(1),
                 out.stride(0), out.stride(1), out.stride(2),
-                H, H // Hk, Tq, S, q_offset, scale * LOG2E,
+                pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
+                pb.stride(0), pb.stride(1),
+                H, H // Hk, Tq, S, S0, q_offset, scale * LOG2E,
                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
             )
 
     if config is None and interpreting():
         config = (16, 16, 4, 1)
     if config is None:
-        key = (D, causal, query.dtype, query.device)
+        key = (D, causal, prefix is not None, query.dtype, query.device)
         config = _BEST.get(key)
         if config is None:
             config = _BEST[key] = _fastest(run, query)
@@ -173,13 +192,18 @@ def _fastest(run, query) -> tuple:
     return best
 
 
-def flash_biased_ref(query, keys, values, bias, scale, *, q_offset=0, causal=True):
-    """The torch reference: ``attend.attend``."""
+def flash_biased_ref(query, keys, values, bias, scale, *, q_offset=0, causal=True, prefix=None):
+    """The torch reference: ``attend.attend`` (a prefix joined in front of the keys, its length added to q_offset)."""
+    if prefix is not None:
+        pk, pv, pb = prefix
+        keys, values, bias = torch.cat([pk, keys], 2), torch.cat([pv, values], 2), torch.cat([pb, bias], 2)
+        q_offset += pk.shape[2]
     return attend(query, AttentionInputs(keys, values, bias, None, q_offset, causal=causal), scale)
 
 
 def flash_biased(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float,
-                 *, q_offset: int = 0, causal: bool = True, config: tuple | None = None) -> torch.Tensor:
+                 *, q_offset: int = 0, causal: bool = True, prefix: tuple | None = None,
+                 out: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
     """``softmax(q . k * scale + bias) . v``: Triton on CUDA, ``attend`` elsewhere (``HF_NOSA_KERNELS`` forces one).
 
     Args:
@@ -188,6 +212,10 @@ def flash_biased(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         bias: ``[B, Hk, S]`` float32 (``MASK_VALUE`` hides a key).
         q_offset: with ``causal``, query ``i`` sees keys ``0 .. q_offset + i`` (``S - Tq``: the queries are the
             last keys, as in a prefill chunk).
+        prefix: ``(keys, values, bias)`` of ``S0`` keys before ``keys`` that every query sees (``[B, Hk, S0, D]``
+            twice, ``[B, Hk, S0]`` fp32), read where they lie: a QUOKA chunk's blocks in the slot pool, then the
+            chunk itself (``pool_attention``). ``q_offset`` still counts within ``keys``.
+        out: where to write the result (query's shape and dtype, last dim contiguous); None: a new tensor.
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; None: the fastest of ``CONFIGS``, timed once per
             (head dim, causal, dtype, device).
 
@@ -214,14 +242,27 @@ def flash_biased(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if keys.dtype != query.dtype or values.dtype != query.dtype:
         raise ValueError(f"flash_biased: query, keys and values must share a dtype; got {query.dtype}, "
                          f"{keys.dtype}, {values.dtype}")
+    if prefix is not None:
+        pk, pv, pb = prefix
+        if pk.dim() != 4 or pv.shape != pk.shape or tuple(pk.shape[:2]) != (B, Hk) or pk.shape[3] != D \
+                or tuple(pb.shape) != tuple(pk.shape[:3]) or pb.dtype != torch.float32 \
+                or pk.dtype != query.dtype or pv.dtype != query.dtype:
+            raise ValueError(f"flash_biased: prefix must be keys/values [B, Hk, S0, D] = [{B}, {Hk}, S0, {D}] in "
+                             f"{query.dtype} and a float32 bias [B, Hk, S0]; got {tuple(pk.shape)} {pk.dtype}, "
+                             f"{tuple(pv.shape)} {pv.dtype}, {tuple(pb.shape)} {pb.dtype}")
+    if out is not None and (out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1):
+        raise ValueError(f"flash_biased: out must be {tuple(query.shape)} {query.dtype} with a contiguous last dim; "
+                         f"got {tuple(out.shape)} {out.dtype}")
     if kernel_path("flash_biased", query) == "torch":
-        return flash_biased_ref(query, keys, values, bias, scale, q_offset=q_offset, causal=causal)
+        result = flash_biased_ref(query, keys, values, bias, scale, q_offset=q_offset, causal=causal, prefix=prefix)
+        return result if out is None else out.copy_(result)
     if D != next_power_of_2(D) or not 16 <= D <= 256:
         raise ValueError(f"flash_biased: the Triton kernel takes a head dim that is a power of two in 16 .. 256; got "
                          f"{D} (use dense_attention.biased_attention)")
-    query, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, keys, values))
-    bias = bias if bias.stride(-1) == 1 else bias.contiguous()
-    out = torch.empty_like(query)
+    query, keys, values, bias = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, keys, values, bias))
+    if prefix is not None:
+        prefix = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in prefix)
+    out = torch.empty_like(query) if out is None else out
     with torch.no_grad():
-        _launch(query, keys, values, bias, float(scale), int(q_offset), bool(causal), out, config)
+        _launch(query, keys, values, bias, float(scale), int(q_offset), bool(causal), out, config, prefix)
     return out

@@ -75,6 +75,42 @@ def test_each_tile_configuration_is_exact_interpreted(interpret):
         assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
+PREFIX_CASES = [
+    # B, H, Hk, Tq, S0 (keys every query sees, in front), D
+    (1, 2, 2, 40, 48, 16),  # whole prefix tiles
+    (2, 4, 1, 21, 37, 32),  # a ragged prefix tile (the masked loop), GQA 4
+    (2, 4, 2, 16, 0, 16),  # an empty prefix: the chunk alone
+]
+
+
+def _prefix(B, Hk, S0, D, dtype, device, seed, hidden=0.3):
+    """Keys, values and bias of pool blocks in a strided buffer (as the slot pool's rows are), some hidden (empty
+    slots: MASK_VALUE)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(B + 1, Hk, S0 + 5, 2, D, generator=g).to(dtype).to(device)
+    pk, pv = pool[1:, :, 5:, 0], pool[1:, :, 5:, 1]
+    pb = torch.randn(B, Hk, S0, generator=g) * 10
+    pb = torch.where(torch.rand(B, Hk, S0, generator=g) < hidden, MASK_VALUE, pb)
+    return pk, pv, pb.to(device)
+
+
+@pytest.mark.skipif(not flash_module.HAS_TRITON, reason="needs the triton package")
+@pytest.mark.parametrize("case", PREFIX_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_prefix_matches_joined_keys_interpreted(interpret, case):
+    """Keys read from a prefix (a QUOKA chunk's pool blocks, not copied) and then the chunk's own keys (causal)
+    equal the reference over the joined keys, and differ from it when the prefix is left out."""
+    B, H, Hk, Tq, S0, D = case
+    q, k, v, bias = _inputs(B, H, Hk, Tq, Tq, D, torch.float32, "cpu", seed=Tq + S0, hidden=0.2)
+    prefix = _prefix(B, Hk, S0, D, torch.float32, "cpu", seed=S0)
+    out = flash_module.flash_biased(q, k, v, bias, D**-0.5, prefix=prefix)
+    joined = [torch.cat([p, t], 2) for p, t in zip(prefix, (k, v, bias))]
+    expected = flash_module.flash_biased_ref(q, *joined, D**-0.5, q_offset=S0)
+    assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    assert_close(flash_module.flash_biased_ref(q, k, v, bias, D**-0.5, prefix=prefix), expected, atol=1e-6, rtol=1e-6)
+    if S0:
+        assert (out - flash_module.flash_biased_ref(q, k, v, bias, D**-0.5)).abs().max() > 1e-2
+
+
 def test_bad_inputs_are_refused_by_name():
     q, k, v, bias = _inputs(1, 4, 2, 8, 8, 16, torch.float32, "cpu", seed=0)
     with pytest.raises(ValueError, match="bias must be float32"):
@@ -83,6 +119,10 @@ def test_bad_inputs_are_refused_by_name():
         flash_module.flash_biased(q[:, :3], k, v, bias, 0.25)
     with pytest.raises(ValueError, match="share a dtype"):
         flash_module.flash_biased(q, k.double(), v, bias, 0.25)
+    with pytest.raises(ValueError, match="prefix must be"):
+        flash_module.flash_biased(q, k, v, bias, 0.25, prefix=(k[:, :1], v[:, :1], bias[:, :1]))
+    with pytest.raises(ValueError, match="prefix must be"):
+        flash_module.flash_biased(q, k, v, bias, 0.25, prefix=(k, v, bias.double()))
 
 
 def test_cpu_tensors_take_the_reference(monkeypatch):
@@ -105,6 +145,20 @@ def test_kernel_matches_attend_on_gpu(dtype, D):
         expected = flash_module.flash_biased_ref(q.float(), k.float(), v.float(), bias, D**-0.5, q_offset=q_offset,
                                                  causal=causal)
         assert_close(out, expected, **tol, msg=f"Tq={Tq} S={S} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefix_matches_attend_on_gpu(dtype):
+    """A QUOKA chunk's shape: 512 queries over 4096 pool keys (some empty) then themselves, and a ragged prefix."""
+    for Tq, S0, D in ((512, 4096, 64), (300, 1000, 128)):
+        q, k, v, bias = _inputs(2, 32, 8, Tq, Tq, D, dtype, "cuda", seed=Tq, extreme=True, hidden=0.1)
+        prefix = _prefix(2, 8, S0, D, dtype, "cuda", seed=S0)
+        out = flash_module.flash_biased(q, k, v, bias, D**-0.5, prefix=prefix)
+        expected = flash_module.flash_biased_ref(q.float(), k.float(), v.float(), bias, D**-0.5,
+                                                 prefix=(prefix[0].float(), prefix[1].float(), prefix[2]))
+        assert_close(out, expected, atol=2e-2, rtol=2e-2, msg=f"Tq={Tq} S0={S0} {dtype}")
 
 
 def test_docstring_example():
