@@ -138,7 +138,7 @@ def quoka_chunk_rows(name: str, args, device, dtype) -> list[dict]:
             q, k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1), scale=scale,
             attn_mask=_lower_right_bias(chunk, S, device, dtype)),
         "biased": lambda: biased_attention(q, inputs, scale),
-        # what a QUOKA chunk runs now (pool_attention): the pool's blocks and the chunk go straight into the widened
+        # what a QUOKA chunk runs on the CPU (pool_attention): the pool's blocks and the chunk go straight into the widened
         # buffers, the KV heads unrepeated
         "biased_joined": lambda: biased_attention_joined(q, [k[:, :, :budget], k[:, :, budget:]],
                                                          [v[:, :, :budget], v[:, :, budget:]],
@@ -151,6 +151,10 @@ def quoka_chunk_rows(name: str, args, device, dtype) -> list[dict]:
         runs["chunk_attention_kernel"] = lambda: chunk_attention(
             q, k, v, bias, index, [0, chunk], [budget], scale, out=torch.empty_like(q))
         runs["flash_biased_kernel"] = lambda: flash_biased(q, k, v, bias, scale, q_offset=budget)
+        # what a QUOKA chunk runs on CUDA now (pool_attention): the kernel reads the blocks in place, then the chunk
+        pool = (k[:, :, :budget], v[:, :, :budget], bias[:, :, :budget])
+        runs["flash_biased_pool"] = lambda: flash_biased(q, k[:, :, budget:], v[:, :, budget:], bias[:, :, budget:],
+                                                         scale, prefix=pool)
         runs.update(_quoka_chunk_candidates(q, k, v, bias, budget, scale))
     rows = []
     n = min(256, chunk)
