@@ -12,9 +12,9 @@ it (torch.profiler, CUDA activity only):
   elementwise, sort/top-k, reductions), with the top kernels of each;
 - ``host_syncs``: the ``file:line`` places where a prefill at a small size synchronised with the host (torch's sync
   debug mode), with counts: a sync per layer and chunk serialises the host's launches with the GPU's work;
-- ``wall_s_by_fetch_parts``: the prefill's wall time with a QUOKA chunk's fetch split into 1, 2, 4 parts of the
-  batch (``HF_NOSA_PREFILL_FETCH_PARTS``; ``pool_attention``), each part's fetch overlapping the previous part's
-  attention.
+- ``wall_s_by_fetch_parts``: the prefill's wall time (twice each, before the profile) with a QUOKA chunk's fetch
+  split into 1, 2, 4 parts of the batch (``HF_NOSA_PREFILL_FETCH_PARTS``; ``pool_attention``), each part's fetch
+  overlapping the previous part's attention.
 
     PYTHONPATH=. python benchmarks/prefill_breakdown.py --context 65536 --batch 16 --out DIR
     python benchmarks/prefill_breakdown.py --smoke       # CPU: the bookkeeping only (no profile)
@@ -160,6 +160,20 @@ def main():
     t0 = time.perf_counter()
     prefill(model, args.batch, args.context)
     result["wall_s"] = time.perf_counter() - t0
+    # Before the profile (a profiled process launches slower afterwards: the same setting measured 15.4 s before
+    # and 22.6 s after it), each setting twice, in one order and then the reverse, so that drift shows.
+    result["wall_s_by_fetch_parts"] = {}
+    default_parts = os.environ.get(PARTS_ENV_VAR)
+    settings = [p for p in args.fetch_parts.split(",") if p]
+    for parts in settings + settings[::-1]:
+        os.environ[PARTS_ENV_VAR] = parts
+        t0 = time.perf_counter()
+        prefill(model, args.batch, args.context)
+        result["wall_s_by_fetch_parts"].setdefault(parts, []).append(time.perf_counter() - t0)
+    if default_parts is None:
+        os.environ.pop(PARTS_ENV_VAR, None)
+    else:
+        os.environ[PARTS_ENV_VAR] = default_parts
     t0 = time.perf_counter()
     kernels = profiled_kernels(lambda: prefill(model, args.batch, args.context))
     result["profiled_wall_s"] = time.perf_counter() - t0
@@ -168,17 +182,6 @@ def main():
     result["launches"] = len(kernels)
     result["by_kind"] = summarize(kernels)
     result["per_sequence_s"] = result["wall_s"] / args.batch
-    result["wall_s_by_fetch_parts"] = {}
-    default_parts = os.environ.get(PARTS_ENV_VAR)
-    for parts in (p for p in args.fetch_parts.split(",") if p):
-        os.environ[PARTS_ENV_VAR] = parts
-        t0 = time.perf_counter()
-        prefill(model, args.batch, args.context)
-        result["wall_s_by_fetch_parts"][parts] = time.perf_counter() - t0
-    if default_parts is None:
-        os.environ.pop(PARTS_ENV_VAR, None)
-    else:
-        os.environ[PARTS_ENV_VAR] = default_parts
     print(json.dumps({k: v for k, v in result.items() if k != "by_kind"}, indent=1))
     for kind, entry in result["by_kind"].items():
         print(f"{kind:12s} {entry['ms']:10.1f} ms  {entry['launches']:8d} launches  "
