@@ -5,7 +5,8 @@ first ``generate`` call at a new shape pays for it: ``first_call_s`` in ``benchm
 is 94 s for a warm-up call that stops after 8 tokens, whose prefill alone takes about 45 s. torch allocates pinned memory with ``cudaHostAlloc`` by default; with
 ``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:N`` it allocates pageable
 memory and registers it with ``cudaHostRegister`` from N threads. Each setting runs in its own process (the
-setting is read when CUDA starts): GB/s for ``--gib`` GiB in chunks of ``--chunk-mib`` MiB (the host store's own
+setting is read when CUDA starts; ``host_register_16_runtime`` sets it from Python after CUDA started instead, as a
+library could): GB/s for ``--gib`` GiB in chunks of ``--chunk-mib`` MiB (the host store's own
 chunking), the memory touched once after allocation (as the store's first write does).
 
     PYTHONPATH=. python benchmarks/pinning.py --gib 16 --out DIR
@@ -24,13 +25,18 @@ SETTINGS = {
     "default": None,
     "host_register_8": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
     "host_register_16": "pinned_use_cuda_host_register:True,pinned_num_register_threads:16",
+    # the same, set from Python after CUDA started (what a library could do without the user's environment)
+    "host_register_16_runtime": "pinned_use_cuda_host_register:True,pinned_num_register_threads:16",
 }
+RUNTIME = "_runtime"
 
 
-def one_run(gib: float, chunk_mib: int) -> dict:
+def one_run(gib: float, chunk_mib: int, runtime_conf: str | None = None) -> dict:
     import torch
 
     torch.cuda.init()
+    if runtime_conf:
+        torch.cuda.memory._set_allocator_settings(runtime_conf)
     n_chunks = max(1, int(gib * 1024 / chunk_mib))
     start = time.perf_counter()
     chunks = [torch.empty(chunk_mib << 20, dtype=torch.uint8, pin_memory=True) for _ in range(n_chunks)]
@@ -53,7 +59,8 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.one is not None:
-        print(json.dumps(one_run(args.gib, args.chunk_mib)))
+        runtime_conf = SETTINGS[args.one] if args.one.endswith(RUNTIME) else None
+        print(json.dumps(one_run(args.gib, args.chunk_mib, runtime_conf)))
         return 0
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks.environment import environment
@@ -62,7 +69,7 @@ def main():
     for name in args.settings.split(","):
         env = dict(os.environ)
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        if SETTINGS[name]:
+        if SETTINGS[name] and not name.endswith(RUNTIME):
             env["PYTORCH_CUDA_ALLOC_CONF"] = SETTINGS[name]
         out = subprocess.run([sys.executable, __file__, "--one", name, "--gib", str(args.gib), "--chunk-mib",
                               str(args.chunk_mib)], env=env, capture_output=True, text=True, timeout=600)
