@@ -40,6 +40,17 @@ from .prefix_attention import Prefix
 from .selection import MASK_VALUE, nosa_token_mask, quoka_query_choice, quoka_select_blocks, windows_available
 
 _WRITERS: dict[torch.device, "torch.cuda.Stream"] = {}
+# A dense-tail piece holds at most this many rows' prefill budgets: a piece lives twice (one read ahead) beside its
+# attention's copies, which at 38 x 4096 tokens of the 1b shape came to about 2 GB above a QUOKA chunk's peak.
+TAIL_PIECE_ROWS = 8
+
+
+def tail_piece_tokens(budget_tokens: int, batch: int, block_size: int) -> int:
+    """Tokens of the prefix a dense-tail piece reads for every row: the prefill budget up to ``TAIL_PIECE_ROWS``
+    rows, proportionally fewer (whole blocks, at least one) above, so the pieces' device memory stops growing with
+    the batch; the reads and the attention's work stay the same in total."""
+    rows_share = TAIL_PIECE_ROWS * budget_tokens // max(batch, 1) // block_size * block_size
+    return max(block_size, min(budget_tokens, rows_share))
 
 
 def write_to_host(host, start: int, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, offsets=None):
@@ -239,8 +250,9 @@ class PrefillPaths:
     def _dense_tail_inputs(self, k, v, q, b, valid, start, dense_rows) -> AttentionInputs:
         """The chunk attends to every earlier token and to itself; rows not in their tail (a padded batch's longer
         rows) still see only QUOKA's blocks, through the bias. The earlier tokens stay in the host store: the
-        attention reads them a prefill budget at a time (``prefix_attention``), so the device holds one piece of
-        them, as a QUOKA chunk holds its budget, whatever the prompt's length."""
+        attention reads them a prefill budget at a time (``prefix_attention``; at most ``TAIL_PIECE_ROWS`` rows'
+        budgets a piece, ``tail_piece_tokens``), so the device holds one piece of them, as a QUOKA chunk holds its
+        budget, whatever the prompt's length."""
         P = self.cfg.block_size
         seen = None
         if not bool(dense_rows.all()):
@@ -256,7 +268,7 @@ class PrefillPaths:
                 hb = torch.where(seen[:, :, lo:hi], hb, MASK_VALUE)
             return hk, hv, hb
 
-        piece = self.cfg.prefill_budget_blocks * P
+        piece = tail_piece_tokens(self.cfg.prefill_budget_blocks * P, self.batch, P)
         self.peak_device_tokens = max(self.peak_device_tokens, min(start, piece) + k.shape[2])
         return AttentionInputs(k, v, b, None, 0, causal=True, prefix=Prefix(read, start, piece))
 

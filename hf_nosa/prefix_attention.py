@@ -96,8 +96,11 @@ def attend_with_prefix(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     spans = [(lo, min(prefix.length, lo + prefix.piece_tokens)) for lo in range(0, prefix.length, prefix.piece_tokens)]
     for k, v, b in read_ahead([partial(prefix.read, lo, hi) for lo, hi in spans], query.device):
         piece_out, piece_lse = attention_with_lse(query, k, v, b, scale, causal=False)
+        # Merged in place: out and piece_out are [B, H, Tq, D] fp32 each, and a merge written out would hold three
+        # more of them at once.
         m = torch.maximum(lse, piece_lse)
-        w, piece_w = torch.exp(lse - m), torch.exp(piece_lse - m)
-        out = (out * w[..., None] + piece_out * piece_w[..., None]) / (w + piece_w)[..., None]
-        lse = m + torch.log(w + piece_w)
+        w, piece_w = (lse - m).exp_(), (piece_lse - m).exp_()
+        total = w + piece_w
+        out.mul_((w / total)[..., None]).add_(piece_out.mul_((piece_w / total)[..., None]))
+        lse = m.add_(total.log_())
     return out.to(query.dtype)

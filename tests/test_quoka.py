@@ -482,3 +482,45 @@ def test_previous_chunk_moves_into_the_pool_from_the_device(monkeypatch, chunk, 
     assert sum(moved) > 0 and max(moved) <= 2 * model.config.num_key_value_heads * blocks
     saved = without.stats()["blocks_loaded"] - with_move.stats()["blocks_loaded"]
     assert saved == sum(moved)  # every block moved in was one the fetch would have brought over PCIe
+
+
+def test_tail_pieces_shrink_with_the_batch_past_a_few_rows():
+    """Up to TAIL_PIECE_ROWS rows a dense-tail piece is the prefill budget; beyond, rows x piece stays within
+    TAIL_PIECE_ROWS budgets, in whole blocks, at least one."""
+    rows = prefill_module.TAIL_PIECE_ROWS
+    for batch in (1, rows, rows + 1, 38, 1000):
+        piece = prefill_module.tail_piece_tokens(4096, batch, 64)
+        assert piece % 64 == 0 and 64 <= piece <= 4096
+        assert piece == 4096 if batch <= rows else batch * piece <= max(rows * 4096, batch * 64)
+    assert prefill_module.tail_piece_tokens(4096, 38, 64) > prefill_module.tail_piece_tokens(4096, 76, 64)
+
+
+def test_smaller_tail_pieces_give_the_same_prefill(monkeypatch):
+    """Three padded rows with TAIL_PIECE_ROWS = 1: pieces of a third of the budget (one block of 16) give the same
+    logits as budget-sized pieces."""
+    model = _model("llama", seed=12)
+    ids, mask = _prompt(3, 260, seed=13, left_pad=(0, 37, 5))
+    cfg = small_nosa_config(prefill="quoka", prefill_budget_tokens=48, prefill_chunk_size=32,
+                            prefill_dense_tail_tokens=100)
+
+    sizes = []
+    original = prefill_module.Prefix
+
+    def spy(read, length, piece_tokens):
+        sizes.append(piece_tokens)
+        return original(read, length, piece_tokens)
+
+    monkeypatch.setattr(prefill_module, "Prefix", spy)
+
+    def run():
+        sizes.clear()
+        cache = NosaCache(model.config, cfg)
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+        return logits[mask.bool()], set(sizes)
+
+    whole, whole_sizes = run()
+    monkeypatch.setattr(prefill_module, "TAIL_PIECE_ROWS", 1)
+    pieces, piece_sizes = run()
+    assert whole_sizes == {48} and piece_sizes == {16}
+    torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)
