@@ -41,6 +41,7 @@ from hf_nosa.host_store import HostStore, available_host_memory  # noqa: E402
 from hf_nosa.kernels.cuda_graph import greedy_decode  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 from hf_nosa.pool_attention import fetch_parts  # noqa: E402
+from hf_nosa.prefill import tail_piece_tokens  # noqa: E402
 from hf_nosa.workspace import workspace_of  # noqa: E402
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
@@ -169,20 +170,31 @@ def engine_tok_s(model, cache, batch, steps=48):
 def chunk_activations(model, cache, batch) -> int:
     """Bytes one prefill chunk holds at once in a layer, counted from the shapes (bf16): the residual stream and
     its norm, q/k/v/o, the MLP's gate, up and product, the fp32 eviction scores, the previous chunk's keys and
-    values (held per layer until the next chunk moves them into the slot pool, ``prefill._move_in_previous_chunk``),
-    the chunk's output logits row in fp32, and the attention's widened copies of the query and of the selected
-    blocks + chunk keys and values (head dim padded to D', ``dense_attention.biased_attention_joined``), which
-    exist for one part of the batch at a time (``pool_attention.fetch_parts``)."""
+    values (held per layer until the next chunk moves them into the slot pool, ``prefill._move_in_previous_chunk``)
+    and the chunk's output logits row in fp32; plus the larger of two attention working sets:
+
+    - a QUOKA chunk's: nothing beyond its output where ``flash_biased`` reads the blocks in place (CUDA, head dims
+      that are powers of two); else the widened copies of the query and of the selected blocks + chunk keys and
+      values (head dim padded to D', ``dense_attention.biased_attention_joined``) for one part of the batch
+      (``pool_attention.fetch_parts``);
+    - the dense-tail chunk's (``prefix_attention``): two prefix pieces (one read ahead) of
+      ``prefill.tail_piece_tokens`` tokens per row, one piece's widened keys and values, the widened query, the
+      fused kernel's output and the fp32 accumulator."""
     cfg, ncfg = model.config, cache.nosa_config
     C, h, f = ncfg.prefill_chunk_size, cfg.hidden_size, cfg.intermediate_size
     Hk, D, H = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
     wide = -(-(D + 3) // 8) * 8  # D': bf16 keeps the bias in three columns
+    device = torch.device("cuda")
+    on_kernel = D == 1 << (D - 1).bit_length() and 16 <= D <= 256
     S = cache.layers[0].n_slots * ncfg.block_size + C
-    attention_copies = (C * H * wide + S * Hk * wide * 2) * 2
-    rows_per_part = -(-batch // fetch_parts(torch.device("cuda"), batch))
+    rows_per_part = -(-batch // fetch_parts(device, batch))
+    quoka = 0 if on_kernel else rows_per_part * (C * H * wide + S * Hk * wide * 2) * 2
+    piece = tail_piece_tokens(ncfg.prefill_budget_blocks * ncfg.block_size, batch, ncfg.block_size)
+    tail = batch * (2 * Hk * piece * (2 * D * 2 + 4) + Hk * piece * wide * 2 * 2 + 2 * H * C * wide * 2
+                    + H * C * D * 4) if ncfg.prefill_dense_tail_tokens else 0
     previous_chunks = cfg.num_hidden_layers * C * Hk * (2 * D * 2 + 4)
     per_token = (2 * h + (H + 2 * Hk) * D + H * D + 3 * f) * 2
-    return batch * (C * per_token + previous_chunks + cfg.vocab_size * 4) + rows_per_part * attention_copies
+    return batch * (C * per_token + previous_chunks + cfg.vocab_size * 4) + max(quoka, tail)
 
 
 def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False):
