@@ -178,8 +178,8 @@ def chunk_activations(model, cache, batch) -> int:
       values (head dim padded to D', ``dense_attention.biased_attention_joined``) for one part of the batch
       (``pool_attention.fetch_parts``);
     - the dense-tail chunk's (``prefix_attention``): two prefix pieces (one read ahead) of
-      ``prefill.tail_piece_tokens`` tokens per row, one piece's widened keys and values, the widened query, the
-      fused kernel's output and the fp32 accumulator."""
+      ``prefill.tail_piece_tokens`` tokens per row, the kernel's output and the fp32 accumulator and piece output;
+      on the sdpa route also one piece's widened keys and values and the widened query."""
     cfg, ncfg = model.config, cache.nosa_config
     C, h, f = ncfg.prefill_chunk_size, cfg.hidden_size, cfg.intermediate_size
     Hk, D, H = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
@@ -190,8 +190,12 @@ def chunk_activations(model, cache, batch) -> int:
     rows_per_part = -(-batch // fetch_parts(device, batch))
     quoka = 0 if on_kernel else rows_per_part * (C * H * wide + S * Hk * wide * 2) * 2
     piece = tail_piece_tokens(ncfg.prefill_budget_blocks * ncfg.block_size, batch, ncfg.block_size)
-    tail = batch * (2 * Hk * piece * (2 * D * 2 + 4) + Hk * piece * wide * 2 * 2 + 2 * H * C * wide * 2
-                    + H * C * D * 4) if ncfg.prefill_dense_tail_tokens else 0
+    pieces = 2 * Hk * piece * (2 * D * 2 + 4)
+    if on_kernel:  # flash_biased's output, and the fp32 accumulator and piece output it is merged from
+        tail = batch * (pieces + H * C * D * 2 + 2 * H * C * D * 4)
+    else:
+        tail = batch * (pieces + Hk * piece * wide * 2 * 2 + 2 * H * C * wide * 2 + H * C * D * 4)
+    tail = tail if ncfg.prefill_dense_tail_tokens else 0
     previous_chunks = cfg.num_hidden_layers * C * Hk * (2 * D * 2 + 4)
     per_token = (2 * h + (H + 2 * Hk) * D + H * D + 3 * f) * 2
     return batch * (C * per_token + previous_chunks + cfg.vocab_size * 4) + max(quoka, tail)

@@ -30,8 +30,7 @@ import torch
 
 from .attend import AttentionInputs
 from .dense_attention import biased_attention_joined
-from .kernels.backend import kernel_path, log_fallback, next_power_of_2
-from .kernels.flash_biased import flash_biased
+from .kernels.flash_biased import flash_biased, runs_on_kernel
 from .read_ahead import read_ahead
 
 PARTS_ENV_VAR = "HF_NOSA_PREFILL_FETCH_PARTS"
@@ -76,7 +75,7 @@ def attend_with_pool_blocks(query: torch.Tensor, inputs: AttentionInputs, scale:
     bounds = part_bounds(query.shape[0], blocks.parts)
     out = torch.empty_like(query)
     reads = [partial(blocks.fetch, b0, b1) for b0, b1 in bounds]
-    on_kernel = _on_flash_kernel(query)
+    on_kernel = runs_on_kernel(query, "the QUOKA chunk attention")
     dtype = query.dtype
     for (b0, b1), (k, v, b) in zip(bounds, read_ahead(reads, query.device)):
         if on_kernel:
@@ -89,16 +88,3 @@ def attend_with_pool_blocks(query: torch.Tensor, inputs: AttentionInputs, scale:
             out[b0:b1] = biased_attention_joined(query[b0:b1], [k, inputs.keys[b0:b1]], [v, inputs.values[b0:b1]],
                                                  [b, inputs.key_bias[b0:b1]], scale)
     return out
-
-
-def _on_flash_kernel(query: torch.Tensor) -> bool:
-    """Whether the chunk's attention runs ``flash_biased`` (where the Triton kernels run, for the head dims it
-    takes); a head dim it does not take runs the sdpa route and says so once."""
-    if kernel_path("flash_biased", query) != "triton":
-        return False
-    D = query.shape[-1]
-    if D == next_power_of_2(D) and 16 <= D <= 256:
-        return True
-    log_fallback("flash_biased", query.device.type, f"head dim {D} is not a power of two in 16 .. 256 (the QUOKA "
-                 "chunk attention takes the sdpa route with the bias in extra head dimensions)")
-    return False

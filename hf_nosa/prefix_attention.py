@@ -8,9 +8,11 @@ log-sum-exp, and the pieces and the chunk's own causal part are merged as flash-
 
     out = sum_i e^(lse_i - m) out_i / sum_i e^(lse_i - m),  m = max_i lse_i
 
-which equals one softmax over all keys. Each piece runs on sdpa's fused kernels with the eviction bias in extra
-head dimensions (``dense_attention.bias_columns``); a piece precedes every query, so the GQA group is folded into
-the query rows (no copy of the keys per query head).
+which equals one softmax over all keys. Where the Triton kernels run, each piece and the chunk's causal part run
+``kernels.flash_biased``, which returns the log-sum-exp and adds the bias in the kernel (no copies of the keys);
+elsewhere sdpa's fused kernels with the eviction bias in extra head dimensions (``dense_attention.bias_columns``),
+where a piece precedes every query, so the GQA group is folded into the query rows (no copy of the keys per query
+head).
 
 On CUDA the next piece is read on a side stream while the current one is attended to (``read_ahead``): the reads
 cross PCIe (a 64K prompt's prefix is about 2 GB per sequence in the 1b shape) and the attention runs on the device,
@@ -28,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from .dense_attention import bias_columns
+from .kernels.flash_biased import flash_biased, runs_on_kernel
 from .read_ahead import read_ahead
 
 
@@ -69,6 +72,11 @@ def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     G = H // Hk
     if causal and Tq != S:
         raise ValueError(f"attention_with_lse: a causal call needs as many queries as keys; got {Tq} and {S}")
+    if runs_on_kernel(query, "the dense tail's attention"):
+        lse = query.new_empty(B, H, Tq, dtype=torch.float32)
+        out = flash_biased(query, keys.to(query.dtype), values.to(query.dtype), bias.float(), scale, causal=causal,
+                           lse=lse)
+        return out.float(), lse
     q2, k2, v2 = bias_columns(query, keys.to(query.dtype), values.to(query.dtype), bias, scale)
     width = q2.shape[-1]
     if causal:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hf_nosa.attend import AttentionInputs, attend
+from hf_nosa.kernels.backend import HAS_TRITON
 from hf_nosa.cache_attention import attend_cache_inputs
 from hf_nosa.prefix_attention import Prefix, attend_with_prefix, attention_with_lse
 from hf_nosa.selection import MASK_VALUE
@@ -32,9 +33,21 @@ def _prefix(k, v, b, piece, reads=None):
     return Prefix(read, k.shape[2], piece)
 
 
+KERNELS = ["sdpa", pytest.param("flash_biased", marks=pytest.mark.skipif(not HAS_TRITON, reason="needs triton"))]
+
+
+def _use(kernel, monkeypatch):
+    """``flash_biased``: the Triton kernel (CUDA's path) in the interpreter; ``sdpa``: the CPU's route."""
+    if kernel == "flash_biased":
+        monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lse_matches_the_logits(causal, dtype):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_lse_matches_the_logits(monkeypatch, causal, dtype, kernel):
+    _use(kernel, monkeypatch)
     q, k, v, b = _tensors(2, 4, 2, 9, 9, 16, dtype, seed=1, extreme=True)
     out, lse = attention_with_lse(q, k, v, b, 0.25, causal=causal)
     ref = attend(q, AttentionInputs(k, v, b, None, 0, causal=causal), 0.25)
@@ -49,8 +62,10 @@ def test_lse_matches_the_logits(causal, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("piece", [7, 16, 100])
-def test_pieces_merge_to_one_softmax(dtype, piece):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_pieces_merge_to_one_softmax(monkeypatch, dtype, piece, kernel):
     """A chunk of 12 queries over a 45-token prefix (pieces of 7, 16, or all of it) and itself."""
+    _use(kernel, monkeypatch)
     q, k, v, b = _tensors(2, 8, 2, 12, 57, 16, dtype, seed=piece, extreme=True)
     reads = []
     prefix = _prefix(k[:, :, :45], v[:, :, :45], b[:, :, :45], piece, reads)

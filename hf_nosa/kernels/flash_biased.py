@@ -28,7 +28,8 @@ import torch
 
 from ..attend import AttentionInputs, attend
 from ..selection import MASK_VALUE
-from .backend import HAS_TRITON, interpreting, kernel_path, launcher, next_power_of_2, on_device, tl, triton
+from .backend import (HAS_TRITON, interpreting, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl,
+                      triton)
 
 LOG2E = 1.4426950408889634
 # Fixed tiles under the interpreter (autotuning there would run every configuration); on a GPU the launcher picks
@@ -75,12 +76,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _flash_biased_kernel(
-        q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, pk_ptr, pv_ptr, pb_ptr,
+        q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, pk_ptr, pv_ptr, pb_ptr, lse_ptr,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_bb, stride_bh, stride_ob, stride_oh, stride_ot,
         stride_pkb, stride_pkh, stride_pkt, stride_pvb, stride_pvh, stride_pvt, stride_pbb, stride_pbh,
+        stride_lb, stride_lh,
         H, G, Tq, S, S0, q_offset, qk_scale,
         D: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, FLOOR: tl.constexpr, PREFIX: tl.constexpr,
+        LSE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         i_m, i_bh = tl.program_id(0), tl.program_id(1)
@@ -131,16 +134,21 @@ if HAS_TRITON:
         p_o = (out_ptr + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
                + o_m[:, None].to(tl.int64) * stride_ot + o_d[None, :])
         tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_m[:, None])
+        if LSE:  # natural log: the running max and sum are in the exp2 domain
+            p_l = lse_ptr + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + o_m
+            tl.store(p_l, (m_i + tl.math.log2(tl.maximum(l_i, 1e-30))) * 0.6931471805599453, mask=m_m)
 
 
-_BEST: dict[tuple, tuple] = {}  # (D, causal, prefix, dtype, device) -> the fastest of CONFIGS, timed on the first call
+_BEST: dict[tuple, tuple] = {}  # (D, causal, prefix, lse, dtype, device) -> the fastest of CONFIGS, timed once
 
 
-def _launch(query, keys, values, bias, scale, q_offset, causal, out, config=None, prefix=None):
+def _launch(query, keys, values, bias, scale, q_offset, causal, out, config=None, prefix=None, lse=None):
     B, H, Tq, D = query.shape
     Hk, S = keys.shape[1], keys.shape[2]
     ieee = query.dtype == torch.float32 or interpreting()  # the interpreter's bf16 tl.dot is wrong: it casts
-    common = dict(D=D, CAUSAL=causal, IEEE=ieee, FLOOR=MASK_VALUE * LOG2E, PREFIX=prefix is not None)
+    common = dict(D=D, CAUSAL=causal, IEEE=ieee, FLOOR=MASK_VALUE * LOG2E, PREFIX=prefix is not None,
+                  LSE=lse is not None)
+    lse_arg = lse if lse is not None else bias  # (unwritten without lse)
     pk, pv, pb = prefix if prefix is not None else (keys, values, bias)  # (unread without a prefix)
     S0 = pk.shape[2] if prefix is not None else 0
 
@@ -148,12 +156,12 @@ def _launch(query, keys, values, bias, scale, q_offset, causal, out, config=None
         grid = (triton.cdiv(Tq, block_m), B * H)
         with on_device(query):
             launcher(_flash_biased_kernel)[grid](
-                query, keys, values, bias, out, pk, pv, pb,
+                query, keys, values, bias, out, pk, pv, pb, lse_arg,
                 query.stride(0), query.stride(1), query.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
                 values.stride(0), values.stride(1), values.stride(2), bias.stride(0), bias.stride(1),
                 out.stride(0), out.stride(1), out.stride(2),
                 pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
-                pb.stride(0), pb.stride(1),
+                pb.stride(0), pb.stride(1), lse_arg.stride(0), lse_arg.stride(1),
                 H, H // Hk, Tq, S, S0, q_offset, scale * LOG2E,
                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
             )
@@ -161,7 +169,7 @@ def _launch(query, keys, values, bias, scale, q_offset, causal, out, config=None
     if config is None and interpreting():
         config = (16, 16, 4, 1)
     if config is None:
-        key = (D, causal, prefix is not None, query.dtype, query.device)
+        key = (D, causal, prefix is not None, lse is not None, query.dtype, query.device)
         config = _BEST.get(key)
         if config is None:
             config = _BEST[key] = _fastest(run, query)
@@ -201,9 +209,39 @@ def flash_biased_ref(query, keys, values, bias, scale, *, q_offset=0, causal=Tru
     return attend(query, AttentionInputs(keys, values, bias, None, q_offset, causal=causal), scale)
 
 
+def runs_on_kernel(query: torch.Tensor, what: str) -> bool:
+    """Whether attention over ``query [B, H, Tq, D]`` takes this kernel: where the Triton kernels run, for the head
+    dims it takes; another head dim there takes the caller's sdpa route (``what``), said once in the log."""
+    if kernel_path("flash_biased", query) != "triton":
+        return False
+    D = query.shape[-1]
+    if D == next_power_of_2(D) and 16 <= D <= 256:
+        return True
+    log_fallback("flash_biased", query.device.type, f"head dim {D} is not a power of two in 16 .. 256 ({what} "
+                 "takes the sdpa route with the bias in extra head dimensions)")
+    return False
+
+
+def flash_biased_lse_ref(query, keys, values, bias, scale, *, q_offset=0, causal=True, prefix=None):
+    """The log-sum-exp of each query's biased logits over the keys it sees, ``[B, H, Tq]`` fp32 (einsum)."""
+    if prefix is not None:
+        pk, _, pb = prefix
+        keys, bias = torch.cat([pk, keys], 2), torch.cat([pb, bias], 2)
+        q_offset += pk.shape[2]
+    B, H, Tq, D = query.shape
+    Hk, S = keys.shape[1], keys.shape[2]
+    logits = torch.einsum("bkgtd,bksd->bkgts", query.float().view(B, Hk, H // Hk, Tq, D), keys.float()) * scale
+    logits = logits + bias[:, :, None, None, :]
+    if causal:
+        hidden = torch.arange(S, device=query.device)[None, :] > torch.arange(Tq, device=query.device)[:, None] + q_offset
+        logits = logits.masked_fill(hidden, MASK_VALUE)
+    return torch.logsumexp(logits, -1).reshape(B, H, Tq)
+
+
 def flash_biased(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float,
                  *, q_offset: int = 0, causal: bool = True, prefix: tuple | None = None,
-                 out: torch.Tensor | None = None, config: tuple | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None, config: tuple | None = None
+                 ) -> torch.Tensor:
     """``softmax(q . k * scale + bias) . v``: Triton on CUDA, ``attend`` elsewhere (``HF_NOSA_KERNELS`` forces one).
 
     Args:
@@ -216,6 +254,8 @@ def flash_biased(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
             twice, ``[B, Hk, S0]`` fp32), read where they lie: a QUOKA chunk's blocks in the slot pool, then the
             chunk itself (``pool_attention``). ``q_offset`` still counts within ``keys``.
         out: where to write the result (query's shape and dtype, last dim contiguous); None: a new tensor.
+        lse: a ``[B, H, Tq]`` fp32 tensor to receive each query's log-sum-exp of its logits (natural log), for
+            merging with attention over other keys (``prefix_attention``); None: not computed.
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; None: the fastest of ``CONFIGS``, timed once per
             (head dim, causal, dtype, device).
 
@@ -253,7 +293,13 @@ def flash_biased(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if out is not None and (out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1):
         raise ValueError(f"flash_biased: out must be {tuple(query.shape)} {query.dtype} with a contiguous last dim; "
                          f"got {tuple(out.shape)} {out.dtype}")
+    if lse is not None and (tuple(lse.shape) != (B, H, Tq) or lse.dtype != torch.float32 or lse.stride(-1) != 1):
+        raise ValueError(f"flash_biased: lse must be float32 [B, H, Tq] = {(B, H, Tq)} with a contiguous last dim; "
+                         f"got {lse.dtype} {tuple(lse.shape)}")
     if kernel_path("flash_biased", query) == "torch":
+        if lse is not None:
+            lse.copy_(flash_biased_lse_ref(query, keys, values, bias, scale, q_offset=q_offset, causal=causal,
+                                           prefix=prefix))
         result = flash_biased_ref(query, keys, values, bias, scale, q_offset=q_offset, causal=causal, prefix=prefix)
         return result if out is None else out.copy_(result)
     if D != next_power_of_2(D) or not 16 <= D <= 256:
@@ -264,5 +310,5 @@ def flash_biased(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         prefix = tuple(t if t.stride(-1) == 1 else t.contiguous() for t in prefix)
     out = torch.empty_like(query) if out is None else out
     with torch.no_grad():
-        _launch(query, keys, values, bias, float(scale), int(q_offset), bool(causal), out, config, prefix)
+        _launch(query, keys, values, bias, float(scale), int(q_offset), bool(causal), out, config, prefix, lse)
     return out

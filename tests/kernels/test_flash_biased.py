@@ -111,6 +111,24 @@ def test_prefix_matches_joined_keys_interpreted(interpret, case):
         assert (out - flash_module.flash_biased_ref(q, k, v, bias, D**-0.5)).abs().max() > 1e-2
 
 
+@pytest.mark.skipif(not flash_module.HAS_TRITON, reason="needs the triton package")
+@pytest.mark.parametrize("causal, S0", [(True, 0), (False, 0), (True, 37)])
+def test_lse_matches_the_logits_interpreted(interpret, causal, S0):
+    """The log-sum-exp the kernel writes equals the einsum's over every key a query sees (extreme biases, hidden
+    keys, a ragged prefix), and the output is unchanged by asking for it."""
+    B, H, Hk, Tq, D = 2, 4, 2, 21, 16
+    q, k, v, bias = _inputs(B, H, Hk, Tq, Tq, D, torch.float32, "cpu", seed=S0 + 3, extreme=True, hidden=0.2)
+    prefix = _prefix(B, Hk, S0, D, torch.float32, "cpu", seed=S0) if S0 else None
+    lse = torch.empty(B, H, Tq)
+    out = flash_module.flash_biased(q, k, v, bias, 0.25, causal=causal, prefix=prefix, lse=lse)
+    expected = flash_module.flash_biased_lse_ref(q, k, v, bias, 0.25, causal=causal, prefix=prefix)
+    assert_close(lse, expected, atol=1e-4, rtol=1e-5)
+    assert torch.equal(out, flash_module.flash_biased(q, k, v, bias, 0.25, causal=causal, prefix=prefix))
+    full = torch.cat([prefix[0], k], 2) if S0 else k
+    logits = torch.einsum("bkgtd,bksd->bkgts", q.view(B, Hk, 2, Tq, D), full) * 0.25
+    assert (expected - logits.logsumexp(-1).view(B, H, Tq)).abs().max() > 1.0  # the bias counts
+
+
 def test_bad_inputs_are_refused_by_name():
     q, k, v, bias = _inputs(1, 4, 2, 8, 8, 16, torch.float32, "cpu", seed=0)
     with pytest.raises(ValueError, match="bias must be float32"):
@@ -123,6 +141,8 @@ def test_bad_inputs_are_refused_by_name():
         flash_module.flash_biased(q, k, v, bias, 0.25, prefix=(k[:, :1], v[:, :1], bias[:, :1]))
     with pytest.raises(ValueError, match="prefix must be"):
         flash_module.flash_biased(q, k, v, bias, 0.25, prefix=(k, v, bias.double()))
+    with pytest.raises(ValueError, match="lse must be"):
+        flash_module.flash_biased(q, k, v, bias, 0.25, lse=torch.empty(1, 4, 7))
 
 
 def test_cpu_tensors_take_the_reference(monkeypatch):
