@@ -413,7 +413,9 @@ def run_cpu(args) -> dict:
         context=args.context, batch=args.batch, new_tokens=args.new_tokens, seconds=seconds,
         note=("CPU census: device memory = storages ops returned inside generate (weights and the prompt are "
               "outside it); the host store's storage is reported apart (host memory on CUDA); one fetch part, no "
-              "side streams"),
+              "side streams" + ("; torch references: host-store reads are views of the store (device copies on "
+                                "CUDA), QUOKA and dense-tail attention on the sdpa route with widened copies "
+                                "(flash_biased on CUDA)" if args.kernels == "torch" else "")),
         peak=report, peak_last_chunk=tail,
         peak_by_chunk_gib={str(k): v[0] / GiB for k, v in sorted(by_chunk.items())},
         host_store_peak_gib=host_peak.bytes / GiB, skipped_bytes=dict(tracker.skipped),
