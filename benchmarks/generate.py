@@ -167,38 +167,57 @@ def engine_tok_s(model, cache, batch, steps=48):
     return batch * steps / (time.perf_counter() - start)
 
 
-def chunk_activations(model, cache, batch) -> int:
-    """Bytes one prefill chunk holds at once in a layer, counted from the shapes (bf16): the residual stream and
-    its norm, q/k/v/o, the MLP's gate, up and product, the fp32 eviction scores, the previous chunk's keys and
-    values (held per layer until the next chunk moves them into the slot pool, ``prefill._move_in_previous_chunk``)
-    and the chunk's output logits row in fp32; plus the larger of two attention working sets:
+def activation_moments(model, cache, batch, context) -> dict[str, dict[str, int]]:
+    """The prefill's activations (bytes, bf16) at the moments that can set its peak, each as the terms live then,
+    counted from the shapes (``benchmarks/memory_census.py`` lists what is live at the measured peak):
 
-    - a QUOKA chunk's: nothing beyond its output where ``flash_biased`` reads the blocks in place (CUDA, head dims
-      that are powers of two); else the widened copies of the query and of the selected blocks + chunk keys and
-      values (head dim padded to D', ``dense_attention.biased_attention_joined``) for one part of the batch
-      (``pool_attention.fetch_parts``);
-    - the dense-tail chunk's (``prefix_attention``): two prefix pieces (one read ahead) of
-      ``prefill.tail_piece_tokens`` tokens per row, the kernel's output and the fp32 accumulator and piece output;
-      on the sdpa route also one piece's widened keys and values and the widened query."""
+    - ``mlp``: a chunk in a layer's MLP: gate/up/product, five hidden-size tensors (the MLP's input norm, the
+      layer's input and the residual, the embeddings and the previous chunk's final norm, held by the model's and
+      ``modeling.chunked``'s loops), and every layer's held previous chunk (K, V, fp32 scores; the next chunk moves
+      its blocks into the slot pool, ``prefill._move_in_previous_chunk``);
+    - ``quoka_attention``: a QUOKA chunk in its attention: four hidden-size tensors, q/k/v, the previous chunks,
+      and on the sdpa route the widened query, blocks and chunk for one part of the batch (``pool_attention``;
+      ``flash_biased`` reads the blocks in place and adds nothing but its output);
+    - ``tail_attention``: the dense-tail chunk in its attention: the same, but with one layer's previous chunk
+      already moved in, three prefix pieces of ``prefill.tail_piece_tokens`` per row (one attended, one read ahead,
+      one freed only when the stream that used it is done), the kernel output and three fp32 ``[B, H, C, D]``
+      (accumulator, piece output, the previous piece's output), and on the sdpa route one piece's widened K/V and
+      the widened query and kernel output;
+
+    plus, at every moment, the causal mask of the chunk over the prompt (bool ``C x context``) and four ``[B,
+    context]`` int64 tensors (ids, attention mask, position ids and generate's copy)."""
     cfg, ncfg = model.config, cache.nosa_config
     C, h, f = ncfg.prefill_chunk_size, cfg.hidden_size, cfg.intermediate_size
-    Hk, D, H = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads
-    wide = -(-(D + 3) // 8) * 8  # D': bf16 keeps the bias in three columns
-    device = torch.device("cuda")
+    Hk, D, H, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads, cfg.num_hidden_layers
+    B, bf16 = batch, 2
+    wide = -(-(D + 3) // 8) * 8  # D' on the sdpa route: bf16 keeps the bias in three columns
     on_kernel = D == 1 << (D - 1).bit_length() and 16 <= D <= 256
-    S = cache.layers[0].n_slots * ncfg.block_size + C
-    rows_per_part = -(-batch // fetch_parts(device, batch))
-    quoka = 0 if on_kernel else rows_per_part * (C * H * wide + S * Hk * wide * 2) * 2
+    kv_token = Hk * (2 * D * bf16 + 4)  # K, V and the fp32 score of one token
+    qkv = B * C * (H + 2 * Hk) * D * bf16
+    rows = -(-batch // fetch_parts(torch.device("cuda"), batch))
     piece = tail_piece_tokens(ncfg.prefill_budget_blocks * ncfg.block_size, batch, ncfg.block_size)
-    pieces = 2 * Hk * piece * (2 * D * 2 + 4)
-    if on_kernel:  # flash_biased's output, and the fp32 accumulator and piece output it is merged from
-        tail = batch * (pieces + H * C * D * 2 + 2 * H * C * D * 4)
-    else:
-        tail = batch * (pieces + Hk * piece * wide * 2 * 2 + 2 * H * C * wide * 2 + H * C * D * 4)
-    tail = tail if ncfg.prefill_dense_tail_tokens else 0
-    previous_chunks = cfg.num_hidden_layers * C * Hk * (2 * D * 2 + 4)
-    per_token = (2 * h + (H + 2 * Hk) * D + H * D + 3 * f) * 2
-    return batch * (C * per_token + previous_chunks + cfg.vocab_size * 4) + max(quoka, tail)
+    S = cache.layers[0].n_slots * ncfg.block_size + C
+    moments = dict(
+        mlp=dict(gate_up_product=B * C * 3 * f * bf16, hidden_states=B * 5 * C * h * bf16,
+                 previous_chunks=B * L * C * kv_token),
+        quoka_attention=dict(hidden_states=B * 4 * C * h * bf16, qkv=qkv, previous_chunks=B * L * C * kv_token,
+                             widened_copies=0 if on_kernel else rows * (C * H * wide + S * Hk * wide * 2) * bf16),
+    )
+    if ncfg.prefill_dense_tail_tokens:
+        tail = dict(hidden_states=B * 4 * C * h * bf16, qkv=qkv, previous_chunks=B * (L - 1) * C * kv_token,
+                    prefix_pieces=B * 3 * piece * kv_token, outputs=B * (H * C * D * bf16 + 3 * H * C * D * 4))
+        if not on_kernel:
+            tail["widened_copies"] = B * (Hk * piece * wide * 2 + 2 * H * C * wide) * bf16
+        moments["tail_attention"] = tail
+    shared = dict(causal_mask=C * context, int64_inputs=4 * B * context * 8)
+    for terms in moments.values():
+        terms.update(shared)
+    return moments
+
+
+def chunk_activations(model, cache, batch, context) -> int:
+    """The prefill's activations at its largest moment (``activation_moments``), bytes."""
+    return max(sum(terms.values()) for terms in activation_moments(model, cache, batch, context).values())
 
 
 def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False):
@@ -219,7 +238,7 @@ def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False)
         row.update(locality=stats["locality"], bytes_to_device_per_token=stats["bytes_to_device"] / (batch * new_tokens),
                    host_gib=stats["host_bytes"] / GiB, device_kv_gib=stats["device_kv_bytes"] / GiB,
                    weights_gib=weights / GiB, cache_device_gib=cache_device / GiB,
-                   chunk_activations_estimate_gib=chunk_activations(model, cache, batch) / GiB)
+                   chunk_activations_estimate_gib=chunk_activations(model, cache, batch, context) / GiB)
         row["peak_formula_gib"] = row["weights_gib"] + row["cache_device_gib"] + row["chunk_activations_estimate_gib"]
         if engine:
             row["engine_tok_s"] = engine_tok_s(model, cache, batch)

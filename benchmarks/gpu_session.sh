@@ -22,6 +22,8 @@ case "${1:-}" in
     timeout 400 python benchmarks/prefill_breakdown.py --context 65536 --batch 16 --out "$OUT" 2>&1 | tail -60 ;;
   prefill-breakdown-8b)  # the 8b shape's prefill (11 s at batch 1 and 32K against 1.4 s stock), by kernel kind (about 3 minutes)
     timeout 400 python benchmarks/prefill_breakdown.py --shape 8b --context 32768 --batch 2 --out "$OUT/8b" 2>&1 | tail -60 ;;
+  memory-peak)    # issue 14: what is live at the peak of NOSA generate at 64K x 38 (1b, 24 GB cap), by allocation site, beside generate.py's formula moments (about 5 minutes)
+    timeout 570 python benchmarks/memory_census.py --device cuda --shape 1b --context 65536 --batch 38 --new-tokens 512 --cap-gb 24 --out "$OUT/memory_census_64k.json" 2>&1 | tail -20 ;;
   pinning)        # pinned host allocation rate: torch's default against its cudaHostRegister mode (about 1 minute)
     timeout 300 python benchmarks/pinning.py --gib 16 --out "$OUT" 2>&1 | tail -5 ;;
   quoka-attention)  # issue 17 item 2: a QUOKA chunk's attention by every candidate beside plain sdpa, chunks of 512 and 2048 (about 2 minutes)
@@ -51,5 +53,5 @@ case "${1:-}" in
   train-step)     # issue 17's retrofit step at 16K, 32K, 64K
     timeout 570 python benchmarks/train_step.py --lengths 16384,32768,65536 --out "$OUT" 2>&1 | tail -30 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|prefill-breakdown|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|train-step" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|train-step" >&2; exit 2 ;;
 esac

@@ -209,36 +209,20 @@ def peak_report(peak: Peak, batch: int, roots: dict[str, str], top: int, events:
 # ----- generate.py's formula, term by term -----
 
 
-def formula_parts(model, cache, batch: int) -> dict:
-    """``generate.chunk_activations`` (bytes) split into the terms it has long had, per chunk: the residual stream
-    and its norm, q/k/v, the attention output, the MLP's gate, up and product, every layer's held previous chunk
-    (K, V, fp32 scores) and the fp32 logits row; ``attention_working_set`` is the rest of its total (how
-    generate.py counts the attention beyond those: the larger of the QUOKA chunk's and the dense tail's working
-    sets, a term it is still revising), so the terms always add up to what generate.py computes."""
-    from benchmarks.generate import chunk_activations
+def formula_parts(model, cache, batch: int, context: int) -> dict:
+    """``generate.activation_moments`` (what the formula counts live at each moment that can set the prefill's
+    peak) in GiB and MiB per sequence, and ``generate.chunk_activations``, the largest of them."""
+    from benchmarks.generate import activation_moments, chunk_activations
     from hf_nosa.prefill import tail_piece_tokens
 
-    cfg, ncfg = model.config, cache.nosa_config
-    C, h, f = ncfg.prefill_chunk_size, cfg.hidden_size, cfg.intermediate_size
-    Hk, D, H, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads, cfg.num_hidden_layers
-    terms = dict(
-        residual_and_norm=batch * C * 2 * h * 2,
-        qkv=batch * C * (H + 2 * Hk) * D * 2,
-        attention_output=batch * C * H * D * 2,
-        mlp_gate_up_product=batch * C * 3 * f * 2,
-        previous_chunks_kv_b=batch * L * C * Hk * (2 * D * 2 + 4),
-        logits_row_fp32=batch * cfg.vocab_size * 4,
-    )
-    total = chunk_activations(model, cache, batch)
-    terms["attention_working_set"] = total - sum(terms.values())
-    if terms["attention_working_set"] < 0:
-        raise RuntimeError(f"formula_parts: generate.chunk_activations gives {total} bytes, less than its long-standing "
-                           f"terms ({sum(terms.values())}): its terms changed, update formula_parts")
+    ncfg = cache.nosa_config
+    moments = activation_moments(model, cache, batch, context)
     mib = 1 << 20
-    return dict(terms_gib={k: v / GiB for k, v in terms.items()},
-                terms_mib_per_sequence={k: v / batch / mib for k, v in terms.items()},
-                chunk_activations_gib=total / GiB, batch=batch, chunk=C,
-                fetch_parts=fetch_parts(torch.device("cuda"), batch),
+    return dict(moments_gib={m: {k: v / GiB for k, v in t.items()} for m, t in moments.items()},
+                moments_mib_per_sequence={m: {k: v / batch / mib for k, v in t.items()} for m, t in moments.items()},
+                largest_moment=max(moments, key=lambda m: sum(moments[m].values())),
+                chunk_activations_gib=chunk_activations(model, cache, batch, context) / GiB, batch=batch,
+                chunk=ncfg.prefill_chunk_size, fetch_parts=fetch_parts(torch.device("cuda"), batch),
                 tail_piece_tokens=tail_piece_tokens(ncfg.prefill_budget_blocks * ncfg.block_size, batch,
                                                     ncfg.block_size))
 
@@ -250,7 +234,8 @@ def projected_formula(shape: str, context: int, new_tokens: int, batch: int, nos
 
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=1 << 18)
     cache = NosaCache(config, nosa_config, max_cache_len=context + new_tokens)
-    return dict(shape=shape, context=context, **formula_parts(types.SimpleNamespace(config=config), cache, batch))
+    return dict(shape=shape, context=context,
+                **formula_parts(types.SimpleNamespace(config=config), cache, batch, context))
 
 
 def measured_parts(model, cache) -> dict:
@@ -419,7 +404,7 @@ def run_cpu(args) -> dict:
         peak=report, peak_last_chunk=tail,
         peak_by_chunk_gib={str(k): v[0] / GiB for k, v in sorted(by_chunk.items())},
         host_store_peak_gib=host_peak.bytes / GiB, skipped_bytes=dict(tracker.skipped),
-        measured=measured_parts(model, cache), formula=formula_parts(model, cache, args.batch),
+        measured=measured_parts(model, cache), formula=formula_parts(model, cache, args.batch, args.context),
     )
 
 
@@ -486,7 +471,7 @@ def run_cuda(args) -> dict:
         reports[action] = peak_report(peak, args.batch, roots, args.top, events)
     cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
     measured = measured_parts(model, cache)
-    formula = formula_parts(model, cache, args.batch)
+    formula = formula_parts(model, cache, args.batch, args.context)
     measured.update(peak_device_gib=row["peak_device_gib"],
                     requested_bytes_peak_gib=stats["requested_bytes.all.peak"] / GiB,
                     baseline_requested_gib=baseline / GiB,

@@ -151,22 +151,23 @@ def test_tracker_sets_the_host_store_apart():
     assert [e.size for e in tracker.events if e.action == "alloc"] == [k.numel() * 4]
 
 
-def test_formula_terms_add_up_to_generate_chunk_activations(monkeypatch):
-    import benchmarks.generate as generate
-
+def test_formula_is_the_largest_moment(monkeypatch):
     monkeypatch.setenv(PARTS_ENV_VAR, "2")
     projected = projected_formula("1b", 65536, 512, 38, NosaConfig())
     assert projected["fetch_parts"] == 2
-    assert abs(sum(projected["terms_gib"].values()) - projected["chunk_activations_gib"]) < 1e-9
-    per_seq = projected["terms_mib_per_sequence"]
-    assert per_seq["mlp_gate_up_product"] == 512 * 3 * 8192 * 2 / (1 << 20)  # 1b: intermediate 8192, chunk 512
-    assert per_seq["previous_chunks_kv_b"] == 16 * 512 * 8 * (64 * 2 * 2 + 4) / (1 << 20)
-    assert per_seq["attention_working_set"] > 0
+    moments = projected["moments_gib"]
+    assert set(moments) == {"mlp", "quoka_attention", "tail_attention"}
+    sums = {m: sum(t.values()) for m, t in moments.items()}
+    assert abs(max(sums.values()) - projected["chunk_activations_gib"]) < 1e-9
+    assert projected["largest_moment"] == max(sums, key=sums.get)
+    per_seq = projected["moments_mib_per_sequence"]
+    assert per_seq["mlp"]["gate_up_product"] == 512 * 3 * 8192 * 2 / (1 << 20)  # 1b: intermediate 8192, chunk 512
+    assert per_seq["mlp"]["previous_chunks"] == 16 * 512 * 8 * (64 * 2 * 2 + 4) / (1 << 20)
+    assert per_seq["tail_attention"]["prefix_pieces"] > 0
     assert projected["tail_piece_tokens"] < 4096  # 38 rows: fewer tokens a piece than one row's budget
-    # a formula smaller than its long-standing terms: the split is stale and must say so
-    monkeypatch.setattr(generate, "chunk_activations", lambda model, cache, batch: 1)
-    with pytest.raises(RuntimeError, match="formula_parts"):
-        projected_formula("1b", 65536, 512, 38, NosaConfig())
+    # without a dense tail there is no tail moment
+    assert "tail_attention" not in projected_formula("1b", 65536, 512, 38,
+                                                     NosaConfig(prefill_dense_tail_tokens=0))["moments_gib"]
 
 
 @pytest.mark.gpu
