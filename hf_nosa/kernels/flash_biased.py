@@ -167,7 +167,7 @@ def _launch(query, keys, values, bias, scale, q_offset, causal, out, config=None
             )
 
     if config is None and interpreting():
-        config = (16, 16, 4, 1)
+        config = (32, 32, 4, 1)
     if config is None:
         key = (D, causal, prefix is not None, lse is not None, query.dtype, query.device)
         config = _BEST.get(key)
