@@ -47,6 +47,8 @@ class CacheState:
         # [B] CPU long: the left padding of each row of the prompt being prefilled, whose real tokens arrive moved
         # to the front (``modeling.chunked``); the layers count every row from its first real token after it
         self.prefill_offsets: torch.Tensor | None = None
+        # False while a prompt known to hold no padding is prefilled: the layers skip the padding work per chunk
+        self.prefill_padded = True
         self.workspace = None  # a DeviceWorkspace shared across generate calls, or None
         self.n_layers = 0
 
@@ -524,14 +526,17 @@ class NosaCache(Cache):
         if self.get_seq_length() == 0:
             self.state.max_tokens = int(max_tokens)
 
-    def begin_prefill(self, end: int, offsets: torch.Tensor | None = None) -> None:
+    def begin_prefill(self, end: int, offsets: torch.Tensor | None = None, *, padded: bool = True) -> None:
         """A prompt is about to arrive in several updates and will end at ``end`` tokens (``modeling.chunked``).
 
         ``offsets``: ``[B]`` long, each row's left padding, when the prompt's rows arrive with their real tokens
         moved to the front (padding last); the layers then count each row from its first real token.
+        ``padded``: False when the prompt's mask is known to mark no token as padding (generate's usual all-ones
+        mask): the layers then skip reading the mask for padding in every chunk.
         """
         self.state.prefill_end = int(end)
         self.state.prefill_offsets = None if offsets is None else offsets.detach().to("cpu", torch.long)
+        self.state.prefill_padded = bool(padded)
 
     @property
     def has_selector(self) -> bool:
@@ -541,6 +546,7 @@ class NosaCache(Cache):
     def end_prefill(self) -> None:
         self.state.prefill_end = None
         self.state.prefill_offsets = None
+        self.state.prefill_padded = True
 
     def attach_workspace(self, workspace) -> None:
         """Draw device buffers from ``workspace`` (shared by a model's generate calls, so graphs are reused)."""

@@ -125,7 +125,7 @@ class PrefillPaths:
         target = max(self.state.prefill_end or 0, end)
         self._grow_layout(target)
         mode = self.cfg.prefill_mode(target)
-        pad = padding_bias(attention_mask, start, Tq)
+        pad = padding_bias(attention_mask, start, Tq) if self.state.prefill_padded else None
         if pad is not None:
             b = b + pad.to(b.device)
         self._wait_writer()
@@ -348,7 +348,7 @@ class PrefillPaths:
         padding hidden), and the decode rule counts each row from its first real token (``offsets``).
         """
         start, Tq = self.seen, k.shape[2]
-        pad = padding_bias(attention_mask, start, Tq)
+        pad = padding_bias(attention_mask, start, Tq) if self.state.prefill_padded else None
         if pad is not None:
             b = b + pad.to(b.device)
         lengths = self.row_lengths()

@@ -524,3 +524,33 @@ def test_smaller_tail_pieces_give_the_same_prefill(monkeypatch):
     pieces, piece_sizes = run()
     assert whole_sizes == {48} and piece_sizes == {16}
     torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_an_unpadded_prompt_skips_the_padding_work_with_the_same_result(monkeypatch):
+    """generate's all-ones mask: no layer reads it for padding in any chunk, and the prefill is what the padding
+    path gives; a mask with padding still takes that path."""
+    model = _model("llama", seed=14)
+    cfg = small_nosa_config(prefill="quoka", prefill_budget_tokens=48, prefill_chunk_size=32,
+                            prefill_dense_tail_tokens=40)
+    calls = []
+    original = prefill_module.padding_bias
+    monkeypatch.setattr(prefill_module, "padding_bias", lambda *a: calls.append(1) or original(*a))
+
+    def run(ids, mask, force_padded=False):
+        cache = NosaCache(model.config, cfg)
+        if force_padded:
+            begin = cache.begin_prefill
+            monkeypatch.setattr(cache, "begin_prefill", lambda end, offsets=None, padded=True: begin(end, offsets))
+        calls.clear()
+        with torch.no_grad():
+            logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+        return logits, len(calls)
+
+    ids, mask = _prompt(2, 200, seed=15)
+    assert bool(mask.all())
+    skipped, n_skipped = run(ids, mask)
+    padded_path, n_padded = run(ids, mask, force_padded=True)
+    assert n_skipped == 0 and n_padded > 0
+    torch.testing.assert_close(skipped, padded_path, atol=1e-5, rtol=1e-5)
+    ids, mask = _prompt(2, 200, seed=15, left_pad=(0, 9))
+    assert run(ids, mask)[1] > 0

@@ -133,7 +133,10 @@ class NosaForward:
 
         starting = past == 0
         if starting:
-            cache.begin_prefill(T, lead)
+            # One host read per prompt: an all-ones mask (generate's, unpadded) spares every layer the mask's
+            # padding work in every chunk.
+            padded = attention_mask is not None and not (attention_mask.dim() == 2 and bool(attention_mask.all()))
+            cache.begin_prefill(T, lead, padded=padded)
         hidden_parts, layer_states = [], []
         try:
             for a in range(0, T, C):
