@@ -22,6 +22,19 @@ def _plain_allocator(name: str, shape: tuple, dtype: torch.dtype, device: torch.
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _ring_spans(lo: int, hi: int, kernel: int) -> list[tuple[int, int, int]]:
+    """Tokens ``lo .. hi - 1`` as ring slots ``token % kernel``: runs ``(slot_lo, slot_hi, first_token)`` in token
+    order (at most two for the at most ``kernel`` tokens a ring holds). Slices instead of index tensors: each index tensor cost a kernel
+    launch or two per layer and chunk of a prefill."""
+    spans = []
+    while lo < hi:
+        slot = lo % kernel
+        n = min(hi - lo, kernel - slot)
+        spans.append((slot, slot + n, lo))
+        lo += n
+    return spans
+
+
 class CompressedKeys:
     """``keys [B, Hk, W_cap, D]``, ``bias [B, Hk, W_cap]`` fp32 (the first ``n`` windows are filled), and the ring
     ``ring_k [B, Hk, compress_kernel, D]``, ``ring_b [B, Hk, compress_kernel]``.
@@ -109,16 +122,16 @@ class CompressedKeys:
         ring_k, ring_b = self.ring_k[rows], self.ring_b[rows]
         if n_new > n_old:
             first = n_old * stride  # first token of the first new window; the ring holds it if it precedes start
-            past = torch.arange(first, start, device=keys.device) % kernel
-            span_k = torch.cat([ring_k[:, :, past], keys[:, :, max(0, first - start) :]], 2)
-            span_b = torch.cat([ring_b[:, :, past], bias[:, :, max(0, first - start) :]], 2)
+            past = _ring_spans(first, start, kernel)
+            span_k = torch.cat([ring_k[:, :, a:b] for a, b, _ in past] + [keys[:, :, max(0, first - start) :]], 2)
+            span_b = torch.cat([ring_b[:, :, a:b] for a, b, _ in past] + [bias[:, :, max(0, first - start) :]], 2)
             self.reserve(n_new)
             self.keys[rows, :, n_old:n_new] = compress_keys(span_k, cfg)
             self.bias[rows, :, n_old:n_new] = compress_keys(span_b, cfg)
         self.n = max(self.n, n_new)
-        recent = torch.arange(max(start, end - kernel), end, device=keys.device)
-        ring_k[:, :, recent % kernel] = keys[:, :, recent - start]
-        ring_b[:, :, recent % kernel] = bias[:, :, recent - start]
+        for a, b, token in _ring_spans(max(start, end - kernel), end, kernel):
+            ring_k[:, :, a:b] = keys[:, :, token - start : token - start + b - a]
+            ring_b[:, :, a:b] = bias[:, :, token - start : token - start + b - a]
 
     def append(self, k: torch.Tensor, b: torch.Tensor, t) -> None:
         """Token ``t`` (``k [B, Hk, 1, D]``, ``b [B, Hk, 1]``) arrives (the torch decode path); ``t`` an int, or a

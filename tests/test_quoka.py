@@ -266,6 +266,28 @@ def test_compressed_keys_extend_like_a_rebuild():
     torch.testing.assert_close(pieces.ring_k, whole.ring_k)
 
 
+@pytest.mark.parametrize("kernel, stride", [(16, 8), (8, 4), (8, 8), (4, 2)])
+def test_compressed_keys_extend_like_a_rebuild_at_random_splits(kernel, stride):
+    """Random cut points (runs shorter and longer than a window, ring wrap-arounds) and window shapes."""
+    from hf_nosa.compressed_keys import CompressedKeys
+
+    cfg = small_nosa_config(compress_kernel=kernel, compress_stride=stride)
+    g = torch.Generator().manual_seed(kernel * 100 + stride)
+    keys, bias = torch.randn(2, 2, 157, 8, generator=g), torch.randn(2, 2, 157, generator=g)
+    cuts = sorted(set(torch.randint(1, 157, (9,), generator=g).tolist())) + [157]
+    whole, pieces = CompressedKeys(cfg, keys), CompressedKeys(cfg, keys)
+    whole.rebuild(keys, bias)
+    a = 0
+    for b in cuts:
+        pieces.extend(keys[:, :, a:b], bias[:, :, a:b], a)
+        a = b
+    assert pieces.n == whole.n == num_windows(157, cfg)
+    torch.testing.assert_close(pieces.keys[:, :, : whole.n], whole.keys[:, :, : whole.n])
+    torch.testing.assert_close(pieces.bias[:, :, : whole.n], whole.bias[:, :, : whole.n])
+    torch.testing.assert_close(pieces.ring_k, whole.ring_k)
+    torch.testing.assert_close(pieces.ring_b, whole.ring_b)
+
+
 @pytest.mark.parametrize(
     "field, value, words",
     [
