@@ -24,8 +24,8 @@ def _plain_allocator(name: str, shape: tuple, dtype: torch.dtype, device: torch.
 
 def _ring_spans(lo: int, hi: int, kernel: int) -> list[tuple[int, int, int]]:
     """Tokens ``lo .. hi - 1`` as ring slots ``token % kernel``: runs ``(slot_lo, slot_hi, first_token)`` in token
-    order (at most two for the at most ``kernel`` tokens a ring holds). Slices instead of index tensors: each index tensor cost a kernel
-    launch or two per layer and chunk of a prefill."""
+    order (at most two for the at most ``kernel`` tokens a ring holds). Slices instead of index tensors: each index
+    tensor cost a kernel launch or two per layer and chunk of a prefill."""
     spans = []
     while lo < hi:
         slot = lo % kernel

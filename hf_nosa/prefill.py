@@ -40,8 +40,9 @@ from .prefix_attention import Prefix
 from .selection import MASK_VALUE, nosa_token_mask, quoka_query_choice, quoka_select_blocks, windows_available
 
 _WRITERS: dict[torch.device, "torch.cuda.Stream"] = {}
-# A dense-tail piece holds at most this many rows' prefill budgets: a piece lives twice (one read ahead) beside its
-# attention's copies, which at 38 x 4096 tokens of the 1b shape came to about 2 GB above a QUOKA chunk's peak.
+# A dense-tail piece holds at most this many rows' prefill budgets: pieces are alive two or three at a time (one read
+# ahead) beside the attention's copies, estimated at about 2 GB above a QUOKA chunk's peak at 38 x 4096 tokens of
+# the 1b shape with budget-sized pieces (the excess of the measured 64K x 38 peak over the formula).
 TAIL_PIECE_ROWS = 8
 
 

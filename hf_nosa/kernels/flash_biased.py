@@ -202,12 +202,17 @@ def _fastest(run, query) -> tuple:
     return best
 
 
+def _joined(keys, values, bias, q_offset, prefix):
+    """The references' view of a prefix: joined in front of the keys, its length added to ``q_offset``."""
+    if prefix is None:
+        return keys, values, bias, q_offset
+    pk, pv, pb = prefix
+    return torch.cat([pk, keys], 2), torch.cat([pv, values], 2), torch.cat([pb, bias], 2), q_offset + pk.shape[2]
+
+
 def flash_biased_ref(query, keys, values, bias, scale, *, q_offset=0, causal=True, prefix=None):
-    """The torch reference: ``attend.attend`` (a prefix joined in front of the keys, its length added to q_offset)."""
-    if prefix is not None:
-        pk, pv, pb = prefix
-        keys, values, bias = torch.cat([pk, keys], 2), torch.cat([pv, values], 2), torch.cat([pb, bias], 2)
-        q_offset += pk.shape[2]
+    """The torch reference: ``attend.attend`` (a prefix joined in front of the keys)."""
+    keys, values, bias, q_offset = _joined(keys, values, bias, q_offset, prefix)
     return attend(query, AttentionInputs(keys, values, bias, None, q_offset, causal=causal), scale)
 
 
@@ -226,10 +231,7 @@ def runs_on_kernel(query: torch.Tensor, what: str) -> bool:
 
 def flash_biased_lse_ref(query, keys, values, bias, scale, *, q_offset=0, causal=True, prefix=None):
     """The log-sum-exp of each query's biased logits over the keys it sees, ``[B, H, Tq]`` fp32 (einsum)."""
-    if prefix is not None:
-        pk, _, pb = prefix
-        keys, bias = torch.cat([pk, keys], 2), torch.cat([pb, bias], 2)
-        q_offset += pk.shape[2]
+    keys, _, bias, q_offset = _joined(keys, values, bias, q_offset, prefix)
     B, H, Tq, D = query.shape
     Hk, S = keys.shape[1], keys.shape[2]
     logits = torch.einsum("bkgtd,bksd->bkgts", query.float().view(B, Hk, H // Hk, Tq, D), keys.float()) * scale
