@@ -47,8 +47,8 @@ class CacheState:
         # [B] CPU long: the left padding of each row of the prompt being prefilled, whose real tokens arrive moved
         # to the front (``modeling.chunked``); the layers count every row from its first real token after it
         self.prefill_offsets: torch.Tensor | None = None
-        # False while a prompt known to hold no padding is prefilled: the layers skip the padding work per chunk
-        self.prefill_padded = True
+        # where the layers of the prefill under way find the prompt's padding (``NosaCache.begin_prefill``)
+        self.prefill_padding: torch.Tensor | bool = True
         self.workspace = None  # a DeviceWorkspace shared across generate calls, or None
         self.n_layers = 0
 
@@ -526,17 +526,24 @@ class NosaCache(Cache):
         if self.get_seq_length() == 0:
             self.state.max_tokens = int(max_tokens)
 
-    def begin_prefill(self, end: int, offsets: torch.Tensor | None = None, *, padded: bool = True) -> None:
+    def begin_prefill(
+        self, end: int, offsets: torch.Tensor | None = None, *, padding: torch.Tensor | bool = True
+    ) -> None:
         """A prompt is about to arrive in several updates and will end at ``end`` tokens (``modeling.chunked``).
 
         ``offsets``: ``[B]`` long, each row's left padding, when the prompt's rows arrive with their real tokens
         moved to the front (padding last); the layers then count each row from its first real token.
-        ``padded``: False when the prompt's mask is known to mark no token as padding (generate's usual all-ones
-        mask): the layers then skip reading the mask for padding in every chunk.
+        ``padding``: where the layers find which tokens are padding. True: in the mask the model hands each update.
+        A ``[B, end]`` bool tensor (True for a real token, the rows as they arrive): here, and the model's forward
+        runs without a padding mask (transformers would expand a 2D one to ``[B, 1, chunk, context]`` in every
+        chunk: 1.2 GB at 64K x 38). False: the prompt has none (generate's usual all-ones mask), and the layers
+        skip the padding work. With a tensor or False the model's masks are causal only and the layers ignore them.
         """
+        if isinstance(padding, torch.Tensor) and (padding.dim() != 2 or padding.shape[1] != end):
+            raise ValueError(f"begin_prefill: padding must be [batch, end={end}] bool, got {tuple(padding.shape)}")
         self.state.prefill_end = int(end)
         self.state.prefill_offsets = None if offsets is None else offsets.detach().to("cpu", torch.long)
-        self.state.prefill_padded = bool(padded)
+        self.state.prefill_padding = padding.bool() if isinstance(padding, torch.Tensor) else bool(padding)
 
     @property
     def has_selector(self) -> bool:
@@ -546,7 +553,7 @@ class NosaCache(Cache):
     def end_prefill(self) -> None:
         self.state.prefill_end = None
         self.state.prefill_offsets = None
-        self.state.prefill_padded = True
+        self.state.prefill_padding = True
 
     def attach_workspace(self, workspace) -> None:
         """Draw device buffers from ``workspace`` (shared by a model's generate calls, so graphs are reused)."""

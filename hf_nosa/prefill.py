@@ -126,7 +126,7 @@ class PrefillPaths:
         target = max(self.state.prefill_end or 0, end)
         self._grow_layout(target)
         mode = self.cfg.prefill_mode(target)
-        pad = padding_bias(attention_mask, start, Tq) if self.state.prefill_padded else None
+        pad, attention_mask = self._prompt_padding(attention_mask, start, end)
         if pad is not None:
             b = b + pad.to(b.device)
         self._wait_writer()
@@ -156,6 +156,17 @@ class PrefillPaths:
                 inputs = with_prefix_read(inputs)
             self._finish_prefill(k, v, b, start)
         return inputs
+
+    def _prompt_padding(self, attention_mask, start, end):
+        """The chunk's padding as a key bias (``[B, 1, Tq]`` fp32, or None when the prompt has none) and the
+        model's mask the attention still has to apply (None when the model's masks are causal only:
+        ``NosaCache.begin_prefill``)."""
+        padding = self.state.prefill_padding
+        if padding is True:
+            return padding_bias(attention_mask, start, end - start), attention_mask
+        if padding is False:
+            return None, None
+        return torch.where(padding[:, start:end].to(self.device), 0.0, MASK_VALUE)[:, None, :], None
 
     def _staged(self, k, v, b, start, target):
         """Every key up to this chunk's end, on the device ("dense"/"nosa" keep the prompt's KV there while it
@@ -349,7 +360,7 @@ class PrefillPaths:
         padding hidden), and the decode rule counts each row from its first real token (``offsets``).
         """
         start, Tq = self.seen, k.shape[2]
-        pad = padding_bias(attention_mask, start, Tq) if self.state.prefill_padded else None
+        pad = padding_bias(attention_mask, start, Tq)
         if pad is not None:
             b = b + pad.to(b.device)
         lengths = self.row_lengths()

@@ -549,24 +549,31 @@ def test_smaller_tail_pieces_give_the_same_prefill(monkeypatch):
 
 
 def test_an_unpadded_prompt_skips_the_padding_work_with_the_same_result(monkeypatch):
-    """generate's all-ones mask: no layer reads it for padding in any chunk, and the prefill is what the padding
+    """generate's all-ones mask: no layer does padding work in any chunk, and the prefill is what the padding
     path gives; a mask with padding still takes that path."""
     model = _model("llama", seed=14)
     cfg = small_nosa_config(prefill="quoka", prefill_budget_tokens=48, prefill_chunk_size=32,
                             prefill_dense_tail_tokens=40)
-    calls = []
-    original = prefill_module.padding_bias
-    monkeypatch.setattr(prefill_module, "padding_bias", lambda *a: calls.append(1) or original(*a))
+    padded_chunks = []
+    original = prefill_module.PrefillPaths._prompt_padding
+
+    def counted(self, *args):
+        pad, mask = original(self, *args)
+        padded_chunks.append(pad is not None)
+        return pad, mask
+
+    monkeypatch.setattr(prefill_module.PrefillPaths, "_prompt_padding", counted)
 
     def run(ids, mask, force_padded=False):
         cache = NosaCache(model.config, cfg)
         if force_padded:
             begin = cache.begin_prefill
-            monkeypatch.setattr(cache, "begin_prefill", lambda end, offsets=None, padded=True: begin(end, offsets))
-        calls.clear()
+            monkeypatch.setattr(cache, "begin_prefill", lambda end, offsets=None, padding=True:
+                                begin(end, offsets, padding=torch.ones(ids.shape[0], end, dtype=torch.bool)))
+        padded_chunks.clear()
         with torch.no_grad():
             logits = model(ids, attention_mask=mask, past_key_values=cache).logits
-        return logits, len(calls)
+        return logits, sum(padded_chunks)
 
     ids, mask = _prompt(2, 200, seed=15)
     assert bool(mask.all())
@@ -576,3 +583,38 @@ def test_an_unpadded_prompt_skips_the_padding_work_with_the_same_result(monkeypa
     torch.testing.assert_close(skipped, padded_path, atol=1e-5, rtol=1e-5)
     ids, mask = _prompt(2, 200, seed=15, left_pad=(0, 9))
     assert run(ids, mask)[1] > 0
+
+
+@pytest.mark.parametrize("mode", ["quoka", "dense", "nosa"])
+def test_a_padded_prompt_never_reaches_the_layers_as_a_batch_mask(mode):
+    """A 2D padding mask stays with the cache: every layer of every chunk sees at most a causal mask shared by
+    the batch (transformers would build ``[B, 1, chunk, context]``). In "dense" mode the logits are those of the
+    same prompt given as the 4D mask the model would have built, which the layers then apply chunk by chunk (the
+    other modes count a row given a 4D mask from its padding, not from its first real token: ``test_padding``
+    holds them to the row alone)."""
+    model = _model("llama", seed=16)
+    cfg = small_nosa_config(prefill=mode, prefill_budget_tokens=48, prefill_chunk_size=32,
+                            prefill_dense_tail_tokens=40)
+    ids, mask = _prompt(3, 150, seed=17, left_pad=(0, 11, 70))
+    seen = []
+
+    def record(module, args, kwargs):
+        seen.append(kwargs.get("attention_mask"))
+
+    hooks = [layer.self_attn.register_forward_pre_hook(record, with_kwargs=True) for layer in model.model.layers]
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, past_key_values=NosaCache(model.config, cfg)).logits
+    for hook in hooks:
+        hook.remove()
+    assert len(seen) >= len(model.model.layers) * 5
+    assert all(m is None or m.shape[0] == 1 or m.stride(0) == 0 for m in seen)  # one mask, expanded
+    assert torch.isfinite(out).all()
+    if mode != "dense":
+        return
+    T = ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    mask_4d = causal[None, None] & mask.bool()[:, None, None, :]
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask_4d, past_key_values=NosaCache(model.config, cfg)).logits
+    real = mask.bool()
+    torch.testing.assert_close(out[real], ref[real], atol=1e-4, rtol=1e-4)

@@ -17,7 +17,9 @@ and mask alike), and the cache is told each row's padding (``NosaCache.begin_pre
 block, compressed window and sink block then falls where it would for the row alone, QUOKA's chunked selection
 included, and the cache counts the row's later tokens from its first real one (``hf_nosa.padding``). The outputs
 are moved back: logits and hidden states come out at the positions the caller asked for, as the stock forward
-would give them. Such a prompt goes through this path even when it fits one chunk.
+would give them. Such a prompt goes through this path even when it fits one chunk. A 2D mask never reaches the
+layers: the cache takes the prompt's padding from it, and each chunk runs with causal masking only (transformers
+would expand the mask to ``[B, 1, chunk, context]`` bool in every chunk, 1.2 GB at 64K x 38).
 
 Any other call (no NosaCache, or labels) runs the stock forward; output_attentions is refused by name.
 """
@@ -133,10 +135,16 @@ class NosaForward:
 
         starting = past == 0
         if starting:
-            # One host read per prompt: an all-ones mask (generate's, unpadded) spares every layer the mask's
-            # padding work in every chunk.
-            padded = attention_mask is not None and not (attention_mask.dim() == 2 and bool(attention_mask.all()))
-            cache.begin_prefill(T, lead, padded=padded)
+            padding = True  # a 4D mask of the caller's own goes to the layers chunk by chunk
+            if attention_mask is None or attention_mask.dim() == 2:
+                # The cache takes the padding from the 2D mask itself and the model runs without one: transformers
+                # would expand it to [B, 1, chunk, context] in every chunk. One host read per prompt spares an
+                # all-ones mask (generate's, unpadded) the padding work in every layer and chunk.
+                padding = False
+                if attention_mask is not None and not bool(attention_mask.all()):
+                    padding = attention_mask[:, :T].bool()
+                attention_mask = None
+            cache.begin_prefill(T, lead, padding=padding)
         hidden_parts, layer_states = [], []
         try:
             for a in range(0, T, C):
