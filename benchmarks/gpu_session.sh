@@ -20,8 +20,8 @@ case "${1:-}" in
     timeout 570 python benchmarks/generate.py --shape 1b --contexts 65536 --batch1 --out "$OUT/generate_64k.json" 2>&1 | tee "$OUT/generate_64k.log" | grep -v '^{' ;;
   prefill-breakdown)  # issue 14: the 64K NOSA prefill of generate, GPU time by kernel kind, and its host syncs (about 3 minutes)
     timeout 400 python benchmarks/prefill_breakdown.py --context 65536 --batch 16 --out "$OUT" 2>&1 | tail -60 ;;
-  prefill-breakdown-b1)  # the same at batch 1, where the 64K TTFT went 7.8 -> 15.7 s between 1a35f40 and 6b2438c with only 12% more launches per layer and chunk (benchmarks/results/prefill_op_census_cpu*.json)
-    timeout 400 python benchmarks/prefill_breakdown.py --context 65536 --batch 1 --fetch-parts 1 --out "$OUT/b1" 2>&1 | tail -60 ;;
+  prefill-breakdown-b1)  # the same at batch 1, where the GPU waits on the host (8.8 s of wall time for 1.5 s of GPU work at 31c8e7b), with a cProfile of the host's time
+    timeout 400 python benchmarks/prefill_breakdown.py --context 65536 --batch 1 --fetch-parts 1 --host-profile --out "$OUT/b1" 2>&1 | tail -80 ;;
   prefill-breakdown-8b)  # the 8b shape's prefill (11 s at batch 1 and 32K against 1.4 s stock), by kernel kind (about 3 minutes)
     timeout 400 python benchmarks/prefill_breakdown.py --shape 8b --context 32768 --batch 2 --out "$OUT/8b" 2>&1 | tail -60 ;;
   memory-peak)    # issue 14: what is live at the peak of NOSA generate at 64K x 38 (1b, 24 GB cap), by allocation site, beside generate.py's formula moments (about 5 minutes)

@@ -14,7 +14,11 @@ it (torch.profiler, CUDA activity only):
   debug mode), with counts: a sync per layer and chunk serialises the host's launches with the GPU's work;
 - ``wall_s_by_fetch_parts``: the prefill's wall time (twice each, before the profile) with a QUOKA chunk's fetch
   split into 1, 2, 4 parts of the batch (``HF_NOSA_PREFILL_FETCH_PARTS``; ``pool_attention``), each part's fetch
-  overlapping the previous part's attention.
+  overlapping the previous part's attention;
+- ``host_profile``: where the host's time goes, for a prefill the GPU waits on (batch 1): cProfile of one prefill,
+  self time by package (``hf_nosa``, ``transformers``, ``torch``, ``triton``, the C functions torch's ops are) and the
+  functions with the most self and cumulative time (cProfile's own overhead inflates ``profiled_s``; compare
+  shares, not seconds).
 
     PYTHONPATH=. python benchmarks/prefill_breakdown.py --context 65536 --batch 16 --out DIR
     python benchmarks/prefill_breakdown.py --smoke       # CPU: the bookkeeping only (no profile)
@@ -23,9 +27,11 @@ it (torch.profiler, CUDA activity only):
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import json
 import os
+import pstats
 import re
 import sys
 import time
@@ -101,6 +107,59 @@ def prefill(model, batch, context, seed=0):
     torch.cuda.synchronize()
 
 
+def package_of(filename: str, function: str) -> str:
+    """The package a cProfile entry belongs to: ``hf_nosa``, ``transformers``, ``torch``, ``triton``, ``benchmarks``,
+    ``builtin`` (C functions: torch's ops, tensor methods), else ``python`` (the standard library and the rest)."""
+    if filename == "~":
+        return "builtin"
+    for package in ("hf_nosa", "transformers", "triton", "torch", "benchmarks"):
+        if f"/{package}/" in filename.replace("\\", "/"):
+            return package
+    return "python"
+
+
+def short_name(filename: str, line: int, function: str) -> str:
+    """``package/file.py:line(function)`` (the path from the package on), or the C function's name."""
+    if filename == "~":
+        return function
+    path = filename.replace("\\", "/")
+    for package in ("hf_nosa", "transformers", "triton", "torch", "benchmarks"):
+        at = path.rfind(f"/{package}/")
+        if at >= 0:
+            path = path[at + 1:]
+            break
+    return f"{path}:{line}({function})"
+
+
+def summarize_profile(stats: pstats.Stats, top: int = 30) -> dict:
+    """Self time by package and the ``top`` functions by self and by cumulative time (seconds, call counts)."""
+    by_package: Counter = Counter()
+    rows = []
+    for (filename, line, function), (_, ncalls, tottime, cumtime, _) in stats.stats.items():
+        by_package[package_of(filename, function)] += tottime
+        rows.append((short_name(filename, line, function), ncalls, tottime, cumtime))
+    total = sum(by_package.values())
+
+    def listed(key):
+        return [dict(function=name, calls=calls, self_s=round(self_s, 4), cumulative_s=round(cum_s, 4))
+                for name, calls, self_s, cum_s in sorted(rows, key=key)[:top]]
+
+    return dict(profiled_s=round(total, 4),
+                self_s_by_package={k: round(v, 4) for k, v in by_package.most_common()},
+                top_self=listed(lambda r: -r[2]), top_cumulative=listed(lambda r: -r[3]))
+
+
+def host_profile(run, top: int = 30) -> dict:
+    """cProfile of ``run()``, summarised by ``summarize_profile``."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        run()
+    finally:
+        profiler.disable()
+    return summarize_profile(pstats.Stats(profiler), top)
+
+
 def profiled_kernels(run) -> list[tuple[str, float, float]]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -135,6 +194,8 @@ def main():
     parser.add_argument("--sync-context", type=int, default=4096, help="prompt length of the host-sync pass")
     parser.add_argument("--fetch-parts", default="1,2,4",
                         help="also time the prefill with HF_NOSA_PREFILL_FETCH_PARTS at each of these (comma list)")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="also cProfile one prefill (after the timed ones, before the kernel profile)")
     parser.add_argument("--out", default=None, help="folder for prefill_breakdown.json")
     parser.add_argument("--smoke", action="store_true", help="check the bookkeeping on the CPU and exit")
     args = parser.parse_args()
@@ -174,6 +235,12 @@ def main():
         os.environ.pop(PARTS_ENV_VAR, None)
     else:
         os.environ[PARTS_ENV_VAR] = default_parts
+    if args.host_profile:
+        result["host_profile"] = host_profile(lambda: prefill(model, args.batch, args.context))
+        shares = result["host_profile"]["self_s_by_package"]
+        print("host self time by package:", {k: round(v, 2) for k, v in shares.items()})
+        for row in result["host_profile"]["top_self"][:15]:
+            print(f"  {row['self_s']:8.3f} s self {row['cumulative_s']:8.3f} s cum {row['calls']:8d}  {row['function']}")
     t0 = time.perf_counter()
     kernels = profiled_kernels(lambda: prefill(model, args.batch, args.context))
     result["profiled_wall_s"] = time.perf_counter() - t0

@@ -1,8 +1,11 @@
-"""The bookkeeping of benchmarks/prefill_breakdown.py: kernel kinds and the GPU busy time over several streams."""
+"""The bookkeeping of benchmarks/prefill_breakdown.py: kernel kinds, the GPU busy time over several streams, and the
+host profile's split by package."""
 
 import random
 
-from benchmarks.prefill_breakdown import busy_seconds, kind_of, summarize
+import torch
+
+from benchmarks.prefill_breakdown import busy_seconds, host_profile, kind_of, package_of, short_name, summarize
 
 
 def test_kinds_of_the_prefill_kernels():
@@ -32,3 +35,36 @@ def test_summary_sums_each_kind():
     out = summarize(kernels)
     assert list(out) == ["gemm", "fetch"]  # most time first
     assert out["fetch"] == dict(ms=0.015, launches=2, top={"_fetch_step_kernel": 0.015})
+
+
+def _python_loop(n):
+    total = 0
+    for i in range(n):
+        total += i * i
+    return total
+
+
+def _profiled_work():
+    x = torch.randn(64, 64)
+    for _ in range(50):
+        x = torch.tanh(x @ x) * 0.5
+    return _python_loop(20000) + float(x.sum())
+
+
+def test_host_profile_splits_self_time_by_package():
+    out = host_profile(_profiled_work, top=10)
+    shares = out["self_s_by_package"]
+    assert "builtin" in shares and "python" in shares  # torch's C ops, and this file's loop
+    assert abs(sum(shares.values()) - out["profiled_s"]) < 1e-3
+    assert len(out["top_self"]) <= 10
+    assert any("_python_loop" in row["function"] and row["calls"] == 1 for row in out["top_cumulative"])
+    selfs = [row["self_s"] for row in out["top_self"]]
+    assert selfs == sorted(selfs, reverse=True)
+
+
+def test_package_and_short_name_of_a_profile_entry():
+    path = "/x/site-packages/transformers/models/llama/modeling_llama.py"
+    assert package_of(path, "forward") == "transformers"
+    assert package_of("/w/hf_nosa/prefill.py", "_prefill") == "hf_nosa"
+    assert package_of("~", "<built-in method torch.cat>") == "builtin"
+    assert short_name(path, 12, "forward") == "transformers/models/llama/modeling_llama.py:12(forward)"
