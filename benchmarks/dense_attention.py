@@ -74,7 +74,10 @@ def attention_rows(name: str, seq_len: int, args, device, dtype) -> list[dict]:
     flops = 4 * H * D * seq_len * seq_len / 2  # causal: half the logits
     runs = {
         "sdpa_causal": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
-        "biased_causal": lambda: biased_attention(q, whole, scale),
+        "biased_causal": lambda: biased_attention(q, whole, scale),  # the library's route (flash_biased on CUDA)
+        # the bias in extra head dimensions through sdpa: the route for masks, gradients and other head dims
+        "biased_columns_causal": lambda: F.scaled_dot_product_attention(
+            *bias_columns(q, k, v, bias, scale), is_causal=True, scale=scale, enable_gqa=True)[..., :D],
         "biased_last_queries": lambda: biased_attention(q[:, :, -tail:], last, scale),
     }
     if device.type == "cuda":
@@ -120,8 +123,9 @@ def _recorded(row: dict, measure) -> dict:
 def quoka_chunk_rows(name: str, args, device, dtype) -> list[dict]:
     """One QUOKA prefill chunk's attention: ``chunk`` queries over ``budget`` gathered block tokens then the chunk
     itself (lower-right causal), batch ``--quoka-batch``. Runs: plain sdpa on that shape without a bias (the dense
-    kernel's rate, what a converted model cannot beat), the library's biased attention (FlashAttention with the bias
-    in extra head dimensions, some slots empty), and the Triton chunk-attention kernel it replaced."""
+    kernel's rate, what a converted model cannot beat), the library's biased attention (on CUDA the flash_biased
+    kernel; elsewhere sdpa with the bias in extra head dimensions; some slots empty), and the Triton chunk-attention
+    kernel it replaced."""
     H, Hk, D = HEADS[name] if not args.smoke else (4, 2, 16)
     chunk, budget = (64, 128) if args.smoke else (args.quoka_chunk, 4096)
     B, S, scale = args.quoka_batch, budget + chunk, D**-0.5

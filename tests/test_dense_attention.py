@@ -292,3 +292,36 @@ def test_joined_parts_equal_the_reference(dtype, Tq, splits):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_joined_parts_on_gpu(dtype):
     _joined_case("cuda", dtype, 512, [4160, 512])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Tq,S,q_offset,causal", [(600, 600, 0, True), (100, 1000, 900, True), (37, 500, 0, False)])
+def test_on_gpu_inference_with_a_bias_runs_flash_biased_and_training_the_columns(dtype, Tq, S, q_offset, causal):
+    """CUDA: a nonzero bias, no mask, no gradient takes the flash_biased kernel (|b| up to 80); with a gradient
+    wanted the same call takes the sdpa columns and the gradient reaches the bias. Both equal the reference."""
+    from torch.profiler import ProfilerActivity, profile
+
+    B, Hk, G, D = 2, 2, 4, 64
+    q, k, v, bias = (t.cuda() for t in _inputs(B, Hk * G, Hk, Tq, S, D, dtype, seed=Tq + S, bias_scale=40.0))
+    inputs = AttentionInputs(k, v, bias, None, q_offset, causal)
+    expected = attend(q.float(), inputs._replace(keys=k.float(), values=v.float()), D**-0.5)
+    live = _live(inputs, B, Hk * G, Tq)
+
+    def kernels(run):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = run()
+        torch.cuda.synchronize()
+        return out, {e.key for e in prof.key_averages()}
+
+    with torch.no_grad():
+        actual, names = kernels(lambda: biased_attention(q, inputs, D**-0.5))
+    assert any("_flash_biased_kernel" in n for n in names)
+    assert_close(actual[live], expected[live], atol=3e-2, rtol=3e-2)
+
+    trained = bias.clone().requires_grad_(True)
+    actual, names = kernels(lambda: biased_attention(q, inputs._replace(key_bias=trained), D**-0.5))
+    assert not any("_flash_biased_kernel" in n for n in names)
+    assert_close(actual[live].detach(), expected[live], atol=3e-2, rtol=3e-2)
+    actual[live].float().sum().backward()
+    assert trained.grad is not None and torch.isfinite(trained.grad).all() and trained.grad.abs().sum() > 0

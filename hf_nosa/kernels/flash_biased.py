@@ -87,6 +87,8 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         i_m, i_bh = tl.program_id(0), tl.program_id(1)
+        if CAUSAL:  # the last query tiles see the most keys: start them first, so the last wave is the light tiles
+            i_m = tl.num_programs(0) - 1 - i_m
         i_b, i_h = i_bh // H, i_bh % H
         i_hk = i_h // G
         o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
