@@ -12,6 +12,10 @@
 # retrofit+eval-base  both at once on the one GPU (the evaluation is host-bound, the retrofit GPU-bound)
 # eval                the retrofitted rows (NOSA retrofitted; its weights under full attention), then any base cell
 #                     an earlier call did not reach (the results under $WORK carry over while the machine is warm)
+# curve               the retrofit-steps curve: the recipe's schedule stopped at each of CURVE_STEPS (resumed across
+#                     calls), each stop's adapter kept ($WORK/curve/step-N, $OUT/curve-step-N.tar) and measured while
+#                     the retrofit goes on, beside full attention and NOSA untrained: perplexity, locality and bytes
+#                     per token at CURVE_LENGTH, the recipe's budget and layout -> $OUT/smollm2-curve.json
 #
 # Files outside the working tree ($WORK, default /tmp/smollm2) stay while the machine is warm: the pieces, the
 # joined file, the wheel's install, the adapter and the results. A machine that went cold takes the adapter and the
@@ -21,8 +25,11 @@
 # task, decoded as one batch), PPL_DOCS (8), PPL_TOKENS (128), TASKS (all), CHAT (1: RULER prompts in the chat
 # template; 0: plain text), RESUME (1: continue the retrofit in $WORK/adapter), MAX_STEPS (N: the retrofit runs the
 # recipe's whole schedule and stops, checkpointed, at global step N instead of fitting itself to the call with
-# --time-limit; with RESUME=1 the next call goes on from there), SMOKE (1: every phase at toy sizes on
-# the CPU: SmolLM2 at 1K tokens and budget 256, a 2-step retrofit of 512-token sequences, 1 sample of 3 tasks).
+# --time-limit; with RESUME=1 the next call goes on from there), CURVE_STEPS ("20 40 80 160"), CURVE_LENGTH (8192),
+# CURVE_STEP_S / CURVE_OVERHEAD_S / CURVE_EVAL_S (4 / 60 / 90: seconds a retrofit step, a retrofit process beyond its
+# steps and an evaluation process take, until the call has measured them), SMOKE (1: every phase at toy sizes on
+# the CPU: SmolLM2 at 1K tokens and budget 256, a 2-step retrofit of 512-token sequences, 1 sample of 3 tasks; the
+# curve at steps "1 2").
 set -uo pipefail
 main() {  # read whole before it runs: an edit of this file during a run cannot change what runs
 cd "$(dirname "$0")/../.."
@@ -45,10 +52,15 @@ mkdir -p "$WORK/parts" "$WORK/results" "$OUT"
 if [ "${SMOKE:-0}" = 1 ]; then
     LENGTHS=${LENGTHS:-1024} SAMPLES=${SAMPLES:-1} PPL_DOCS=${PPL_DOCS:-1} PPL_TOKENS=${PPL_TOKENS:-8}
     TASKS=${TASKS:-passkey,vt,cwe} RATIO=${RATIO:-4}
+    CURVE_STEPS=${CURVE_STEPS:-1 2} CURVE_LENGTH=${CURVE_LENGTH:-1024}
+    CURVE_STEP_S=${CURVE_STEP_S:-60} CURVE_OVERHEAD_S=${CURVE_OVERHEAD_S:-120} CURVE_EVAL_S=${CURVE_EVAL_S:-200}
     export OMP_NUM_THREADS=1
 else
     LENGTHS=${LENGTHS:-4096 8192} SAMPLES=${SAMPLES:-16} PPL_DOCS=${PPL_DOCS:-8} PPL_TOKENS=${PPL_TOKENS:-128}
     TASKS=${TASKS:-all} RATIO=${RATIO:-8}
+    # 20 steps (1.3M tokens) to 160 (10.5M): 2.6x the 62 steps of the first run; README: about 2 calls of 540 s
+    CURVE_STEPS=${CURVE_STEPS:-20 40 80 160} CURVE_LENGTH=${CURVE_LENGTH:-8192}
+    CURVE_STEP_S=${CURVE_STEP_S:-4} CURVE_OVERHEAD_S=${CURVE_OVERHEAD_S:-60} CURVE_EVAL_S=${CURVE_EVAL_S:-90}
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 fi
 BASE_CELLS=base:default,base:nosa,base:query_only,base:quest,base:shadowkv
@@ -173,6 +185,61 @@ adapter_dir() {  # the adapter on this machine, else the one carried back in .sm
     echo "$WORK/adapter"
 }
 
+curve() {  # the retrofit-steps curve: retrofit segments in the foreground, each point's evaluation in the background
+    need_model || return 1
+    local script="$CODE/experiments/smollm2/curve.py" results="$WORK/results/smollm2-curve.json" keep="$WORK/curve"
+    local run="$WORK/curve/run" recipe=smollm2-135m status=0 pids=() line stop kind from
+    [ "${SMOKE:-0}" = 1 ] && recipe=$(smoke_recipe)
+    [ -f "$results" ] || cp "$CARRIED"/results/smollm2-curve.json "$results" 2>/dev/null
+    mkdir -p "$keep"
+    local common=(--recipe "$recipe" --length "$CURVE_LENGTH" --ppl-docs "$PPL_DOCS" --ppl-tokens "$PPL_TOKENS"
+                  --results "$results" --keep-dir "$keep")
+    curve_eval() {  # cells the call has not measured, in a process of their own, cut 5 s before the call's end
+        local until=$(( END - 5 - $(date +%s) > 1 ? END - 5 - $(date +%s) : 1 ))
+        TQDM_DISABLE=1 timeout "$until" python3 "$script" run "${common[@]}" --cells "$1" --deadline $(( END - 15 )) \
+            >> "$OUT/curve-eval.log" 2>&1 &
+        pids+=($!)
+    }
+    curve_eval full,untrained,kept  # the base rows, and points an earlier call kept but did not measure
+    say "curve: steps $CURVE_STEPS at $CURVE_LENGTH tokens; base rows and kept points in process ${pids[*]}"
+    while :; do
+        line=$(python3 "$script" plan "${common[@]}" --run-dir "$run" --steps "$CURVE_STEPS" --left "$(left)" \
+               --step-s "$CURVE_STEP_S" --overhead-s "$CURVE_OVERHEAD_S" --eval-s "$CURVE_EVAL_S") \
+            || { status=1; break; }
+        say "curve plan: $line"
+        read -r stop kind from _ <<< "$line"
+        [ "$stop" = - ] && break
+        local resume=() began
+        began=$(date +%s)
+        compgen -G "$run/checkpoints/step-*" > /dev/null && resume=(--resume)
+        # the recipe's whole schedule, stopped at $stop; timeout only if the plan was wrong: the call ends either way
+        timeout $(( $(left) > 10 ? $(left) - 5 : 5 )) python3 -m hf_nosa.cli retrofit --recipe "$recipe" \
+            --output "$run" --max-steps "$stop" "${resume[@]}" 2>&1 | tr '\r' '\n' | grep --line-buffered -v '^\s*$' \
+            >> "$OUT/curve-retrofit.log"
+        if [ "${PIPESTATUS[0]}" != 0 ]; then
+            say "curve: the retrofit to step $stop failed:"; tail -n 25 "$OUT/curve-retrofit.log"; status=1; break
+        fi
+        python3 "$script" segment "${common[@]}" --run-dir "$run" --from "$from" --to "$stop" \
+            --seconds $(( $(date +%s) - began )) || { status=1; break; }
+        [ "$kind" = point ] || continue
+        rm -rf "$keep/step-$stop.partial" && mkdir -p "$keep/step-$stop.partial"
+        find "$run" -maxdepth 1 -type f -exec cp {} "$keep/step-$stop.partial/" \;
+        mv "$keep/step-$stop.partial" "$keep/step-$stop"  # whole or absent: a kept point is measured as it is
+        (cd "$keep/step-$stop" && tar -cf "$OUT/curve-step-$stop.tar" adapter_config.json adapter_model.safetensors \
+            nosa_retrofit.json trainer_state.json)
+        curve_eval "step-$stop"
+    done
+    say "curve: waiting for the evaluations (${pids[*]})"
+    local rc
+    for pid in "${pids[@]}"; do  # 124: cut at the call's end; what it measured is saved, the rest is for the next call
+        wait "$pid"; rc=$?
+        [ "$rc" = 0 ] || [ "$rc" = 124 ] || { say "curve: evaluation process $pid failed (exit $rc)"; status=1; }
+    done
+    grep -E '^curve|rror' "$OUT/curve-eval.log" | tail -n 20
+    cp "$results" "$OUT/" 2>/dev/null && python3 "$script" table --results "$results"
+    return "$status"
+}
+
 status=0
 for phase in "$@"; do
     say "phase $phase ($(left)s left)"
@@ -191,7 +258,8 @@ for phase in "$@"; do
         eval)
             adapter=$(adapter_dir) || { status=1; break; }
             evaluate "retrofit:nosa,$BASE_CELLS,retrofit:default" "$adapter" || status=1 ;;
-        *) echo "unknown phase $phase; phases: upload-K join retrofit eval-base retrofit+eval-base eval" >&2; exit 2 ;;
+        curve) curve || status=1 ;;
+        *) echo "unknown phase $phase; phases: upload-K join retrofit eval-base retrofit+eval-base eval curve" >&2; exit 2 ;;
     esac
 done
 say "done (status $status); back in \$OUT: $(ls "$OUT" | tr '\n' ' ')"
