@@ -34,6 +34,8 @@ case "${1:-}" in
     timeout 570 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --prefill-chunk-size 2048 --out "$OUT/generate_64k_chunk2048.json" 2>&1 | tee "$OUT/generate_64k_chunk2048.log" | grep -v '^{' ;;
   fp8-engine-1b)  # issue 18: the engine with the fp8 host store beside bf16, 1b at 32K and 64K (same batch, then each its largest)
     timeout 570 python benchmarks/decode_throughput.py --quick --shapes 1b --methods nosa,nosa_fp8 --out "$OUT/fp8_1b" 2>&1 | grep -v '^{' | tail -30 ;;
+  fp8-fetch-blocks)  # issue 18: the engine at 64K, bf16 and fp8 stores, with the decode fetch copying 2 (default) and 4 blocks per iteration (HF_NOSA_FETCH_BLOCKS): does a one-byte store need more blocks in flight?
+    for nb in 2 4; do HF_NOSA_FETCH_BLOCKS=$nb timeout 280 python benchmarks/decode_throughput.py --shapes 1b --contexts 65536 --steps 8 --methods nosa,nosa_fp8 --out "$OUT/fetch_blocks_$nb" 2>&1 | grep -v '^{' | tail -8; done ;;
   fp8-engine-8b)  # the same on the 8b shape (48 GB cap)
     timeout 570 python benchmarks/decode_throughput.py --quick --shapes 8b --methods nosa,nosa_fp8 --out "$OUT/fp8_8b" 2>&1 | grep -v '^{' | tail -30 ;;
   fp8-generate-64k)  # generate with the fp8 store at the bf16 store's largest 64K batch (the generate-64k phase's 38)
@@ -55,5 +57,5 @@ case "${1:-}" in
   train-step)     # issue 17's retrofit step at 16K, 32K, 64K
     timeout 570 python benchmarks/train_step.py --lengths 16384,32768,65536 --out "$OUT" 2>&1 | tail -30 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|train-step" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|train-step" >&2; exit 2 ;;
 esac

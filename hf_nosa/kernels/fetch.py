@@ -30,6 +30,7 @@ row b's token at step t is ``t - offsets[b]`` for its block, tail position and h
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -335,6 +336,19 @@ if HAS_TRITON:
             tl.atomic_xchg(counts_ptr + 4, 0)
 
 
+BLOCKS_ENV_VAR = "HF_NOSA_FETCH_BLOCKS"
+
+
+def blocks_per_copy() -> int:
+    """Blocks a fetch program copies per iteration (``HF_NOSA_FETCH_BLOCKS``, default 2: 2 x 64 tokens x D of K and
+    of V in flight). A one-byte host store moves half the bytes per iteration at the same count; the setting is
+    there to measure whether more blocks in flight bring its step closer to its PCIe floor (issue 18)."""
+    value = os.environ.get(BLOCKS_ENV_VAR, "2")
+    if value not in ("1", "2", "4", "8"):
+        raise ValueError(f"{BLOCKS_ENV_VAR}={value!r} is invalid: it must be 1, 2, 4 or 8 (blocks per iteration)")
+    return int(value)
+
+
 def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, b_new, step, offsets, counters,
                        count_locality, decode: bool = True, row0: int = 0):
     B, Hk, K = selected.shape
@@ -355,7 +369,7 @@ def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, 
             k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), b_new.stride(0), b_new.stride(1),
             table.stride(0), block_bytes, int(bool(count_locality)), B * Hk, row0,
             HK=Hk, K=K, K_PAD=next_power_of_2(K), S=S, S_PAD=next_power_of_2(S), P=P, D=D,
-            D_PAD=next_power_of_2(D), NB=2, MASK=MASK_VALUE, WRITE_HOST=True, DECODE=decode,
+            D_PAD=next_power_of_2(D), NB=blocks_per_copy(), MASK=MASK_VALUE, WRITE_HOST=True, DECODE=decode,
             QUANT=fmt is not None, FP8=fmt is not None and not fmt.integer, QMAX=fmt.qmax if fmt is not None else 1.0,
             num_warps=8,
         )

@@ -14,7 +14,7 @@ import torch
 
 from hf_nosa.host_quant import quantization_error_bound
 from hf_nosa.host_store import HostStore
-from hf_nosa.kernels.fetch import SlotPool, StepCounters, fetch_step, fetch_step_ref
+from hf_nosa.kernels.fetch import BLOCKS_ENV_VAR, SlotPool, StepCounters, blocks_per_copy, fetch_step, fetch_step_ref
 from hf_nosa.selection import MASK_VALUE
 
 from .test_host_write import assert_same_store
@@ -201,6 +201,22 @@ def test_quantized_store_trajectory_matches_reference_interpreted(interpret, hos
     """A quantized host store: blocks come into the pool dequantized, new tokens go to the tails, a completed block
     is quantized from the tail slot, in the kernel exactly as in the reference (pool, counters, store bytes)."""
     run_trajectory(B, Hk, D, P, K, T, dtype, "cpu", steps, offsets=offsets, host_dtype=host_dtype)
+
+
+@pytest.mark.parametrize("blocks", ["1", "4"])
+@pytest.mark.parametrize("host_dtype", ["auto", "float8_e4m3fn"])
+def test_blocks_per_copy_setting_keeps_the_trajectory(interpret, monkeypatch, blocks, host_dtype):
+    """HF_NOSA_FETCH_BLOCKS changes how many missing blocks a program copies per iteration, not what lands: the
+    kernel still matches the reference with fewer and with more missing blocks than one iteration's worth."""
+    monkeypatch.setenv(BLOCKS_ENV_VAR, blocks)
+    run_trajectory(2, 2, 32, 16, 6, 150, torch.bfloat16, "cpu", 6, host_dtype=host_dtype)
+
+
+@pytest.mark.parametrize("value", ["0", "3", "two", "16"])
+def test_blocks_per_copy_setting_is_checked(monkeypatch, value):
+    monkeypatch.setenv(BLOCKS_ENV_VAR, value)
+    with pytest.raises(ValueError, match="HF_NOSA_FETCH_BLOCKS"):
+        blocks_per_copy()
 
 
 def test_bad_input(interpret):
