@@ -37,7 +37,7 @@ from .masks import additive_mask, padding_bias
 from .padding import from_rows
 from .pool_attention import PoolBlocks, fetch_parts
 from .prefix_attention import Prefix
-from .selection import MASK_VALUE, nosa_token_mask, quoka_query_choice, quoka_select_blocks, windows_available
+from .selection import MASK_VALUE, nosa_token_mask, quoka_query_choice, quoka_select_blocks, windows_before
 
 _WRITERS: dict[torch.device, "torch.cuda.Stream"] = {}
 # A dense-tail piece holds at most this many rows' prefill budgets: pieces are alive two or three at a time (one read
@@ -102,12 +102,12 @@ def quoka_select(layer, query: torch.Tensor, valid: torch.Tensor | None, start: 
         n_valid = torch.full((B, 1), min(T, n_keep), dtype=torch.long, device=query.device)
     else:
         n_valid = real[:, 0].sum(-1).clamp(max=n_keep)  # [B, 1]
-    first = torch.full((1,), lo, dtype=torch.long, device=query.device)
-    n_windows = windows_available(first - 1, cfg)  # windows complete before the chunk
+    # windows complete before the chunk, counted on the host: one fill where tensor arithmetic took five launches
+    n_windows = torch.full((1,), windows_before(lo, cfg), dtype=torch.long, device=query.device)
     compressed = layer.compressed
     scores = quoka_score(kept, compressed.keys, n_windows, n_blocks, cfg, n_valid=n_valid,
                          compressed_bias=compressed.bias)
-    return quoka_select_blocks(scores, first // P, cfg, budget_blocks=budget)[:, :, 0]
+    return quoka_select_blocks(scores, n_blocks, cfg, budget_blocks=budget)[:, :, 0]
 
 
 class PrefillPaths:

@@ -117,6 +117,11 @@ def windows_available(positions: torch.Tensor, cfg: NosaConfig) -> torch.Tensor:
     return n.clamp(min=0)
 
 
+def windows_before(start: int, cfg: NosaConfig) -> int:
+    """``windows_available`` of the token before ``start``, on the host: the windows complete before it."""
+    return max(0, (start - cfg.compress_kernel) // cfg.compress_stride + 1)
+
+
 def _rows(x: torch.Tensor, heads: int) -> torch.Tensor:
     """A mask over query tokens, ``[Tq, ...]`` (shared by the rows) or ``[B, Tq, ...]`` (per row), made to broadcast
     against ``[B, <heads dims>, Tq, ...]``: a per-row mask gets ``heads`` singleton dims after B."""
@@ -355,7 +360,10 @@ def quoka_query_choice(query: torch.Tensor, n_keep: int, valid: torch.Tensor | N
     else:
         weight = valid.to(q.dtype)[..., None]
         mean = (q * weight).sum(-2, keepdim=True) / weight.sum(-2, keepdim=True).clamp(min=1)
-    cosine = (F.normalize(q, dim=-1) * F.normalize(mean, dim=-1)).sum(-1)  # [..., T]
+    # The mean's norm is one positive number per head: it scales the head's cosines alike, so the ranking needs only
+    # the dot with the mean over the query's norm (fewer launches than normalising both; the prefill runs this per
+    # layer and chunk).
+    cosine = (q @ mean.transpose(-1, -2)).squeeze(-1) / torch.linalg.vector_norm(q, dim=-1).clamp_min(1e-12)
     if valid is not None:
         cosine = cosine.masked_fill(~valid, float("inf"))
     return torch.topk(cosine, n, dim=-1, largest=False, sorted=True).indices
@@ -422,7 +430,7 @@ def quoka_scores(
 
 
 def quoka_select_blocks(
-    scores: torch.Tensor, current_block: torch.Tensor, cfg: NosaConfig, budget_blocks: int | None = None
+    scores: torch.Tensor, current_block: torch.Tensor | int, cfg: NosaConfig, budget_blocks: int | None = None
 ) -> torch.Tensor:
     """QUOKA block selection: the sink blocks, the local window and the top-scored blocks, K in all.
 
@@ -431,12 +439,21 @@ def quoka_select_blocks(
 
     Args:
         scores: ``[B, Hk, R, N]`` from ``quoka_scores``.
-        current_block: ``[R]`` long, the block where each chunk's own keys begin.
+        current_block: ``[R]`` long, the block where each chunk's own keys begin; or one int shared by the chunks
+            (the prefill's one chunk: the forcing is then two slices, fewer launches per layer and chunk).
         budget_blocks: K, default ``cfg.prefill_budget_blocks``.
 
     Returns:
         ``[B, Hk, R, K]`` long block indices, -1 where fewer than K candidates exist.
     """
     K = cfg.prefill_budget_blocks if budget_blocks is None else budget_blocks
-    masked, _ = force_sink_and_local(scores, current_block, cfg)
+    if isinstance(current_block, int):
+        N = scores.shape[-1]
+        masked = scores.to(torch.float32, copy=True)
+        masked[..., current_block:] = float("-inf")
+        candidates = min(current_block, N)
+        masked[..., : min(cfg.sink_blocks, candidates)] = float("inf")
+        masked[..., max(0, current_block - cfg.local_blocks) : candidates] = float("inf")
+    else:
+        masked, _ = force_sink_and_local(scores, current_block, cfg)
     return topk_recent_first(masked, K)

@@ -1,5 +1,6 @@
 """The reference rules of selection.py on hand-checked cases."""
 
+import pytest
 import torch
 
 from hf_nosa.selection import (
@@ -13,11 +14,14 @@ from hf_nosa.selection import (
     num_windows,
     pool_windows_to_blocks,
     query_block_scores,
+    quoka_query_choice,
     quoka_scores,
     quoka_select_blocks,
     select_blocks,
     topk_recent_first,
     window_offsets,
+    windows_available,
+    windows_before,
 )
 
 from .conftest import small_nosa_config
@@ -223,3 +227,51 @@ def test_training_rule_of_a_padded_row_is_the_rule_of_the_row_alone():
     assert torch.equal(mask[:, :, pad:, pad:], nosa_token_mask(q, k, b, 0, cfg, 0.35))
     bitmap = selected_blocks(*padded, cfg, 0.35)
     assert torch.equal(bitmap[:, :, pad:, pad // 16 :], selected_blocks(q, k, b, cfg, 0.35))
+
+
+@pytest.mark.parametrize("current", [0, 2, 5, 9, 13])
+def test_quoka_selection_at_one_int_block_equals_the_mask_path(current):
+    """The prefill passes its chunk's first block as an int (slices force the sink and local window); the blocks are
+    those of the tensor path, ties (integer scores) included."""
+    cfg = small_nosa_config(prefill_budget_tokens=48)
+    g = torch.Generator().manual_seed(current)
+    scores = torch.randint(0, 4, (2, 3, 1, 13), generator=g).float()
+    for K in (1, 3, 6):
+        expected = quoka_select_blocks(scores, torch.tensor([current]), cfg, budget_blocks=K)
+        torch.testing.assert_close(quoka_select_blocks(scores, current, cfg, budget_blocks=K), expected)
+    before = scores.clone()
+    quoka_select_blocks(scores, current, cfg)
+    assert torch.equal(scores, before)  # the caller's scores are left as they were
+
+
+def test_windows_before_is_windows_available_of_the_previous_token():
+    cfg = small_nosa_config()
+    starts = list(range(0, 200, 3))
+    expected = windows_available(torch.tensor(starts) - 1, cfg).tolist()
+    assert [windows_before(start, cfg) for start in starts] == expected
+
+
+def test_quoka_query_choice_ranks_by_cosine_with_the_mean_query():
+    """Against the definition (both sides normalised), with padding and with a head whose queries sum to zero."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 40, 16, generator=g)
+    q[1, 2] = torch.cat([q[1, 2, :20], -q[1, 2, :20]])  # mean query zero: every cosine 0, ties resolved alike
+    valid = torch.rand(2, 1, 40, generator=g) > 0.2
+
+    def reference(queries, real):
+        if real is None:
+            mean = queries.mean(-2, keepdim=True)
+        else:
+            w = real.float()[..., None]
+            mean = (queries * w).sum(-2, keepdim=True) / w.sum(-2, keepdim=True).clamp(min=1)
+        cosine = (torch.nn.functional.normalize(queries, dim=-1) * torch.nn.functional.normalize(mean, dim=-1)).sum(-1)
+        if real is not None:
+            cosine = cosine.masked_fill(~real, float("inf"))
+        return cosine
+
+    for real in (None, valid):
+        chosen = quoka_query_choice(q, 8, real)
+        cosine = reference(q, real)
+        picked = cosine.gather(-1, chosen)
+        # the picks are the 8 lowest cosines, lowest first (compared by value: equal cosines may swap)
+        torch.testing.assert_close(picked, cosine.sort(-1).values[..., :8], atol=1e-6, rtol=0)
