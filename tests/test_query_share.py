@@ -32,13 +32,13 @@ def test_cells_name_a_model_and_a_listed_q_or_full():
 
 def test_two_writers_keep_each_others_rows_and_other_settings_are_refused(tmp_path):
     path = tmp_path / "r.json"
-    first, second = query_share.Results(path, SETTINGS), query_share.Results(path, SETTINGS)
+    first, second = query_share.ResultsFile(path, SETTINGS), query_share.ResultsFile(path, SETTINGS)
     first.update(lambda d: d["rows"].append({"cell": "base:0"}))
     second.update(lambda d: d["rows"].append({"cell": "retrofit:0"}))  # second read the file before first wrote
     assert first.done("retrofit:0") and second.done("base:0") and not first.done("base:full")
-    assert [row["cell"] for row in query_share.Results(path, SETTINGS).data["rows"]] == ["base:0", "retrofit:0"]
+    assert [row["cell"] for row in query_share.ResultsFile(path, SETTINGS).data["rows"]] == ["base:0", "retrofit:0"]
     with pytest.raises(ValueError, match="ppl_docs"):
-        query_share.Results(path, {**SETTINGS, "ppl_docs": 4})
+        query_share.ResultsFile(path, {**SETTINGS, "ppl_docs": 4})
 
 
 def test_the_table_compares_each_nosa_cell_with_its_own_models_full_attention():

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import fcntl
 import json
 import math
 import os
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, however this is loaded
+from results_file import ResultsFile  # noqa: E402
 
 LOSS_WINDOW = 10  # the LM loss of a point is the mean of its last steps': single steps vary by +-20%
 
@@ -56,37 +58,12 @@ def plain(value):
     return json.loads(json.dumps(value))
 
 
-class Results:
-    """One JSON file: settings, rows (one per cell), skipped cells and the retrofit's segments. Every change re-reads
-    the file under an exclusive lock, so the processes that evaluate points while the retrofit goes on keep each
-    other's rows."""
+class Results(ResultsFile):
+    """The curve's results file: settings, rows (one per cell), skipped cells and the retrofit's segments. The
+    processes that evaluate points while the retrofit goes on write it at once (``results_file``)."""
 
-    def __init__(self, path: Path, settings: dict):
-        self.path, self.settings = Path(path), plain(settings)
-        self.data = self.read()
-
-    def read(self) -> dict:
-        if not self.path.is_file():
-            return {"settings": self.settings, "rows": [], "skipped": [], "segments": []}
-        saved = json.loads(self.path.read_text())
-        if saved["settings"] != self.settings:
-            changed = sorted(k for k in self.settings if saved["settings"].get(k) != self.settings[k])
-            raise ValueError(f"{self.path} holds a curve measured with other settings ({changed}); give another "
-                             "--results")
-        return saved
-
-    def done(self, cell: str) -> bool:
-        return any(row["cell"] == cell for row in self.read()["rows"])
-
-    def update(self, change) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            self.data = self.read()
-            change(self.data)
-            partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
-            partial.write_text(json.dumps(self.data, indent=1) + "\n")
-            os.replace(partial, self.path)
+    def __init__(self, path, settings: dict):
+        super().__init__(path, plain(settings), lists=("rows", "skipped", "segments"))
 
     def add(self, row: dict) -> None:
         """A cell's row; a cell two processes both ran keeps its first, and an earlier call's skip of it is dropped."""

@@ -33,6 +33,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, however this is loaded
+from results_file import ResultsFile  # noqa: E402
+
 MODELS = ("base", "retrofit")
 SETTINGS = ("model", "length", "budget_ratio", "sink_tokens", "local_tokens", "ppl_docs", "ppl_tokens", "seed", "dtype")
 
@@ -59,35 +62,6 @@ def parse_cells(text: str, queries: list[int]) -> list[tuple[str, int | None]]:
 
 def cell_name(model: str, q: int | None) -> str:
     return f"{model}:{'full' if q is None else q}"
-
-
-class Results:
-    """One JSON file: settings, rows (one per cell) and skipped cells; re-read before every write so that two
-    processes running different cells into it keep each other's rows."""
-
-    def __init__(self, path: Path, settings: dict):
-        self.path, self.settings = path, settings
-        self.data = self.read()
-
-    def read(self) -> dict:
-        if not self.path.is_file():
-            return {"settings": self.settings, "rows": [], "skipped": []}
-        saved = json.loads(self.path.read_text())
-        if saved["settings"] != self.settings:
-            changed = sorted(k for k in self.settings if saved["settings"].get(k) != self.settings[k])
-            raise ValueError(f"{self.path} holds cells run with other settings ({changed}); give another --results")
-        return saved
-
-    def done(self, cell: str) -> bool:
-        return any(row["cell"] == cell for row in self.read()["rows"])
-
-    def update(self, change) -> None:
-        self.data = self.read()
-        change(self.data)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
-        partial.write_text(json.dumps(self.data, indent=1) + "\n")
-        os.replace(partial, self.path)
 
 
 def summarise(row: dict, q: int | None, model: str, seconds: float) -> dict:
@@ -174,7 +148,7 @@ def main(argv=None) -> int:
     settings = dict(model=args.model, length=args.length, budget_ratio=args.budget_ratio, sink_tokens=block,
                     local_tokens=local, ppl_docs=args.ppl_docs, ppl_tokens=args.ppl_tokens, seed=args.seed,
                     dtype="float32")
-    results = Results(Path(args.results), settings)
+    results = ResultsFile(args.results, settings)
     pending = [(m, q) for m, q in cells if not results.done(cell_name(m, q))]
     print(f"length {args.length}, budget {budget}, local {local}: running {[cell_name(*c) for c in pending]}", flush=True)
     if not pending:
