@@ -326,22 +326,42 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         capturing = k.is_cuda and torch.cuda.is_current_stream_capturing()
         if not capturing:
             self.prepare_fused_step(t)
-        ck, cb = self.compressed.keys, self.compressed.bias
-        token = NewToken(k, b, self.compressed.ring_k, self.compressed.ring_b)
         if self.selector is None:
-            selected = block_select(q, ck, cb, self.step, self.cfg, scale, token=token, offsets=self.offset)
+            inputs = self.decode_rows(k, v, q, b, scale, 0, self.batch)
         else:
+            ck, cb = self.compressed.keys, self.compressed.bias
+            token = NewToken(k, b, self.compressed.ring_k, self.compressed.ring_b)
             append_token(ck, cb, token, self.step, self.cfg, offsets=self.offset)
             self.selector.observe(self, k, b, t)
             selected = self.selector.select(self, q, t, scale)
-        pool = SlotPool(self.slot_k, self.slot_v, self.slot_b, self.slot_block, self.tail_slot)
-        fetch_step(selected, pool, self.host, k, v, b, self.step, self.counters, count_locality=self.warm,
-                   offsets=self.offset)
+            pool = SlotPool(self.slot_k, self.slot_v, self.slot_b, self.slot_block, self.tail_slot)
+            fetch_step(selected, pool, self.host, k, v, b, self.step, self.counters, count_locality=self.warm,
+                       offsets=self.offset)
+            S = self.n_slots
+            inputs = AttentionInputs(self.slot_k[:, :, :S].flatten(2, 3), self.slot_v[:, :, :S].flatten(2, 3),
+                                     self.slot_b[:, :, :S].flatten(2), None, 0, causal=False)
         if not capturing:
             self.finish_fused_step(t)
+        return inputs
+
+    def decode_rows(self, k, v, q, b, scale: float, b0: int, b1: int) -> AttentionInputs:
+        """The device-kernel decode step (NOSA selection) of rows ``b0 .. b1 - 1``; ``k, v, q, b`` are those rows'.
+
+        A step may run a part of the batch at a time (``hf_nosa.decode_parts``): every part reads the same step
+        index, and the fetch of the last part to finish advances it. The caller runs ``prepare_fused_step`` before
+        the first part and ``finish_fused_step`` after the last.
+        """
+        ck, cb = self.compressed.keys[b0:b1], self.compressed.bias[b0:b1]
+        token = NewToken(k, b, self.compressed.ring_k[b0:b1], self.compressed.ring_b[b0:b1])
+        offsets = self.offset[b0:b1]
+        selected = block_select(q, ck, cb, self.step, self.cfg, scale, token=token, offsets=offsets)
+        pool = SlotPool(self.slot_k[b0:b1], self.slot_v[b0:b1], self.slot_b[b0:b1], self.slot_block[b0:b1],
+                        self.tail_slot[b0:b1])
+        fetch_step(selected, pool, self.host, k, v, b, self.step, self.counters, count_locality=self.warm,
+                   offsets=offsets, row0=b0, step_rows=self.batch)
         S = self.n_slots
-        return AttentionInputs(self.slot_k[:, :, :S].flatten(2, 3), self.slot_v[:, :, :S].flatten(2, 3),
-                               self.slot_b[:, :, :S].flatten(2), None, 0, causal=False)
+        return AttentionInputs(pool.slot_k[:, :, :S].flatten(2, 3), pool.slot_v[:, :, :S].flatten(2, 3),
+                               pool.slot_b[:, :, :S].flatten(2), None, 0, causal=False)
 
     def prepare_fused_step(self, t: int) -> None:
         """Host-side work before decoding token ``t`` on the device path: room in the host store, the compressed

@@ -10,7 +10,8 @@ A graph is (re)captured when a layer's buffers move (the compressed keys grow to
 windows, a beam reorder, a reset) or the batch changes; a step with the same key runs eagerly before a capture,
 so kernels are compiled outside it (the first two steps after a prefill run eagerly). A left-padded batch
 replays too: each row's padding length is a device tensor the kernels read (``hf_nosa.padding``). Limits: greedy
-only in ``greedy_decode``; CUDA only.
+only in ``greedy_decode``; CUDA only. With ``HF_NOSA_DECODE_PARTS`` above 1 the graph holds the batch's parts on
+their own streams, so one part's fetch overlaps another's compute (``hf_nosa.decode_parts``).
 
 A capture that raises is cleaned up before the error reaches the caller (``abandon_capture``): the capture stream
 ends, the caller's stream, the allocator's private pool and the default CUDA generator are put back, so the process
@@ -74,6 +75,7 @@ class DecodeGraph:
         self.replays = 0
         self.capturing_failed: BaseException | None = None  # set when a capture raised (callers fall back)
         self.eager_syncs: list[str] = []  # where the last eager step of a new key synchronised with the host
+        self._part_streams: list[torch.cuda.Stream] = []  # one per part of the batch (hf_nosa.decode_parts)
 
     def _layers(self):
         return list(self.cache.layers)
@@ -87,7 +89,7 @@ class DecodeGraph:
         t = layers[0].seen
         for layer in layers:
             layer.prepare_fused_step(t)
-        key = (tuple(input_ids.shape), tuple(layer.fused_graph_key() for layer in layers))
+        key = (tuple(input_ids.shape), tuple(layer.fused_graph_key() for layer in layers), self._parts(input_ids))
         if self.graph is None or key != self.key:
             if key != self._eager_key:
                 # Run a step of this key eagerly first: it compiles every kernel variant the capture will launch
@@ -105,11 +107,31 @@ class DecodeGraph:
             layer.finish_fused_step(t)
         return self.static_logits
 
-    def _forward(self, input_ids, position_ids):
-        with stock_forward():
-            out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
-                             **{cache_keyword(self.model): self.cache})
+    def _parts(self, input_ids) -> int:
+        from ..decode_parts import decode_parts  # the cache's module imports this one
+
+        return decode_parts(self.cache, input_ids.shape[0])
+
+    def _model_forward(self, input_ids, position_ids, cache):
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                         **{cache_keyword(self.model): cache})
         return out.logits[:, -1]
+
+    def _forward(self, input_ids, position_ids, *, capturing: bool = False):
+        """The model's decode forward; by parts of the batch (``hf_nosa.decode_parts``) each on its own stream
+        when capturing, one after the other otherwise (the eager step before a capture compiles the same kernels)."""
+        parts = self._parts(input_ids)
+        with stock_forward():
+            if parts == 1:
+                return self._model_forward(input_ids, position_ids, self.cache)
+            from ..decode_parts import forward_by_parts
+
+            streams = None
+            if capturing:
+                while len(self._part_streams) < parts:
+                    self._part_streams.append(torch.cuda.Stream(input_ids.device))
+                streams = self._part_streams[:parts]
+            return forward_by_parts(self._model_forward, self.cache, input_ids, position_ids, parts, streams)
 
     def _capture(self, input_ids, position_ids, key) -> None:
         self.graph = None
@@ -118,7 +140,7 @@ class DecodeGraph:
         out = {}
 
         def step():
-            out["logits"] = self._forward(self.static_ids, self.static_pos)
+            out["logits"] = self._forward(self.static_ids, self.static_pos, capturing=True)
 
         compiled = compiled_kernel_variants()
         try:

@@ -350,8 +350,9 @@ def blocks_per_copy() -> int:
 
 
 def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, b_new, step, offsets, counters,
-                       count_locality, decode: bool = True, row0: int = 0):
+                       count_locality, decode: bool = True, row0: int = 0, step_rows: int | None = None):
     B, Hk, K = selected.shape
+    step_programs = (B if step_rows is None else step_rows) * Hk  # the last of them advances the step
     S = pool.slot_block.shape[-1]
     P, D = pool.slot_k.shape[3], pool.slot_k.shape[4]
     table = host.block_table(pool.slot_k.device)
@@ -367,7 +368,7 @@ def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, 
             pool.slot_v.stride(0), pool.slot_v.stride(1), pool.slot_v.stride(2),
             pool.slot_b.stride(0), pool.slot_b.stride(1), pool.slot_b.stride(2),
             k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), b_new.stride(0), b_new.stride(1),
-            table.stride(0), block_bytes, int(bool(count_locality)), B * Hk, row0,
+            table.stride(0), block_bytes, int(bool(count_locality)), step_programs, row0,
             HK=Hk, K=K, K_PAD=next_power_of_2(K), S=S, S_PAD=next_power_of_2(S), P=P, D=D,
             D_PAD=next_power_of_2(D), NB=blocks_per_copy(), MASK=MASK_VALUE, WRITE_HOST=True, DECODE=decode,
             QUANT=fmt is not None, FP8=fmt is not None and not fmt.integer, QMAX=fmt.qmax if fmt is not None else 1.0,
@@ -420,6 +421,8 @@ def fetch_step(
     *,
     count_locality: bool,
     offsets: torch.Tensor | None = None,
+    row0: int = 0,
+    step_rows: int | None = None,
 ) -> None:
     """One decode step of a layer's slot pool, in place: fetch the selection, write the new token, count.
 
@@ -434,8 +437,17 @@ def fetch_step(
         counters: advanced on the device (blocks and bytes loaded; locality when ``count_locality``).
         offsets: ``[B]`` long on the pool's device, each row's left padding: row b's token is row-relative index
             ``t - offsets[b]`` (blocks, tail position, host index; ``hf_nosa.padding``). None: zeros.
+        row0, step_rows: a step decoded a part of the batch at a time (``hf_nosa.decode_parts``): the pool, the
+            selection, the new token and the offsets are rows ``row0 .. row0 + B - 1`` of a batch of ``step_rows``.
+            The step is advanced, and the locality counted, once every part has run (device kernels only: the
+            parts share the step's counters, so no part may start after the step's next one).
     """
-    _check_step(selected, pool, host, k_new, v_new, b_new, step, counters)
+    split = row0 != 0 or (step_rows is not None and step_rows != pool.tail_slot.shape[0])
+    if split and (isinstance(step_rows, bool) or not isinstance(step_rows, int)
+                  or not 0 <= row0 < row0 + pool.tail_slot.shape[0] <= step_rows):
+        raise ValueError(f"fetch_step: rows {row0} .. {row0 + pool.tail_slot.shape[0] - 1} are not a part of a batch "
+                         f"of step_rows={step_rows!r} rows")
+    _check_step(selected, pool, host, k_new, v_new, b_new, step, counters, row0=row0 if split else None)
     B = pool.tail_slot.shape[0]
     if offsets is None:
         offsets = torch.zeros(B, dtype=torch.long, device=pool.slot_k.device)
@@ -446,8 +458,12 @@ def fetch_step(
     if path == "triton" and pool.slot_k.is_cuda and not host.pin:
         path = _unpinned_fallback()
     if path == "torch":
+        if split:
+            raise ValueError("fetch_step: a step split into parts of the batch runs on the device kernels only "
+                             f"(the fetch kernel path is {path!r}; HF_NOSA_KERNELS)")
         return fetch_step_ref(selected, pool, host, k_new, v_new, b_new, step, counters, count_locality, offsets)
-    _fetch_step_triton(selected, pool, host, k_new, v_new, b_new, step, offsets, counters, count_locality)
+    _fetch_step_triton(selected, pool, host, k_new, v_new, b_new, step, offsets, counters, count_locality,
+                       row0=row0, step_rows=step_rows)
 
 
 def fetch_selection_ref(selected, pool: SlotPool, host: HostStore, counters: StepCounters, row0: int = 0) -> None:

@@ -1,0 +1,113 @@
+"""A decode step run a part of the batch at a time, each part on its own CUDA stream, so fetches and compute overlap.
+
+A NOSA decode step does, per layer and one after the other: the projections, the selection, the fetch of the blocks
+the selection changed (host to device, bound by PCIe), the attention over the slot pool, the MLP. Its kernels keep
+the GPU busy the whole step, but the fetch kernel mostly waits on PCIe: at 64K tokens x 42 sequences (1b shape,
+graph-replayed engine, H200) the fetch takes 14.2 ms of a 20.9 ms step with the fp8 host store (27.4 of 34.0 with
+bf16), and the selection (2.3 ms), the attention (1.9) and the rest of the model (2.4) run while no block moves
+(``benchmarks/results/fetch_blocks_2_fp8.json``, ``breakdown_ms``).
+
+Here the batch is split into parts and every part runs the whole model forward on its own stream, over a view of
+its rows of the cache (``CacheRows``). Rows share nothing in a decode step, so the parts need no synchronisation
+until their logits are joined; while one part waits on PCIe in a layer's fetch, another computes. The parts of a
+layer's step share its step index and counters: the fetch kernel advances the step once the programs of every
+part have read it (``kernels.fetch.fetch_step``'s ``step_rows``).
+
+``kernels.cuda_graph.DecodeGraph`` captures the parts' streams into one graph. ``HF_NOSA_DECODE_PARTS`` sets the
+number of parts (default 1: one forward over the whole batch); a part keeps at least ``MIN_ROWS_PER_PART`` rows.
+Only the NOSA selection runs by parts (another selector observes the whole batch at once).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .attend import AttentionInputs
+from .cache import NosaCache, NosaLayer
+from .pool_attention import part_bounds
+
+PARTS_ENV_VAR = "HF_NOSA_DECODE_PARTS"
+MIN_ROWS_PER_PART = 4  # fewer rows leave the fetch of a part too few programs to keep PCIe busy
+
+
+def decode_parts(cache: NosaCache, batch: int) -> int:
+    """How many parts a decode step of ``cache`` at ``batch`` rows runs in: ``HF_NOSA_DECODE_PARTS`` (default 1),
+    with at least ``MIN_ROWS_PER_PART`` rows a part; 1 with a selector other than NOSA's."""
+    value = os.environ.get(PARTS_ENV_VAR, "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{PARTS_ENV_VAR}={value!r} is invalid: it must be a positive integer (1: the whole batch "
+                         "in one forward)")
+    if cache.selector is not None:
+        return 1
+    return max(1, min(int(value), batch // MIN_ROWS_PER_PART))
+
+
+class LayerRows(CacheLayerMixin):
+    """Rows ``b0 .. b1 - 1`` of a ``NosaLayer`` for a device-kernel decode step (``NosaLayer.decode_rows``)."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, layer: NosaLayer, b0: int, b1: int):
+        super().__init__()
+        self.layer, self.b0, self.b1 = layer, b0, b1
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        raise RuntimeError("LayerRows views a layer that already holds its sequences")
+
+    def update(self, key_states, value_states, *args, query=None, bias=None, scaling=None, **kwargs
+               ) -> AttentionInputs:
+        rows = self.b1 - self.b0
+        if key_states.shape[0] != rows or key_states.shape[2] != 1 or query is None or bias is None:
+            raise ValueError(f"LayerRows takes one decode token of its {rows} rows with the query and eviction "
+                             f"scores; got keys {tuple(key_states.shape)}")
+        scale = scaling if scaling is not None else key_states.shape[-1] ** -0.5
+        return self.layer.decode_rows(key_states, value_states, query, bias.float(), scale, self.b0, self.b1)
+
+    def get_seq_length(self) -> int:
+        return self.layer.get_seq_length()
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.layer.get_mask_sizes(*args, **kwargs)
+
+    def get_max_length(self) -> int:
+        return self.layer.get_max_length()
+
+
+class CacheRows(NosaCache):
+    """Rows ``b0 .. b1 - 1`` of a NosaCache, for one decode forward of those rows; it shares every buffer."""
+
+    def __init__(self, cache: NosaCache, b0: int, b1: int):  # noqa: D107 (NosaCache's arguments do not apply)
+        Cache.__init__(self, layers=[LayerRows(layer, b0, b1) for layer in cache.layers])
+        self.nosa_config, self.selector, self.state = cache.nosa_config, cache.selector, cache.state
+        self.workspace_lost = cache.workspace_lost
+
+
+def forward_by_parts(forward, cache: NosaCache, input_ids: torch.Tensor, position_ids: torch.Tensor, parts: int,
+                     streams: list | None = None) -> torch.Tensor:
+    """Logits ``[B, vocab]`` of one decode token per row, the batch run ``parts`` rows ranges at a time.
+
+    ``forward(input_ids, position_ids, cache)`` runs the model and returns the last position's logits. With
+    ``streams`` (CUDA, one per part) every part runs on its own stream after the current one, which waits for them
+    all before the logits are joined; without, the parts run one after the other on the current stream. The caller
+    runs the layers' ``prepare_fused_step`` before and ``finish_fused_step`` after, as for a whole-batch step.
+    """
+    bounds = part_bounds(input_ids.shape[0], parts)
+    if streams is None:
+        outs = [forward(input_ids[b0:b1], position_ids[b0:b1], CacheRows(cache, b0, b1)) for b0, b1 in bounds]
+        return torch.cat(outs)
+    if len(streams) < len(bounds):
+        raise ValueError(f"forward_by_parts: {len(bounds)} parts need as many streams; got {len(streams)}")
+    main = torch.cuda.current_stream(input_ids.device)
+    outs = []
+    for (b0, b1), stream in zip(bounds, streams):
+        stream.wait_stream(main)
+        with torch.cuda.stream(stream):
+            outs.append(forward(input_ids[b0:b1], position_ids[b0:b1], CacheRows(cache, b0, b1)))
+    for stream in streams[:len(bounds)]:
+        main.wait_stream(stream)
+    return torch.cat(outs)

@@ -1,0 +1,174 @@
+"""A decode step run a part of the batch at a time (hf_nosa.decode_parts) against the whole-batch step.
+
+On CPU the device kernels run in the Triton interpreter, the parts one after the other; on a GPU the parts run on
+their own streams inside one captured graph. Either way every token, logit and counter must equal the whole-batch
+step's: rows share nothing in a decode step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_nosa
+from hf_nosa import NosaCache
+from hf_nosa.decode_parts import CacheRows, decode_parts, forward_by_parts
+from hf_nosa.kernels.cuda_graph import DecodeGraph, cache_keyword, stock_forward
+from hf_nosa.kernels.fetch import SlotPool, StepCounters, fetch_step
+from hf_nosa.modeling import randomize_eviction_heads
+from tests.conftest import small_nosa_config, tiny_model
+from tests.utils import assert_close
+
+STAT_KEYS = ("seen_tokens", "host_tokens", "device_tokens", "blocks_loaded", "bytes_to_device", "decode_steps")
+
+
+def nosa_model(device="cpu", dtype=torch.float32, seed=0, host_dtype="auto", **overrides):
+    model = tiny_model("llama", seed=seed, **overrides)
+    cfg = small_nosa_config(budget_tokens=64, query_tokens=16, local_tokens=16, sink_tokens=16, prefill="dense",
+                            host_dtype=host_dtype)
+    hf_nosa.to_nosa(model, cfg)
+    randomize_eviction_heads(model, generator=torch.Generator().manual_seed(seed + 1))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def model_forward(model):
+    def forward(input_ids, position_ids, cache):
+        with stock_forward():
+            out = model(input_ids=input_ids, position_ids=position_ids, use_cache=True, **{cache_keyword(model): cache})
+        return out.logits[:, -1]
+
+    return forward
+
+
+def decode(model, ids, mask, steps, parts):
+    """Prefill ``ids``, then ``steps`` greedy decode steps on the device-kernel path, by ``parts`` of the batch."""
+    cache = NosaCache(model.config)
+    with torch.no_grad():
+        token = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+        forward = model_forward(model)
+        logits = []
+        for _ in range(steps):
+            t = cache.get_seq_length()
+            pos = torch.full_like(token, t)
+            for layer in cache.layers:
+                layer.prepare_fused_step(t)
+            out = forward_by_parts(forward, cache, token, pos, parts)
+            for layer in cache.layers:
+                layer.finish_fused_step(t)
+            logits.append(out)
+            token = out.argmax(-1, keepdim=True)
+    return torch.stack(logits), cache.stats(), cache
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+
+
+def test_parts_equal_the_whole_batch_interpreted(interpret):
+    # The quantized store: its fetch reads scales and writes the tail by row too (the GPU test covers both stores).
+    parts = 3
+    model = nosa_model(num_hidden_layers=1, host_dtype="float8_e4m3fn")
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 97, (5, 76), generator=gen)  # decode crosses the block boundary at 80
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # left padding: the rows' offsets differ between parts
+    mask[4, :70] = 0
+    whole, whole_stats, whole_cache = decode(model, ids, mask, 6, 1)
+    split, split_stats, split_cache = decode(model, ids, mask, 6, parts)
+    assert_close(split, whole, atol=1e-5, rtol=1e-5)
+    assert torch.equal(split.argmax(-1), whole.argmax(-1))
+    for key in STAT_KEYS:
+        assert split_stats[key] == whole_stats[key], key
+    assert split_stats["locality"] == pytest.approx(whole_stats["locality"], abs=1e-6)
+    for a, b in zip(split_cache.layers, whole_cache.layers):
+        assert int(a.step) == int(b.step) == a.seen  # advanced once per step, not once per part
+        assert torch.equal(a.slot_block, b.slot_block)
+        # the keys come out of GEMMs over fewer rows: equal up to their rounding
+        assert_close(a.compressed.keys, b.compressed.keys, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_rows_view_the_layers(interpret):
+    model = nosa_model(num_hidden_layers=1)
+    cache = NosaCache(model.config)
+    with torch.no_grad():
+        model(torch.randint(3, 97, (4, 40)), past_key_values=cache)
+    rows = CacheRows(cache, 1, 3)
+    assert isinstance(rows, NosaCache) and rows.get_seq_length() == cache.get_seq_length() == 40
+    assert rows.layers[0].layer is cache.layers[0] and (rows.layers[0].b0, rows.layers[0].b1) == (1, 3)
+    with pytest.raises(ValueError, match="one decode token of its 2 rows"):
+        k = torch.zeros(4, 2, 1, cache.layers[0].head_dim)
+        rows.update(k, k, 0, query=torch.zeros(4, 4, 1, k.shape[-1]), bias=torch.zeros(4, 2, 1))
+
+
+def test_decode_parts_setting(monkeypatch):
+    model = nosa_model(num_hidden_layers=1)
+    cache = NosaCache(model.config)
+    monkeypatch.delenv("HF_NOSA_DECODE_PARTS", raising=False)
+    assert decode_parts(cache, 64) == 1
+    monkeypatch.setenv("HF_NOSA_DECODE_PARTS", "4")
+    assert decode_parts(cache, 64) == 4
+    assert decode_parts(cache, 9) == 2  # at least 4 rows a part
+    assert decode_parts(cache, 3) == 1
+    assert decode_parts(NosaCache(model.config, selector=object()), 64) == 1
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("HF_NOSA_DECODE_PARTS", bad)
+        with pytest.raises(ValueError, match="HF_NOSA_DECODE_PARTS"):
+            decode_parts(cache, 64)
+
+
+def test_fetch_step_rejects_a_bad_part(interpret, monkeypatch):
+    model = nosa_model(num_hidden_layers=1)
+    cache = NosaCache(model.config)
+    with torch.no_grad():
+        model(torch.randint(3, 97, (4, 40)), past_key_values=cache)
+    layer = cache.layers[0]
+    rows = slice(2, 4)
+    pool = SlotPool(layer.slot_k[rows], layer.slot_v[rows], layer.slot_b[rows], layer.slot_block[rows],
+                    layer.tail_slot[rows])
+    k = torch.randn(2, layer.kv_heads, 1, layer.head_dim)
+    b = torch.randn(2, layer.kv_heads, 1)
+    selected = torch.full((2, layer.kv_heads, 1), -1, dtype=torch.long)
+    counters = StepCounters.zeros(torch.device("cpu"))
+    with pytest.raises(ValueError, match="not a part of a batch of step_rows=3"):
+        fetch_step(selected, pool, layer.host, k, k, b, layer.step, counters, count_locality=False, row0=2,
+                   step_rows=3)
+    monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
+    with pytest.raises(ValueError, match="device kernels only"):
+        fetch_step(selected, pool, layer.host, k, k, b, layer.step, counters, count_locality=False, row0=2,
+                   step_rows=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_dtype", ["auto", "float8_e4m3fn"])
+def test_graph_by_parts_equals_eager_whole_batch_gpu(monkeypatch, host_dtype):
+    """The parts on their own streams inside one graph give the eager whole-batch tokens and counters."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("HF_NOSA_KERNELS", raising=False)
+    model = nosa_model(device="cuda", dtype=torch.bfloat16, host_dtype=host_dtype, hidden_size=256,
+                       num_attention_heads=8, num_key_value_heads=2, intermediate_size=512)
+    ids = torch.randint(3, 97, (12, 250), generator=torch.Generator().manual_seed(4)).cuda()
+    tokens, stats, graphs = [], [], []
+    for parts in ("1", "3"):
+        monkeypatch.setenv("HF_NOSA_DECODE_PARTS", parts)
+        cache = NosaCache(model.config)
+        with torch.no_grad():
+            token = model(ids, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+            step = DecodeGraph(model, cache) if parts != "1" else None
+            fed = []
+            for _ in range(40):
+                pos = torch.full_like(token, cache.get_seq_length())
+                fed.append(token)
+                if step is None:
+                    logits = model_forward(model)(token, pos, cache)
+                else:
+                    logits = step(token, pos)
+                token = logits.argmax(-1, keepdim=True)
+        tokens.append(torch.cat(fed, 1))
+        stats.append(cache.stats())
+        graphs.append(step)
+    assert torch.equal(tokens[1], tokens[0])
+    for key in STAT_KEYS:
+        assert stats[1][key] == stats[0][key], key
+    assert graphs[1].captures == 1 and graphs[1].replays >= 30
