@@ -8,7 +8,8 @@ chunk and per KV head:
    chunk's mean query;
 2. ``kernels.quoka_score`` scores every complete block before the chunk by those queries' attention on its
    compressed keys (softmax over windows, summed over the GQA group, mean over the kept queries);
-3. ``selection.quoka_select_blocks`` takes sink + local + the top blocks, ``prefill_budget_blocks`` in all;
+3. ``kernels.quoka_top`` (``selection.quoka_select_blocks`` in one launch) takes sink + local + the top blocks,
+   ``prefill_budget_blocks`` in all;
 4. the attention fetches those blocks into the slot pool (``kernels.fetch.fetch_selection``: blocks kept from the
    previous chunk stay, the previous chunk's own blocks are moved in on the device, the others come from the host
    store), a part of the batch at a time so that a part's fetch overlaps the attention of the previous part
@@ -32,12 +33,14 @@ import torch
 from .attend import AttentionInputs, with_prefix_read
 from .kernels.fetch import SlotPool, fetch_selection
 from .kernels.host_write import host_write
+from .kernels.move_in import move_in
 from .kernels.quoka_score import quoka_score
+from .kernels.quoka_top import quoka_top_blocks
 from .masks import additive_mask, padding_bias
 from .padding import from_rows
 from .pool_attention import PoolBlocks, fetch_parts
 from .prefix_attention import Prefix
-from .selection import MASK_VALUE, nosa_token_mask, quoka_query_choice, quoka_select_blocks, windows_before
+from .selection import MASK_VALUE, nosa_token_mask, quoka_query_choice, windows_before
 
 _WRITERS: dict[torch.device, "torch.cuda.Stream"] = {}
 # A dense-tail piece holds at most this many rows' prefill budgets: pieces are alive two or three at a time (one read
@@ -91,23 +94,33 @@ def quoka_select(layer, query: torch.Tensor, valid: torch.Tensor | None, start: 
     lo = start // P * P  # the chunk's own keys begin on its first block
     n_blocks = lo // P
     budget = min(cfg.prefill_budget_blocks, n_blocks)
+    n_keep = min(T, cfg.quoka_queries)
+    n_windows = windows_before(lo, cfg)  # windows complete before the chunk, counted on the host
+    counts = _counts(layer, max(n_windows, n_keep, layer.compressed.keys.shape[2]), query.device)
     if budget == 0:
         return torch.full((B, layer.kv_heads, 0), -1, dtype=torch.long, device=query.device)
     queries = query[:, :, None]  # [B, H, 1, T, D]
     real = None if valid is None else valid[:, None, None]  # [B, 1, 1, T]
     index = quoka_query_choice(queries, cfg.quoka_queries, real)  # [B, H, 1, n]
     kept = queries.gather(3, index[..., None].expand(-1, -1, -1, -1, D))  # [B, H, 1, n, D]
-    n_keep = index.shape[-1]
     if real is None:
-        n_valid = torch.full((B, 1), min(T, n_keep), dtype=torch.long, device=query.device)
+        n_valid = counts[n_keep : n_keep + 1].expand(B, 1)
     else:
-        n_valid = real[:, 0].sum(-1).clamp(max=n_keep)  # [B, 1]
-    # windows complete before the chunk, counted on the host: one fill where tensor arithmetic took five launches
-    n_windows = torch.full((1,), windows_before(lo, cfg), dtype=torch.long, device=query.device)
+        n_valid = real[:, 0].sum(-1, dtype=torch.int32).clamp(max=n_keep)  # [B, 1]
     compressed = layer.compressed
-    scores = quoka_score(kept, compressed.keys, n_windows, n_blocks, cfg, n_valid=n_valid,
+    scores = quoka_score(kept, compressed.keys, counts[n_windows : n_windows + 1], n_blocks, cfg, n_valid=n_valid,
                          compressed_bias=compressed.bias)
-    return quoka_select_blocks(scores, n_blocks, cfg, budget_blocks=budget)[:, :, 0]
+    return quoka_top_blocks(scores, n_blocks, cfg, budget)[:, :, 0]
+
+
+def _counts(layer, upto: int, device: torch.device) -> torch.Tensor:
+    """``0, 1, .., >= upto`` int32 on ``device``, made once per layer (sized by its compressed keys' capacity, so
+    once per generation): a slice of it is a count the kernels read from the device, with no launch, where a
+    ``torch.full`` and a dtype conversion per count took launches in every layer and chunk."""
+    counts = getattr(layer, "_quoka_counts", None)
+    if counts is None or counts.numel() <= upto or counts.device != device:
+        counts = layer._quoka_counts = torch.arange(upto + 1, dtype=torch.int32, device=device)
+    return counts
 
 
 class PrefillPaths:
@@ -215,7 +228,7 @@ class PrefillPaths:
         (``selected [B, Hk, K]``: the fetch would free those; a pool of K + 1 slots has one more than the blocks to
         place), and the fetch then finds them resident. The values are the ones the host store was given, so with a
         bf16/fp32 store the chunk attends to the same keys (in other slots); with a quantized store it sees them
-        unrounded.
+        unrounded. One launch on CUDA (``kernels.move_in``): the torch form took 17 per layer and chunk.
         """
         previous, self.previous_chunk = self.previous_chunk, None
         if previous is None:
@@ -229,21 +242,8 @@ class PrefillPaths:
         n = last - first
         if n <= 0:
             return
-        B, Hk, D = self.batch, self.kv_heads, self.head_dim
-        S = self.n_slots
-        held = self.slot_block  # [B, Hk, S]
-        kept = ((held[..., :, None] == selected[..., None, :]) & (held >= 0)[..., None]).any(-1)
-        slot = torch.sort(kept.to(torch.int8), dim=-1, stable=True).indices[..., :n]  # [B, Hk, n], free slots first
-        placed = ~kept.gather(2, slot)  # (always, unless the pool is smaller than the selection plus one slot)
-        blocks = torch.arange(first, last, device=held.device).expand(B, Hk, n)
-        held.scatter_(2, slot, torch.where(placed, blocks, held.gather(2, slot)))
-        target = torch.where(placed, slot, S)  # the scratch slot absorbs what has no place
-        a = first * P - previous_start
-        self.slot_k.scatter_(2, target[..., None, None].expand(B, Hk, n, P, D),
-                             k[:, :, a : a + n * P].reshape(B, Hk, n, P, D))
-        self.slot_v.scatter_(2, target[..., None, None].expand(B, Hk, n, P, D),
-                             v[:, :, a : a + n * P].reshape(B, Hk, n, P, D))
-        self.slot_b.scatter_(2, target[..., None].expand(B, Hk, n, P), b[:, :, a : a + n * P].reshape(B, Hk, n, P))
+        move_in(self.slot_k, self.slot_v, self.slot_b, self.slot_block, selected, k, v, b, first, n,
+                first * P - previous_start)
 
     def _dense_tail_rows(self, start: int, end: int, target: int) -> torch.Tensor | None:
         """``[B]`` CPU bool: the rows for which the chunk ``start .. end`` holds one of their last

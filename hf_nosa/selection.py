@@ -52,7 +52,10 @@ def eviction_bias(value_flat: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         attention logit.
     """
     logits = F.linear(value_flat.to(weight.dtype), weight, bias)  # [B, T, Hk]
-    return (A.float() * F.softplus(logits.float())).transpose(1, 2)
+    # A in its own (half or single) dtype: the product promotes it to float32 on the fly, exactly as A.float()
+    # would, with one launch fewer per layer and prefill chunk
+    scale = A.float() if A.dtype == torch.float64 else A
+    return (F.softplus(logits.float()) * scale).transpose(1, 2)
 
 
 def num_windows(n_tokens: int, cfg: NosaConfig) -> int:
