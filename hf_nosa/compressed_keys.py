@@ -12,7 +12,9 @@ from collections.abc import Callable
 import torch
 
 from .config import NosaConfig
+from .kernels.backend import kernel_path
 from .kernels.block_scores import window_capacity_for
+from .kernels.compress_extend import extend_windows
 from .selection import compress_keys, num_windows
 
 Allocator = Callable[[str, tuple, torch.dtype, torch.device], torch.Tensor]
@@ -120,6 +122,11 @@ class CompressedKeys:
         end = start + keys.shape[2]
         n_old, n_new = num_windows(start, cfg), num_windows(end, cfg)
         ring_k, ring_b = self.ring_k[rows], self.ring_b[rows]
+        if kernel_path("compress_extend", keys) == "triton":  # one launch where the torch form below takes ten
+            self.reserve(n_new)
+            extend_windows(self.keys[rows], self.bias[rows], ring_k, ring_b, keys, bias, start, n_old, n_new, cfg)
+            self.n = max(self.n, n_new)
+            return
         if n_new > n_old:
             first = n_old * stride  # first token of the first new window; the ring holds it if it precedes start
             past = _ring_spans(first, start, kernel)
