@@ -4,8 +4,8 @@ The prompt reaches a NosaCache one chunk of ``prefill_chunk_size`` tokens at a t
 through the whole model chunk by chunk, so every layer finishes chunk i before any layer sees chunk i + 1. For a
 chunk and per KV head:
 
-1. ``selection.quoka_query_choice`` keeps, per query head, the ``quoka_queries`` queries least similar to the
-   chunk's mean query;
+1. ``kernels.quoka_choice`` (``selection.quoka_query_choice`` in one launch) keeps, per query head, the
+   ``quoka_queries`` queries least similar to the chunk's mean query;
 2. ``kernels.quoka_score`` scores every complete block before the chunk by those queries' attention on its
    compressed keys (softmax over windows, summed over the GQA group, mean over the kept queries);
 3. ``kernels.quoka_top`` (``selection.quoka_select_blocks`` in one launch) takes sink + local + the top blocks,
@@ -34,13 +34,14 @@ from .attend import AttentionInputs, with_prefix_read
 from .kernels.fetch import SlotPool, fetch_selection
 from .kernels.host_write import host_write
 from .kernels.move_in import move_in
+from .kernels.quoka_choice import quoka_kept_queries
 from .kernels.quoka_score import quoka_score
 from .kernels.quoka_top import quoka_top_blocks
 from .masks import additive_mask, padding_bias
 from .padding import from_rows
 from .pool_attention import PoolBlocks, fetch_parts
 from .prefix_attention import Prefix
-from .selection import MASK_VALUE, nosa_token_mask, quoka_query_choice, windows_before
+from .selection import MASK_VALUE, nosa_token_mask, windows_before
 
 _WRITERS: dict[torch.device, "torch.cuda.Stream"] = {}
 # A dense-tail piece holds at most this many rows' prefill budgets: pieces are alive two or three at a time (one read
@@ -90,7 +91,7 @@ def quoka_select(layer, query: torch.Tensor, valid: torch.Tensor | None, start: 
     """
     cfg = layer.cfg
     P = cfg.block_size
-    B, H, T, D = query.shape
+    B, _, T, _ = query.shape
     lo = start // P * P  # the chunk's own keys begin on its first block
     n_blocks = lo // P
     budget = min(cfg.prefill_budget_blocks, n_blocks)
@@ -99,14 +100,11 @@ def quoka_select(layer, query: torch.Tensor, valid: torch.Tensor | None, start: 
     counts = _counts(layer, max(n_windows, n_keep, layer.compressed.keys.shape[2]), query.device)
     if budget == 0:
         return torch.full((B, layer.kv_heads, 0), -1, dtype=torch.long, device=query.device)
-    queries = query[:, :, None]  # [B, H, 1, T, D]
-    real = None if valid is None else valid[:, None, None]  # [B, 1, 1, T]
-    index = quoka_query_choice(queries, cfg.quoka_queries, real)  # [B, H, 1, n]
-    kept = queries.gather(3, index[..., None].expand(-1, -1, -1, -1, D))  # [B, H, 1, n, D]
-    if real is None:
+    kept = quoka_kept_queries(query, cfg.quoka_queries, valid)  # [B, H, 1, n, D]
+    if valid is None:
         n_valid = counts[n_keep : n_keep + 1].expand(B, 1)
     else:
-        n_valid = real[:, 0].sum(-1, dtype=torch.int32).clamp(max=n_keep)  # [B, 1]
+        n_valid = valid[:, None].sum(-1, dtype=torch.int32).clamp(max=n_keep)  # [B, 1]
     compressed = layer.compressed
     scores = quoka_score(kept, compressed.keys, counts[n_windows : n_windows + 1], n_blocks, cfg, n_valid=n_valid,
                          compressed_bias=compressed.bias)

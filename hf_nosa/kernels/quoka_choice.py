@@ -1,0 +1,130 @@
+"""QUOKA's kept queries of one prefill chunk (``selection.quoka_query_choice`` and the gather of those queries) in one
+launch per chunk and layer.
+
+Per query head, the ``n`` queries least similar (cosine) to the chunk's mean query stand in for the chunk
+(design Sec. 4). The torch reference takes eight launches (a float copy, the mean, a matmul, the norms, a clamp, a
+division, a top-k and the gather); at batch 1 the prefill is bound by the host issuing them. One program per
+(sequence, query head) here averages the real queries, writes each query's cosine (real queries only; padding
++inf, last) to a scratch row, and ranks them there: a query's rank is the number of queries with a lower cosine, or
+the same cosine and a lower index, so the ``n`` of rank below ``n`` are written out in the reference's order
+(lowest cosine first; the reference's top-k leaves the order of exact ties open). Sums run in float32 in another
+order than torch's, so cosines may differ from the reference's in the last bits: the kept set differs only where
+two cosines at the boundary lie that close.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..selection import quoka_query_choice
+from .backend import HAS_TRITON, kernel_path, launcher, next_power_of_2, on_device, tl, triton
+
+BLOCK_T = 64  # queries per step
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _quoka_choice_kernel(
+        q_ptr, valid_ptr, cos_ptr, out_ptr,
+        stride_qb, stride_qh, stride_qt, stride_qd,
+        stride_vb, stride_vt,
+        stride_ob, stride_oh, stride_on, stride_od,
+        H, T, D, n,
+        HAS_VALID: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        """Program (sequence x query head): the head's ``n`` kept queries, lowest cosine to the mean first."""
+        i_bh = tl.program_id(0)
+        i_b, i_h = (i_bh // H).to(tl.int64), (i_bh % H).to(tl.int64)
+        o_d = tl.arange(0, BLOCK_D)
+        m_d = o_d < D
+        q_row = q_ptr + i_b * stride_qb + i_h * stride_qh
+        cos_row = cos_ptr + i_bh.to(tl.int64) * T
+
+        # the mean of the real queries (all of them without padding)
+        total = tl.zeros([BLOCK_D], dtype=tl.float32)
+        count = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for t0 in range(0, T, BLOCK_T):
+            o_t = t0 + tl.arange(0, BLOCK_T)
+            real = o_t < T
+            if HAS_VALID:
+                real = real & (tl.load(valid_ptr + i_b * stride_vb + o_t * stride_vt, mask=o_t < T, other=0) != 0)
+            q = tl.load(q_row + o_t[:, None] * stride_qt + o_d[None, :] * stride_qd,
+                        mask=real[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            total += tl.sum(q, axis=0)
+            count += real.to(tl.float32)
+        mean = total / tl.maximum(tl.sum(count, axis=0), 1.0)
+
+        # each query's cosine to the mean, up to the mean's norm (one positive number per head: same ranking)
+        for t0 in range(0, T, BLOCK_T):
+            o_t = t0 + tl.arange(0, BLOCK_T)
+            q = tl.load(q_row + o_t[:, None] * stride_qt + o_d[None, :] * stride_qd,
+                        mask=(o_t < T)[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            norm = tl.sqrt(tl.sum(q * q, axis=1))
+            cos = tl.sum(q * mean[None, :], axis=1) / tl.maximum(norm, 1e-12)
+            if HAS_VALID:
+                real = tl.load(valid_ptr + i_b * stride_vb + o_t * stride_vt, mask=o_t < T, other=0) != 0
+                cos = tl.where(real, cos, float("inf"))
+            tl.store(cos_row + o_t, cos, mask=o_t < T)
+        tl.debug_barrier()  # the row's cosines, written by every thread, are read by every thread below
+
+        for i0 in range(0, T, BLOCK_T):
+            o_i = i0 + tl.arange(0, BLOCK_T)
+            c_i = tl.load(cos_row + o_i, mask=o_i < T)
+            rank = tl.zeros([BLOCK_T], dtype=tl.int32)
+            for j0 in range(0, T, BLOCK_T):
+                o_j = j0 + tl.arange(0, BLOCK_T)
+                c_j = tl.load(cos_row + o_j, mask=o_j < T)
+                ahead = (c_j[None, :] < c_i[:, None]) | ((c_j[None, :] == c_i[:, None]) & (o_j[None, :] < o_i[:, None]))
+                rank += tl.sum((ahead & (o_j < T)[None, :]).to(tl.int32), axis=1)
+            keep = (o_i < T) & (rank < n)
+            q = tl.load(q_row + o_i[:, None] * stride_qt + o_d[None, :] * stride_qd,
+                        mask=keep[:, None] & m_d[None, :])
+            p_out = out_ptr + i_b * stride_ob + i_h * stride_oh + rank[:, None] * stride_on + o_d[None, :] * stride_od
+            tl.store(p_out, q, mask=keep[:, None] & m_d[None, :])
+
+
+def quoka_kept_queries_ref(query: torch.Tensor, n_keep: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch reference: ``selection.quoka_query_choice`` and the gather of the chosen queries."""
+    queries = query[:, :, None]  # [B, H, 1, T, D]
+    real = None if valid is None else valid[:, None, None]  # [B, 1, 1, T]
+    index = quoka_query_choice(queries, n_keep, real)  # [B, H, 1, n]
+    return queries.gather(3, index[..., None].expand(-1, -1, -1, -1, query.shape[-1]))
+
+
+def quoka_kept_queries(query: torch.Tensor, n_keep: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Per query head, the chunk's ``min(n_keep, T)`` queries least similar to its mean query, lowest cosine first:
+    Triton on CUDA, torch elsewhere (``HF_NOSA_KERNELS`` forces one, see ``backend.py``).
+
+    Args:
+        query: ``[B, H, T, D]`` the chunk's queries.
+        valid: ``[B, T]`` bool, False for padding (None: none): padding stays out of the mean and comes after
+            every real query.
+
+    Returns:
+        ``[B, H, 1, n, D]`` in the query's dtype (one chunk: the shape ``kernels.quoka_score`` takes).
+    """
+    if query.dim() != 4:
+        raise ValueError(f"quoka_kept_queries: query must be [B, H, T, D], got shape {tuple(query.shape)}")
+    B, H, T, D = query.shape
+    if isinstance(n_keep, bool) or not isinstance(n_keep, int) or n_keep < 1:
+        raise ValueError(f"quoka_kept_queries: n_keep must be a positive int, got {n_keep!r}")
+    if valid is not None and (tuple(valid.shape) != (B, T) or valid.dtype != torch.bool):
+        raise ValueError(f"quoka_kept_queries: valid must be bool [B, T] = ({B}, {T}) or None, got "
+                         f"{valid.dtype} {tuple(valid.shape)}")
+    if kernel_path("quoka_kept_queries", query) == "torch":
+        return quoka_kept_queries_ref(query, n_keep, valid)
+    n = min(n_keep, T)
+    out = torch.empty(B, H, 1, n, D, dtype=query.dtype, device=query.device)
+    if out.numel() == 0:
+        return out
+    cos = torch.empty(B * H * T, dtype=torch.float32, device=query.device)
+    has_valid = valid is not None
+    flags = valid.view(torch.uint8) if has_valid else cos  # any tensor: never read without HAS_VALID
+    valid_strides = flags.stride() if has_valid else (0, 0)
+    with on_device(query):
+        launcher(_quoka_choice_kernel)[(B * H,)](
+            query, flags, cos, out, *query.stride(), *valid_strides,
+            out.stride(0), out.stride(1), out.stride(3), out.stride(4),
+            H, T, D, n, HAS_VALID=has_valid, BLOCK_T=BLOCK_T, BLOCK_D=max(16, next_power_of_2(D)),
+        )
+    return out
