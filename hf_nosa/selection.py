@@ -50,10 +50,22 @@ def eviction_bias(value_flat: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     Returns:
         ``[B, Hk, T]`` float32. A higher score keeps the token's block on the device longer and adds to its
         attention logit.
+
+    Where no gradient is wanted (and nothing is being compiled) the scale and softplus run as one kernel on CUDA
+    (``kernels.eviction_bias``: one launch where ``eviction_scores`` takes three in every layer and prefill chunk).
     """
     logits = F.linear(value_flat.to(weight.dtype), weight, bias)  # [B, T, Hk]
+    if (torch.is_grad_enabled() and (logits.requires_grad or A.requires_grad)) or torch.compiler.is_compiling():
+        return eviction_scores(logits, A)
+    from .kernels.eviction_bias import eviction_scale  # here, not at the top: the kernels import this module
+
+    return eviction_scale(logits, A)
+
+
+def eviction_scores(logits: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """``A[h] * softplus(logits[b, t, h])`` in float32, as ``[B, Hk, T]`` (a view of ``[B, T, Hk]``)."""
     # A in its own (half or single) dtype: the product promotes it to float32 on the fly, exactly as A.float()
-    # would, with one launch fewer per layer and prefill chunk
+    # would, with one launch fewer
     scale = A.float() if A.dtype == torch.float64 else A
     return (F.softplus(logits.float()) * scale).transpose(1, 2)
 
