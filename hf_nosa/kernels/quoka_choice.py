@@ -19,7 +19,7 @@ import torch
 from ..selection import quoka_query_choice
 from .backend import HAS_TRITON, kernel_path, launcher, next_power_of_2, on_device, tl, triton
 
-BLOCK_T = 64  # queries per step
+BLOCK_T = 128  # queries per step (a 512-token chunk in 4; the ranks in 16 tiles of 128 x 128)
 
 if HAS_TRITON:
 

@@ -32,7 +32,7 @@ def _case(B, H, T, D, dtype, seed, pad=None, device="cpu"):
     "B,H,T,D,n_keep,dtype,pad",
     [
         (1, 2, 40, 16, 8, torch.float32, None),  # one step of queries
-        (2, 4, 150, 24, 16, torch.float32, None),  # several steps, the last partial; D not a power of 2
+        (2, 4, 300, 24, 16, torch.float32, None),  # several steps, the last partial; D not a power of 2
         (2, 3, 100, 16, 16, torch.bfloat16, None),
         (3, 2, 130, 16, 16, torch.float32, (0, 30, 120)),  # padding: out of the mean, after every real query
         (1, 2, 10, 16, 16, torch.float32, None),  # fewer queries than n_keep
