@@ -38,7 +38,7 @@ import torch
 from ..host_store import HostStore
 from ..selection import MASK_VALUE
 from .backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
-from .host_format import cast_rtne, dequantize, store_quantized
+from .host_format import store_quantized
 
 
 class FetchPlan(NamedTuple):
@@ -168,11 +168,13 @@ def count_share(locality: torch.Tensor, resident: torch.Tensor, selected: torch.
 
 
 if HAS_TRITON:
+    from .fetch_copy import _copy_blocks, _fetch_copy_kernel
 
     @triton.jit
     def _fetch_step_kernel(
         sel_ptr, slot_block_ptr, tail_ptr, slot_k_ptr, slot_v_ptr, slot_b_ptr, table_ptr,
         k_new_ptr, v_new_ptr, b_new_ptr, step_ptr, offset_ptr, counts_ptr, locality_ptr,
+        copy_blk_ptr, copy_dst_ptr, n_copy_ptr,
         stride_sel_b, stride_sel_h, stride_sb_b, stride_sb_h, stride_tail_b, stride_tail_h,
         stride_k_b, stride_k_h, stride_k_s, stride_v_b, stride_v_h, stride_v_s, stride_b_b, stride_b_h, stride_b_s,
         stride_kn_b, stride_kn_h, stride_vn_b, stride_vn_h, stride_bn_b, stride_bn_h,
@@ -180,7 +182,7 @@ if HAS_TRITON:
         HK: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
         P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NB: tl.constexpr,
         MASK: tl.constexpr, WRITE_HOST: tl.constexpr, DECODE: tl.constexpr,
-        QUANT: tl.constexpr, FP8: tl.constexpr, QMAX: tl.constexpr,
+        QUANT: tl.constexpr, FP8: tl.constexpr, QMAX: tl.constexpr, COPY: tl.constexpr,
     ):
         i_bh = tl.program_id(0)
         i_b = i_bh // HK
@@ -230,44 +232,19 @@ if HAS_TRITON:
         p_k_slots = slot_k_ptr + i_b.to(tl.int64) * stride_k_b + i_h * stride_k_h
         p_v_slots = slot_v_ptr + i_b.to(tl.int64) * stride_v_b + i_h * stride_v_h
         p_b_slots = slot_b_ptr + i_b.to(tl.int64) * stride_b_b + i_h * stride_b_h
-        for r0 in range(0, n_missing, NB):
-            rank = r0 + o_n  # [NB]
-            pick = (miss_rank[None, :] == rank[:, None]) & missing[None, :]  # [NB, K_PAD]
-            m_n = rank < n_missing
-            blk = tl.sum(tl.where(pick, b_sel[None, :], 0), 1)
-            dst = tl.sum(tl.where(pick, dst_of[None, :], 0), 1)
-            # The block table gives the block's first token in row 0 of its chunk and the chunk's row length.
-            row_len = tl.load(table_ptr + 3 * table_stride + blk, mask=m_n, other=0)
-            tok = (i_row * row_len)[:, None] + o_p[None, :]  # [NB, P] token offset from the block's address
-            m_nd = m_n[:, None, None] & m_d[None, None, :]
-            # Chunk addresses are page-aligned pinned allocations: saying so lets the loads be vectorised.
-            host_b = tl.multiple_of(tl.load(table_ptr + 2 * table_stride + blk, mask=m_n, other=0), 16).to(slot_b_ptr.dtype)
-            kv_off = tok[:, :, None] * D + o_d[None, None, :]  # [NB, P, D_PAD]
-            if QUANT:  # the block's bytes and scales; dequantized here, into the slot pool's dtype
-                host_k = tl.multiple_of(tl.load(table_ptr + blk, mask=m_n, other=0), 16).to(tl.pointer_type(tl.uint8))
-                host_v = tl.multiple_of(tl.load(table_ptr + table_stride + blk, mask=m_n, other=0),
-                                        16).to(tl.pointer_type(tl.uint8))
-                scale_off = i_row * (row_len // P)
-                p_ks = tl.load(table_ptr + 4 * table_stride + blk, mask=m_n, other=0).to(tl.pointer_type(tl.float32))
-                p_vs = tl.load(table_ptr + 5 * table_stride + blk, mask=m_n, other=0).to(tl.pointer_type(tl.float32))
-                s_k = tl.load(p_ks + scale_off, mask=m_n, other=1.0)
-                s_v = tl.load(p_vs + scale_off, mask=m_n, other=1.0)
-                b_k = tl.load(host_k[:, None, None] + kv_off, mask=m_nd, other=0)
-                b_v = tl.load(host_v[:, None, None] + kv_off, mask=m_nd, other=0)
-                b_k = cast_rtne(dequantize(b_k, s_k[:, None, None], FP8), slot_k_ptr.dtype.element_ty)
-                b_v = cast_rtne(dequantize(b_v, s_v[:, None, None], FP8), slot_v_ptr.dtype.element_ty)
-            else:
-                host_k = tl.multiple_of(tl.load(table_ptr + blk, mask=m_n, other=0), 16).to(slot_k_ptr.dtype)
-                host_v = tl.multiple_of(tl.load(table_ptr + table_stride + blk, mask=m_n, other=0),
-                                        16).to(slot_v_ptr.dtype)
-                b_k = tl.load(host_k[:, None, None] + kv_off, mask=m_nd)
-                b_v = tl.load(host_v[:, None, None] + kv_off, mask=m_nd)
-            b_b = tl.load(host_b[:, None] + tok, mask=m_n[:, None])
-            slot_off = dst[:, None, None] * stride_k_s + o_p[None, :, None] * D + o_d[None, None, :]
-            tl.store(p_k_slots + slot_off, b_k, mask=m_nd)
-            slot_off = dst[:, None, None] * stride_v_s + o_p[None, :, None] * D + o_d[None, None, :]
-            tl.store(p_v_slots + slot_off, b_v, mask=m_nd)
-            tl.store(p_b_slots + dst[:, None] * stride_b_s + o_p[None, :], b_b, mask=m_n[:, None])
+        if COPY:
+            for r0 in range(0, n_missing, NB):
+                rank = r0 + o_n  # [NB]
+                pick = (miss_rank[None, :] == rank[:, None]) & missing[None, :]  # [NB, K_PAD]
+                m_n = rank < n_missing
+                blk = tl.sum(tl.where(pick, b_sel[None, :], 0), 1)
+                dst = tl.sum(tl.where(pick, dst_of[None, :], 0), 1)
+                _copy_blocks(blk, dst, m_n, table_ptr, table_stride, i_row, p_k_slots, p_v_slots, p_b_slots,
+                             stride_k_s, stride_v_s, stride_b_s, P, D, D_PAD, QUANT, FP8)
+        else:  # the copy list, by rank, for fetch_copy's launch (several programs per row)
+            tl.store(copy_blk_ptr + i_bh * K + miss_rank, b_sel, mask=missing & (o_k < K))
+            tl.store(copy_dst_ptr + i_bh * K + miss_rank, dst_of, mask=missing & (o_k < K))
+            tl.store(n_copy_ptr + i_bh, n_missing)
 
         # ---- empty slots and the tail: b = MASK wherever no token is held ----
         empty = m_s & (new_sb < 0)
@@ -353,15 +330,24 @@ def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, 
                        count_locality, decode: bool = True, row0: int = 0, step_rows: int | None = None):
     B, Hk, K = selected.shape
     step_programs = (B if step_rows is None else step_rows) * Hk  # the last of them advances the step
+    # A part of the batch copies with as many programs as the whole batch would (fetch_copy's docstring).
+    split = 1 if step_rows is None else -(-step_rows // B)
     S = pool.slot_block.shape[-1]
     P, D = pool.slot_k.shape[3], pool.slot_k.shape[4]
     table = host.block_table(pool.slot_k.device)
     block_bytes = host.block_bytes()
     fmt = host.format
+    quant, fp8 = fmt is not None, fmt is not None and not fmt.integer
+    if split > 1:
+        copy_blk = torch.empty(B * Hk, K, dtype=torch.int32, device=pool.slot_k.device)
+        copy_dst = torch.empty(B * Hk, K, dtype=torch.int32, device=pool.slot_k.device)
+        n_copy = torch.empty(B * Hk, dtype=torch.int32, device=pool.slot_k.device)
+    else:
+        copy_blk = copy_dst = n_copy = step  # not read: the plan launch copies
     with on_device(pool.slot_k):
         launcher(_fetch_step_kernel)[(B * Hk,)](
             selected, pool.slot_block, pool.tail_slot, pool.slot_k, pool.slot_v, pool.slot_b, table,
-            k_new, v_new, b_new, step, offsets, counters.counts, counters.locality,
+            k_new, v_new, b_new, step, offsets, counters.counts, counters.locality, copy_blk, copy_dst, n_copy,
             selected.stride(0), selected.stride(1), pool.slot_block.stride(0), pool.slot_block.stride(1),
             pool.tail_slot.stride(0), pool.tail_slot.stride(1),
             pool.slot_k.stride(0), pool.slot_k.stride(1), pool.slot_k.stride(2),
@@ -371,9 +357,19 @@ def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, 
             table.stride(0), block_bytes, int(bool(count_locality)), step_programs, row0,
             HK=Hk, K=K, K_PAD=next_power_of_2(K), S=S, S_PAD=next_power_of_2(S), P=P, D=D,
             D_PAD=next_power_of_2(D), NB=blocks_per_copy(), MASK=MASK_VALUE, WRITE_HOST=True, DECODE=decode,
-            QUANT=fmt is not None, FP8=fmt is not None and not fmt.integer, QMAX=fmt.qmax if fmt is not None else 1.0,
+            QUANT=quant, FP8=fp8, QMAX=fmt.qmax if fmt is not None else 1.0, COPY=split == 1,
             num_warps=8,
         )
+        if split > 1:
+            launcher(_fetch_copy_kernel)[(B * Hk, split)](
+                copy_blk, copy_dst, n_copy, pool.slot_k, pool.slot_v, pool.slot_b, table,
+                pool.slot_k.stride(0), pool.slot_k.stride(1), pool.slot_k.stride(2),
+                pool.slot_v.stride(0), pool.slot_v.stride(1), pool.slot_v.stride(2),
+                pool.slot_b.stride(0), pool.slot_b.stride(1), pool.slot_b.stride(2),
+                table.stride(0), row0,
+                HK=Hk, K=K, SPLIT=split, P=P, D=D, D_PAD=next_power_of_2(D), NB=blocks_per_copy(), QUANT=quant,
+                FP8=fp8, num_warps=8,
+            )
 
 
 def fetch_step_ref(selected, pool: SlotPool, host: HostStore, k_new, v_new, b_new, step, counters, count_locality,

@@ -15,6 +15,7 @@ import torch
 from hf_nosa.host_quant import quantization_error_bound
 from hf_nosa.host_store import HostStore
 from hf_nosa.kernels.fetch import BLOCKS_ENV_VAR, SlotPool, StepCounters, blocks_per_copy, fetch_step, fetch_step_ref
+from hf_nosa.pool_attention import part_bounds
 from hf_nosa.selection import MASK_VALUE
 
 from .test_host_write import assert_same_store
@@ -124,7 +125,8 @@ def check_pool_against_host(pool: SlotPool, host: HostStore, t):
                     assert torch.equal(got_b[:n], hb[b, h, lo : lo + n])
 
 
-def run_trajectory(B, Hk, D, P, K, T, dtype, device, steps, chunk_blocks=4, seed=0, offsets=None, host_dtype="auto"):
+def run_trajectory(B, Hk, D, P, K, T, dtype, device, steps, chunk_blocks=4, seed=0, offsets=None, host_dtype="auto",
+                   parts=1):
     gen = torch.Generator().manual_seed(seed)
     device = torch.device(device)
     offs = [0] * B if offsets is None else list(offsets)
@@ -145,8 +147,11 @@ def run_trajectory(B, Hk, D, P, K, T, dtype, device, steps, chunk_blocks=4, seed
         for host in (host_ref, host_ker):
             host.ensure_capacity(t + 1)
         fetch_step_ref(selected, pool_ref, host_ref, k_new, v_new, b_new, step_ref, counters_ref, i > 0, offsets)
-        fetch_step(selected, pool_ker, host_ker, k_new, v_new, b_new, step_ker, counters_ker, count_locality=i > 0,
-                   offsets=offsets)
+        for b0, b1 in part_bounds(B, parts):  # rows b0 .. b1 - 1 of the batch (hf_nosa.decode_parts)
+            rows = slice(b0, b1)
+            fetch_step(selected[rows], SlotPool(*(x[rows] for x in pool_ker)), host_ker, k_new[rows], v_new[rows],
+                       b_new[rows], step_ker, counters_ker, count_locality=i > 0,
+                       offsets=None if offsets is None else offsets[rows], row0=b0, step_rows=B)
         host_ker.mark_device_written(t + 1, device)
         S = K + 1
         for name, ref, ker in zip(SlotPool._fields, pool_ref, pool_ker):
@@ -181,6 +186,14 @@ CPU_CASES = [  # B, Hk, D, P, K, T, dtype, steps
 @pytest.mark.parametrize("B,Hk,D,P,K,T,dtype,steps", CPU_CASES)
 def test_trajectory_matches_reference_interpreted(interpret, B, Hk, D, P, K, T, dtype, steps):
     run_trajectory(B, Hk, D, P, K, T, dtype, "cpu", steps)
+
+
+@pytest.mark.parametrize("host_dtype, parts", [("auto", 3), ("float8_e4m3fn", 2)])
+def test_trajectory_by_parts_matches_reference_interpreted(interpret, host_dtype, parts):
+    """A step fetched a part of the batch at a time (the plan launch, then the copy launch with several programs
+    per row) holds what the whole-batch reference holds; the step advances once per step, not once per part."""
+    run_trajectory(3, 2, 32, 16, 4, 150, torch.float32, "cpu", 12, offsets=(0, 13, 40), host_dtype=host_dtype,
+                   parts=parts)
 
 
 @pytest.mark.parametrize("offsets", [(0, 13, 40), (7, 0, 100)])
