@@ -296,7 +296,7 @@ def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
         )
         if graph is not None:
             row.update(graph_captures=graph.captures, graph_replays=graph.replays,
-                       decode_parts=decode_parts(cache, batch))
+                       decode_parts=decode_parts(cache, batch), recaptures=graph.recaptures)
             sync(device)
             start = time.perf_counter()
             for _ in range(3):  # what the CUDA graph gives: the same step without it

@@ -385,6 +385,10 @@ class NosaLayer(PrefillPaths, CacheLayerMixin):
         self.decode_steps += 1
         self.warm = True
 
+    FUSED_GRAPH_KEY_NAMES = ("slot_k", "slot_v", "slot_b", "slot_block", "tail_slot", "step", "offset",
+                             "compressed.keys", "compressed.bias", "compressed.ring_k", "compressed.ring_b",
+                             "host block table", "counters.counts", "counters.locality", "warm")
+
     def fused_graph_key(self) -> tuple:
         """Addresses and sizes a captured decode step depends on; a CUDA graph must be recaptured when they change."""
         tensors = (self.slot_k, self.slot_v, self.slot_b, self.slot_block, self.tail_slot, self.step, self.offset,

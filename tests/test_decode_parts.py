@@ -172,3 +172,23 @@ def test_graph_by_parts_equals_eager_whole_batch_gpu(monkeypatch, host_dtype):
     for key in STAT_KEYS:
         assert stats[1][key] == stats[0][key], key
     assert graphs[1].captures == 1 and graphs[1].replays >= 30
+
+
+def test_graph_key_changes_are_named(interpret):
+    """DecodeGraph records why it recaptured (benchmarks report it): each key entry has its name."""
+    from hf_nosa.cache import NosaLayer
+    from hf_nosa.kernels.cuda_graph import _key_change
+
+    model = nosa_model(num_hidden_layers=2)
+    cache = NosaCache(model.config)
+    with torch.no_grad():
+        model(torch.randint(3, 97, (2, 40)), past_key_values=cache)
+    layer_keys = tuple(layer.fused_graph_key() for layer in cache.layers)
+    assert all(len(k) == len(NosaLayer.FUSED_GRAPH_KEY_NAMES) for k in layer_keys)
+    old = ((2, 1), layer_keys, 1)
+    assert _key_change(old, old) is None
+    moved = list(layer_keys[1])
+    moved[7] = (moved[7][0] + 64, moved[7][1])
+    assert _key_change(old, ((2, 1), (layer_keys[0], tuple(moved)), 1)).startswith("layer 1: compressed.keys")
+    assert _key_change(old, ((3, 1), layer_keys, 1)).startswith("input shape")
+    assert _key_change(old, ((2, 1), layer_keys, 2)).startswith("decode parts")

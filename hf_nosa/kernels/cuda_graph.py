@@ -76,6 +76,7 @@ class DecodeGraph:
         self.capturing_failed: BaseException | None = None  # set when a capture raised (callers fall back)
         self.eager_syncs: list[str] = []  # where the last eager step of a new key synchronised with the host
         self._part_streams: list[torch.cuda.Stream] = []  # one per part of the batch (hf_nosa.decode_parts)
+        self.recaptures: list[str] = []  # why the captured graph stopped fitting, once per change (for benchmarks)
 
     def _layers(self):
         return list(self.cache.layers)
@@ -91,6 +92,9 @@ class DecodeGraph:
             layer.prepare_fused_step(t)
         key = (tuple(input_ids.shape), tuple(layer.fused_graph_key() for layer in layers), self._parts(input_ids))
         if self.graph is None or key != self.key:
+            change = _key_change(self.key, key) if self.key is not None else None
+            if change is not None and (not self.recaptures or self.recaptures[-1] != change):
+                self.recaptures.append(change)
             if key != self._eager_key:
                 # Run a step of this key eagerly first: it compiles every kernel variant the capture will launch
                 # (compiling or loading a module while capturing is not allowed). Host syncs in it are noted: a
@@ -162,6 +166,21 @@ class DecodeGraph:
         self.static_logits = out["logits"]
         self.graph, self.key = graph, key
         self.captures += 1
+
+
+def _key_change(old: tuple, new: tuple) -> str | None:
+    """What differs between two ``DecodeGraph`` keys, in words (the first difference); None when they are equal."""
+    from ..cache import NosaLayer
+
+    if old[0] != new[0]:
+        return f"input shape {old[0]} -> {new[0]}"
+    if old[2:] != new[2:]:
+        return f"decode parts {old[2:]} -> {new[2:]}"
+    for i, (a, b) in enumerate(zip(old[1], new[1])):
+        for name, x, y in zip(NosaLayer.FUSED_GRAPH_KEY_NAMES, a, b):
+            if x != y:
+                return f"layer {i}: {name} {x} -> {y}"
+    return None if old == new else "layer count"
 
 
 def compiled_kernel_variants() -> int:
