@@ -164,3 +164,16 @@ def sm_count(device: torch.device) -> int:
     if index not in _sm_count:
         _sm_count[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _sm_count[index]
+
+
+_zeros: dict[tuple, torch.Tensor] = {}
+
+
+def shared_zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros of ``shape`` made once per (shape, dtype, device) and reused: for arguments a kernel only reads (a
+    fill is one more launch in a prefill chunk's path, which at batch 1 is bound by launches). Never write to it."""
+    key = (tuple(shape), dtype, torch.device(device))
+    t = _zeros.get(key)
+    if t is None:
+        t = _zeros[key] = torch.zeros(shape, dtype=dtype, device=device)
+    return t

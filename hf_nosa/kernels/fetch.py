@@ -37,7 +37,8 @@ import torch
 
 from ..host_store import HostStore
 from ..selection import MASK_VALUE
-from .backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
+from .backend import (HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, shared_zeros,
+                      tl, triton)
 from .host_format import store_quantized
 
 
@@ -488,18 +489,20 @@ def fetch_selection(selected: torch.Tensor, pool: SlotPool, host: HostStore, cou
         row0: the pool's rows are the store's rows ``row0 .. row0 + B - 1`` (a slice of a layer's pool, fetched
             while the attention works on the rows before it: ``prefill.QuokaBlocks``).
     """
-    step = torch.zeros(1, dtype=torch.long, device=pool.slot_k.device)
+    # Not a decode step: the kernel reads no token and leaves the step alone, so these are read-only zeros.
+    device = pool.slot_k.device
+    step = shared_zeros((1,), torch.long, device)
     B, Hk = pool.tail_slot.shape
     D = pool.slot_k.shape[4]
-    dummy_kv = pool.slot_k.new_zeros(B, Hk, 1, D)
-    dummy_b = torch.zeros(B, Hk, 1, dtype=torch.float32, device=pool.slot_k.device)
+    dummy_kv = shared_zeros((B, Hk, 1, D), pool.slot_k.dtype, device)
+    dummy_b = shared_zeros((B, Hk, 1), torch.float32, device)
     _check_step(selected, pool, host, dummy_kv, dummy_kv, dummy_b, step, counters, row0=row0)
     path = kernel_path("fetch", pool.slot_k)
     if path == "triton" and pool.slot_k.is_cuda and not host.pin:
         path = _unpinned_fallback()
     if path == "torch":
         return fetch_selection_ref(selected, pool, host, counters, row0)
-    offsets = torch.zeros(B, dtype=torch.long, device=pool.slot_k.device)
+    offsets = shared_zeros((B,), torch.long, device)
     _fetch_step_triton(selected, pool, host, dummy_kv, dummy_kv, dummy_b, step, offsets, counters, False,
                        decode=False, row0=row0)
 

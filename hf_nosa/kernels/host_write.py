@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from ..host_store import HostStore
-from .backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
+from .backend import (HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, shared_zeros,
+                      tl, triton)
 from .host_format import store_quantized
 
 BLOCK_T = 32  # tokens per program
@@ -171,7 +172,7 @@ def host_write(host: HostStore, start: int, k: torch.Tensor, v: torch.Tensor, b:
             host.write_rows(start - offsets.to("cpu", torch.long), k, v, b)
         return
     if offsets is None:
-        offsets = torch.zeros(B, dtype=torch.long, device=k.device)
+        offsets = shared_zeros((B,), torch.long, k.device)
     elif tuple(offsets.shape) != (B,) or offsets.dtype != torch.long or offsets.device != k.device:
         raise ValueError(f"host_write: offsets must be long [B={B}] on {k.device}; got {offsets.dtype} "
                          f"{tuple(offsets.shape)} on {offsets.device}")
