@@ -23,7 +23,9 @@ the host memory available when the run starts (or ``--host-gb``); NOSA's host by
 what NosaCache's pinned-memory check counts. A row that runs out of memory anyway (that check's MemoryError, a
 device OOM) is tried at 15% fewer sequences, each failed try in ``stepped_down``. Caches are filled directly with
 random keys and values (no prefill is timed). Beside each row: tok/s, ms per step, for NOSA the per-step GPU time of
-selection / fetch / attention (torch.profiler over eager steps) and the rest, and the roofline floor: HBM bytes over
+selection / fetch / attention (torch.profiler over graph replays; before d31d849 the "eager" steps it profiled
+went through the model's own decode graph too) and the rest, ``eager_ms_per_step`` (the stock forward, kernels
+launched one by one), and the roofline floor: HBM bytes over
 the measured HBM bandwidth plus PCIe bytes over the measured pinned-copy rate. Results go to
 DIR/decode_throughput.json after every row (``--resume`` skips rows already there) and a plot to
 DIR/decode_throughput.png.
@@ -36,6 +38,7 @@ DIR/decode_throughput.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -60,7 +63,7 @@ from hf_nosa.baselines import QueryOnlySelector  # noqa: E402
 from hf_nosa.host_store import HostStore  # noqa: E402
 from hf_nosa.kernels.block_scores import block_select  # noqa: E402
 from hf_nosa.decode_parts import decode_parts  # noqa: E402
-from hf_nosa.kernels.cuda_graph import DecodeGraph  # noqa: E402
+from hf_nosa.kernels.cuda_graph import DecodeGraph, stock_forward  # noqa: E402
 from hf_nosa.kernels.host_write import host_write  # noqa: E402
 from hf_nosa.modeling import eviction_heads, randomize_eviction_heads  # noqa: E402
 from hf_nosa.selection import compress_keys, num_windows  # noqa: E402
@@ -195,11 +198,14 @@ def measure_bandwidths(device) -> dict:
 
 
 PHASES = {"_window_logits_kernel": "selection", "_select_kernel": "selection", "_fetch_step_kernel": "fetch",
+          "_fetch_copy_kernel": "fetch",
           "_decode_attention_kernel": "attention", "_combine_splits_kernel": "attention"}
 
 
 def kernel_breakdown(step_fn, steps) -> dict:
-    """GPU ms per step of each NOSA phase and of all kernels, from torch.profiler over eager steps."""
+    """GPU ms per step of each NOSA phase and of all kernels, from torch.profiler over ``steps`` calls of
+    ``step_fn`` (graph replays record their kernels too). Kernels that overlap (decode parts on their own streams)
+    are each counted whole, so ``gpu_total`` may exceed the step's wall time."""
 
     def run():
         for _ in range(steps):
@@ -249,7 +255,10 @@ def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
             logits = graph(token, pos)
         else:
             fn = compiled or model
-            logits = fn(input_ids=token, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
+            # A NOSA model's own forward replays a graph of its decode step (modeling.chunked); eager means the
+            # stock forward, the step's kernels launched one by one.
+            with stock_forward() if eager else contextlib.nullcontext():
+                logits = fn(input_ids=token, position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)
 
     i = 0
@@ -305,7 +314,7 @@ def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
             sync(device)
             row["eager_ms_per_step"] = 1000 * (time.perf_counter() - start) / 3
             try:
-                row["breakdown_ms"] = kernel_breakdown(lambda: step(i, eager=True), 2)
+                row["breakdown_ms"] = kernel_breakdown(lambda: step(i), 2)  # graph replays, as timed
                 parts = sum(row["breakdown_ms"][k] for k in ("selection", "fetch", "attention"))
                 row["breakdown_ms"]["rest"] = row["ms_per_step"] - parts
             except Exception as error:  # the profiler is a measurement aid; its failure must not lose the row

@@ -66,7 +66,17 @@ class LayerRows(CacheLayerMixin):
             raise ValueError(f"LayerRows takes one decode token of its {rows} rows with the query and eviction "
                              f"scores; got keys {tuple(key_states.shape)}")
         scale = scaling if scaling is not None else key_states.shape[-1] ** -0.5
-        return self.layer.decode_rows(key_states, value_states, query, bias.float(), scale, self.b0, self.b1)
+        layer = self.layer
+        # Outside a capture the parts run in order, and the layer's host-side bookkeeping goes with the first and
+        # the last of them, as ``_decode_fused`` does for a whole batch; a captured step leaves it to the caller.
+        capturing = key_states.is_cuda and torch.cuda.is_current_stream_capturing()
+        t = layer.seen
+        if not capturing and self.b0 == 0:
+            layer.prepare_fused_step(t)
+        inputs = layer.decode_rows(key_states, value_states, query, bias.float(), scale, self.b0, self.b1)
+        if not capturing and self.b1 == layer.batch:
+            layer.finish_fused_step(t)
+        return inputs
 
     def get_seq_length(self) -> int:
         return self.layer.get_seq_length()
@@ -92,9 +102,10 @@ def forward_by_parts(forward, cache: NosaCache, input_ids: torch.Tensor, positio
     """Logits ``[B, vocab]`` of one decode token per row, the batch run ``parts`` rows ranges at a time.
 
     ``forward(input_ids, position_ids, cache)`` runs the model and returns the last position's logits. With
-    ``streams`` (CUDA, one per part) every part runs on its own stream after the current one, which waits for them
-    all before the logits are joined; without, the parts run one after the other on the current stream. The caller
-    runs the layers' ``prepare_fused_step`` before and ``finish_fused_step`` after, as for a whole-batch step.
+    ``streams`` (CUDA, one per part, inside a graph capture) every part runs on its own stream after the current
+    one, which waits for them all before the logits are joined, and the caller runs the layers'
+    ``prepare_fused_step`` before and ``finish_fused_step`` after the replay. Without, the parts run one after the
+    other on the current stream and each layer's bookkeeping goes with its first and last part.
     """
     bounds = part_bounds(input_ids.shape[0], parts)
     if streams is None:

@@ -50,11 +50,11 @@ def decode(model, ids, mask, steps, parts):
         for _ in range(steps):
             t = cache.get_seq_length()
             pos = torch.full_like(token, t)
-            for layer in cache.layers:
-                layer.prepare_fused_step(t)
-            out = forward_by_parts(forward, cache, token, pos, parts)
-            for layer in cache.layers:
-                layer.finish_fused_step(t)
+            # parts == 1: the model's own whole-batch step (NosaLayer._decode_fused), the reference
+            out = forward(token, pos, cache) if parts == 1 else forward_by_parts(forward, cache, token, pos, parts)
+            # the host-side bookkeeping went with the step: one token further, device and host alike
+            assert cache.get_seq_length() == t + 1
+            assert all(int(layer.step) == layer.seen == t + 1 for layer in cache.layers)
             logits.append(out)
             token = out.argmax(-1, keepdim=True)
     return torch.stack(logits), cache.stats(), cache
