@@ -130,11 +130,7 @@ class DecodeGraph:
                 return self._model_forward(input_ids, position_ids, self.cache)
             from ..decode_parts import forward_by_parts
 
-            streams = None
-            if capturing:
-                while len(self._part_streams) < parts:
-                    self._part_streams.append(torch.cuda.Stream(input_ids.device))
-                streams = self._part_streams[:parts]
+            streams = self._part_streams[:parts] if capturing else None  # made by _capture, before capturing
             return forward_by_parts(self._model_forward, self.cache, input_ids, position_ids, parts, streams)
 
     def _capture(self, input_ids, position_ids, key) -> None:
@@ -145,6 +141,9 @@ class DecodeGraph:
 
         def step():
             out["logits"] = self._forward(self.static_ids, self.static_pos, capturing=True)
+
+        while len(self._part_streams) < self._parts(input_ids):
+            self._part_streams.append(torch.cuda.Stream(input_ids.device))
 
         compiled = compiled_kernel_variants()
         try:
