@@ -188,7 +188,7 @@ def test_trajectory_matches_reference_interpreted(interpret, B, Hk, D, P, K, T, 
     run_trajectory(B, Hk, D, P, K, T, dtype, "cpu", steps)
 
 
-@pytest.mark.parametrize("host_dtype, parts", [("auto", 3), ("float8_e4m3fn", 2)])
+@pytest.mark.parametrize("host_dtype, parts", [("float8_e4m3fn", 3)])  # the bf16 store: test_decode_parts' GPU test
 def test_trajectory_by_parts_matches_reference_interpreted(interpret, host_dtype, parts):
     """A step fetched a part of the batch at a time (the plan launch, then the copy launch with several programs
     per row) holds what the whole-batch reference holds; the step advances once per step, not once per part."""
