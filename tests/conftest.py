@@ -83,3 +83,10 @@ def padded_batch(length: int = 40, pads=(0, 7, 20), seed: int = 0):
         ids[row, :pad] = 0
     return ids, mask
 
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    """Device kernels on CPU tensors: the Triton interpreter, and the kernel path chosen over the torch one."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")

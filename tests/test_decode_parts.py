@@ -60,12 +60,6 @@ def decode(model, ids, mask, steps, parts):
     return torch.stack(logits), cache.stats(), cache
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-
-
 def test_parts_equal_the_whole_batch_interpreted(interpret):
     # The quantized store: its fetch reads scales and writes the tail by row too (the GPU test covers both stores).
     parts = 3

@@ -23,12 +23,6 @@ NARROW = small_nosa_config(compress_kernel=2, compress_stride=1)  # a window per
 
 
 @pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-
-
-@pytest.fixture
 def poison(monkeypatch):
     def empty(*shape, dtype, device):
         fill = float("nan") if dtype.is_floating_point else 987654321

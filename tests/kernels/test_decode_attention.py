@@ -20,12 +20,6 @@ TOL = {torch.float32: dict(atol=3e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2
 
 
 @pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-
-
-@pytest.fixture
 def poison(monkeypatch):
     """Every buffer the launcher allocates starts as NaN, so a value the kernel forgets to write shows."""
 

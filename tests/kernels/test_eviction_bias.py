@@ -15,12 +15,6 @@ from hf_nosa.selection import eviction_bias, eviction_scores
 eviction_module = importlib.import_module("hf_nosa.kernels.eviction_bias")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-
-
 def _logits(B, T, Hk, dtype, seed, device="cpu"):
     """Random logits over softplus's whole range: tiny scores (-30), the threshold's two sides (20), ordinary ones."""
     g = torch.Generator().manual_seed(seed)

@@ -21,12 +21,6 @@ from hf_nosa.selection import MASK_VALUE
 from .test_host_write import assert_same_store
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-
-
 def make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen, offsets=None, host_dtype="auto"):
     """A host store holding T tokens (several chunks) and a slot pool poisoned with NaN, tail holding T's block.
 

@@ -36,12 +36,6 @@ def _inputs(B, H, Hk, Tq, S, D, dtype, device, seed, extreme=False, hidden=0.0):
     return q, k, v, bias.to(device)
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-
-
 CASES = [
     # B, H, Hk, Tq, S, D, q_offset, causal
     (1, 2, 2, 40, 40, 16, 0, True),  # a causal prompt, ragged last tiles

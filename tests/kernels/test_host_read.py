@@ -11,12 +11,6 @@ from hf_nosa.host_store import HostStore
 from hf_nosa.kernels.host_read import read_span, read_span_ref
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-
-
 def make_store(B, Hk, D, P, T, dtype, host_dtype, offsets, pin, seed=0):
     """A store of ``T`` tokens in chunks of 3 blocks (several chunks), heavy-tailed keys, rows row-relative when
     ``offsets`` is given (a left-padded prompt): row b holds ``T - offsets[b]`` tokens."""

@@ -13,12 +13,6 @@ from hf_nosa.kernels.host_format import cast_rtne, dequantize, quantize_block
 from hf_nosa.kernels.host_write import host_write
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-
-
 def _stores(B, Hk, D, P, dtype, device, chunk_blocks, host_dtype="auto"):
     stores = []
     for _ in range(2):

@@ -12,12 +12,6 @@ import torch
 move_module = importlib.import_module("hf_nosa.kernels.move_in")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-
-
 def _case(B, Hk, S, K, P, D, T, n_held, n_kept, seed, device="cpu", dtype=torch.float32):
     """A pool whose slots hold ``n_held`` distinct random blocks (the rest -1), of which ``n_kept`` per row are
     selected, plus unheld blocks and -1 padding in the selection; the previous chunk's tokens at random."""

@@ -12,12 +12,6 @@ import torch
 choice_module = importlib.import_module("hf_nosa.kernels.quoka_choice")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-
-
 def _case(B, H, T, D, dtype, seed, pad=None, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     query = (torch.randn(B, H, T, D, generator=g) + 0.5 * torch.randn(1, H, 1, D, generator=g)).to(dtype)

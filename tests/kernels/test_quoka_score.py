@@ -67,12 +67,6 @@ INTERPRETED_CASES = [
 ]
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-
-
 @pytest.mark.skipif(not quoka_score_module.HAS_TRITON, reason="needs the triton package")
 @pytest.mark.parametrize("case", INTERPRETED_CASES, ids=lambda case: "x".join(map(str, case["shape"])))
 def test_kernel_matches_reference_interpreted(interpret, case):

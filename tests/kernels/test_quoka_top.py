@@ -16,12 +16,6 @@ from ..conftest import small_nosa_config
 top_module = importlib.import_module("hf_nosa.kernels.quoka_top")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-
-
 def _scores(B, Hk, R, N, seed, device="cpu"):
     """Random scores with what the score kernel gives besides: ties (a coarse grid), -inf (no window) and the
     padding score."""

@@ -24,12 +24,6 @@ from ..utils import assert_close
 window_module = importlib.import_module("hf_nosa.kernels.window_probs")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-
-
 def _case(B, H, Hk, T, D, dtype, device, seed, q_offset=0, padded=False):
     cfg = small_nosa_config()
     g = torch.Generator(device="cpu").manual_seed(seed)
