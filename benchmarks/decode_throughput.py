@@ -62,7 +62,7 @@ from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.baselines import QueryOnlySelector  # noqa: E402
 from hf_nosa.host_store import HostStore  # noqa: E402
 from hf_nosa.kernels.block_scores import block_select  # noqa: E402
-from hf_nosa.decode_parts import decode_parts  # noqa: E402
+from hf_nosa.decode_parts import decode_parts, stagger_fetches  # noqa: E402
 from hf_nosa.kernels.cuda_graph import DecodeGraph, stock_forward  # noqa: E402
 from hf_nosa.kernels.host_write import host_write  # noqa: E402
 from hf_nosa.modeling import eviction_heads, randomize_eviction_heads  # noqa: E402
@@ -305,7 +305,8 @@ def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
         )
         if graph is not None:
             row.update(graph_captures=graph.captures, graph_replays=graph.replays,
-                       decode_parts=decode_parts(cache, batch), recaptures=graph.recaptures)
+                       decode_parts=decode_parts(cache, batch), decode_parts_stagger=stagger_fetches(),
+                       recaptures=graph.recaptures)
             sync(device)
             start = time.perf_counter()
             for _ in range(3):  # what the CUDA graph gives: the same step without it

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.decode_throughput import CAP_GB, HOST_SHARE, build_model  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
-from hf_nosa.decode_parts import decode_parts  # noqa: E402
+from hf_nosa.decode_parts import decode_parts, stagger_fetches  # noqa: E402
 from hf_nosa.host_store import HostStore, available_host_memory  # noqa: E402
 from hf_nosa.kernels.cuda_graph import greedy_decode  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
@@ -244,6 +244,7 @@ def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False)
         owner = cache.state.workspace if cache.state.workspace is not None else cache
         graph = getattr(owner, "decode_graph", None)  # generate's DecodeGraph (modeling.chunked)
         row["decode_parts"] = decode_parts(cache, batch)
+        row["decode_parts_stagger"] = stagger_fetches()
         if graph is not None:
             row.update(graph_captures=graph.captures, graph_replays=graph.replays, recaptures=graph.recaptures)
         if engine:

@@ -105,12 +105,14 @@ class DecodePaths:
             self.finish_fused_step(t)
         return inputs
 
-    def decode_rows(self, k, v, q, b, scale: float, b0: int, b1: int) -> AttentionInputs:
+    def decode_rows(self, k, v, q, b, scale: float, b0: int, b1: int, fetch_after=None, fetch_done=None
+                    ) -> AttentionInputs:
         """The device-kernel decode step (NOSA selection) of rows ``b0 .. b1 - 1``; ``k, v, q, b`` are those rows'.
 
         A step may run a part of the batch at a time (``hf_nosa.decode_parts``): every part reads the same step
         index, and the fetch of the last part to finish advances it. The caller runs ``prepare_fused_step`` before
-        the first part and ``finish_fused_step`` after the last.
+        the first part and ``finish_fused_step`` after the last. ``fetch_after`` / ``fetch_done`` (CUDA events of a
+        staggered step): the fetch waits for the first and records the second.
         """
         ck, cb = self.compressed.keys[b0:b1], self.compressed.bias[b0:b1]
         token = NewToken(k, b, self.compressed.ring_k[b0:b1], self.compressed.ring_b[b0:b1])
@@ -118,8 +120,12 @@ class DecodePaths:
         selected = block_select(q, ck, cb, self.step, self.cfg, scale, token=token, offsets=offsets)
         pool = SlotPool(self.slot_k[b0:b1], self.slot_v[b0:b1], self.slot_b[b0:b1], self.slot_block[b0:b1],
                         self.tail_slot[b0:b1])
+        if fetch_after is not None:
+            torch.cuda.current_stream(k.device).wait_event(fetch_after)
         fetch_step(selected, pool, self.host, k, v, b, self.step, self.counters, count_locality=self.warm,
                    offsets=offsets, row0=b0, step_rows=self.batch)
+        if fetch_done is not None:
+            fetch_done.record(torch.cuda.current_stream(k.device))
         S = self.n_slots
         return AttentionInputs(pool.slot_k[:, :, :S].flatten(2, 3), pool.slot_v[:, :, :S].flatten(2, 3),
                                pool.slot_b[:, :, :S].flatten(2), None, 0, causal=False)

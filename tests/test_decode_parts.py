@@ -12,7 +12,7 @@ import torch
 
 import hf_nosa
 from hf_nosa import NosaCache
-from hf_nosa.decode_parts import CacheRows, decode_parts, forward_by_parts
+from hf_nosa.decode_parts import CacheRows, decode_parts, forward_by_parts, stagger_fetches
 from hf_nosa.kernels.cuda_graph import DecodeGraph, cache_keyword, stock_forward
 from hf_nosa.kernels.fetch import SlotPool, StepCounters, fetch_step
 from hf_nosa.modeling import randomize_eviction_heads
@@ -110,6 +110,13 @@ def test_decode_parts_setting(monkeypatch):
         monkeypatch.setenv("HF_NOSA_DECODE_PARTS", bad)
         with pytest.raises(ValueError, match="HF_NOSA_DECODE_PARTS"):
             decode_parts(cache, 64)
+    monkeypatch.delenv("HF_NOSA_DECODE_PARTS_STAGGER", raising=False)
+    assert stagger_fetches()
+    monkeypatch.setenv("HF_NOSA_DECODE_PARTS_STAGGER", "0")
+    assert not stagger_fetches()
+    monkeypatch.setenv("HF_NOSA_DECODE_PARTS_STAGGER", "yes")
+    with pytest.raises(ValueError, match="HF_NOSA_DECODE_PARTS_STAGGER='yes' is invalid"):
+        stagger_fetches()
 
 
 def test_fetch_step_rejects_a_bad_part(interpret, monkeypatch):
@@ -135,14 +142,15 @@ def test_fetch_step_rejects_a_bad_part(interpret, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("host_dtype", ["auto", "float8_e4m3fn"])
-def test_graph_by_parts_equals_eager_parts_gpu(monkeypatch, host_dtype):
-    """The parts on their own streams inside one graph give the tokens and counters of the same parts run eagerly
-    one after the other (same rows per GEMM, so the same rounding; the CPU test compares parts with the whole
-    batch)."""
+@pytest.mark.parametrize("host_dtype,stagger", [("auto", "1"), ("float8_e4m3fn", "1"), ("auto", "0")])
+def test_graph_by_parts_equals_eager_parts_gpu(monkeypatch, host_dtype, stagger):
+    """The parts on their own streams inside one graph, staggered or free, give the tokens and counters of the same
+    parts run eagerly one after the other (same rows per GEMM, so the same rounding; the CPU test compares parts with
+    the whole batch)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("HF_NOSA_KERNELS", raising=False)
     monkeypatch.setenv("HF_NOSA_DECODE_PARTS", "3")
+    monkeypatch.setenv("HF_NOSA_DECODE_PARTS_STAGGER", stagger)
     model = nosa_model(device="cuda", dtype=torch.bfloat16, host_dtype=host_dtype, hidden_size=256,
                        num_attention_heads=8, num_key_value_heads=2, intermediate_size=512)
     ids = torch.randint(3, 97, (12, 250), generator=torch.Generator().manual_seed(4)).cuda()
@@ -179,10 +187,10 @@ def test_graph_key_changes_are_named(interpret):
         model(torch.randint(3, 97, (2, 40)), past_key_values=cache)
     layer_keys = tuple(layer.fused_graph_key() for layer in cache.layers)
     assert all(len(k) == len(NosaLayer.FUSED_GRAPH_KEY_NAMES) for k in layer_keys)
-    old = ((2, 1), layer_keys, 1)
+    old = ((2, 1), layer_keys, 1, False)
     assert _key_change(old, old) is None
     moved = list(layer_keys[1])
     moved[7] = (moved[7][0] + 64, moved[7][1])
-    assert _key_change(old, ((2, 1), (layer_keys[0], tuple(moved)), 1)).startswith("layer 1: compressed.keys")
-    assert _key_change(old, ((3, 1), layer_keys, 1)).startswith("input shape")
-    assert _key_change(old, ((2, 1), layer_keys, 2)).startswith("decode parts")
+    assert _key_change(old, ((2, 1), (layer_keys[0], tuple(moved)), 1, False)).startswith("layer 1: compressed.keys")
+    assert _key_change(old, ((3, 1), layer_keys, 1, False)).startswith("input shape")
+    assert _key_change(old, ((2, 1), layer_keys, 2, True)).startswith("decode parts")

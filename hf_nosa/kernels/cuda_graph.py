@@ -76,6 +76,7 @@ class DecodeGraph:
         self.capturing_failed: BaseException | None = None  # set when a capture raised (callers fall back)
         self.eager_syncs: list[str] = []  # where the last eager step of a new key synchronised with the host
         self._part_streams: list[torch.cuda.Stream] = []  # one per part of the batch (hf_nosa.decode_parts)
+        self._fetch_events: list | None = None  # per layer and part, when the parts' fetches are staggered
         self.recaptures: list[str] = []  # why the captured graph stopped fitting, once per change (for benchmarks)
 
     def _layers(self):
@@ -90,7 +91,7 @@ class DecodeGraph:
         t = layers[0].seen
         for layer in layers:
             layer.prepare_fused_step(t)
-        key = (tuple(input_ids.shape), tuple(layer.fused_graph_key() for layer in layers), self._parts(input_ids))
+        key = (tuple(input_ids.shape), tuple(layer.fused_graph_key() for layer in layers), *self._parts_key(input_ids))
         if self.graph is None or key != self.key:
             change = _key_change(self.key, key) if self.key is not None else None
             if change is not None and (not self.recaptures or self.recaptures[-1] != change):
@@ -116,6 +117,12 @@ class DecodeGraph:
 
         return decode_parts(self.cache, input_ids.shape[0])
 
+    def _parts_key(self, input_ids) -> tuple[int, bool]:
+        from ..decode_parts import stagger_fetches
+
+        parts = self._parts(input_ids)
+        return parts, parts > 1 and stagger_fetches()
+
     def _model_forward(self, input_ids, position_ids, cache):
         out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
                          **{cache_keyword(self.model): cache})
@@ -131,7 +138,8 @@ class DecodeGraph:
             from ..decode_parts import forward_by_parts
 
             streams = self._part_streams[:parts] if capturing else None  # made by _capture, before capturing
-            return forward_by_parts(self._model_forward, self.cache, input_ids, position_ids, parts, streams)
+            events = self._fetch_events if capturing else None
+            return forward_by_parts(self._model_forward, self.cache, input_ids, position_ids, parts, streams, events)
 
     def _capture(self, input_ids, position_ids, key) -> None:
         self.graph = None
@@ -142,8 +150,15 @@ class DecodeGraph:
         def step():
             out["logits"] = self._forward(self.static_ids, self.static_pos, capturing=True)
 
-        while len(self._part_streams) < self._parts(input_ids):
+        parts, stagger = self._parts_key(input_ids)
+        while len(self._part_streams) < parts:
             self._part_streams.append(torch.cuda.Stream(input_ids.device))
+        if stagger:
+            from ..decode_parts import fetch_events
+
+            self._fetch_events = fetch_events(len(self._layers()), parts, input_ids.device)
+        else:
+            self._fetch_events = None
 
         compiled = compiled_kernel_variants()
         try:
@@ -174,7 +189,7 @@ def _key_change(old: tuple, new: tuple) -> str | None:
     if old[0] != new[0]:
         return f"input shape {old[0]} -> {new[0]}"
     if old[2:] != new[2:]:
-        return f"decode parts {old[2:]} -> {new[2:]}"
+        return f"decode parts, staggered {old[2:]} -> {new[2:]}"
     for i, (a, b) in enumerate(zip(old[1], new[1])):
         for name, x, y in zip(NosaLayer.FUSED_GRAPH_KEY_NAMES, a, b):
             if x != y:
