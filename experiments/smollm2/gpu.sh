@@ -23,7 +23,8 @@
 #
 # Settings (environment): CALL_SECONDS (540), LENGTHS ("4096 8192"), RATIO (8: budget = length / 8), SAMPLES (16 per
 # task, decoded as one batch), PPL_DOCS (8), PPL_TOKENS (128), TASKS (all), CHAT (1: RULER prompts in the chat
-# template; 0: plain text), RESUME (1: continue the retrofit in $WORK/adapter), MAX_STEPS (N: the retrofit runs the
+# template; 0: plain text), ADAPTER (shipped: the eval phase's retrofit:* cells use the package's adapter,
+# hf_nosa/assets/smollm2_adapter, instead of a retrofit's), RESUME (1: continue the retrofit in $WORK/adapter), MAX_STEPS (N: the retrofit runs the
 # recipe's whole schedule and stops, checkpointed, at global step N instead of fitting itself to the call with
 # --time-limit; with RESUME=1 the next call goes on from there), CURVE_STEPS ("20 40 80 160"), CURVE_LENGTH (8192),
 # CURVE_STEP_S / CURVE_OVERHEAD_S / CURVE_EVAL_S (4 / 60 / 90: seconds a retrofit step, a retrofit process beyond its
@@ -178,6 +179,10 @@ evaluate() {  # evaluate CELLS [ADAPTER]: one background process per length; wai
 }
 
 adapter_dir() {  # the adapter on this machine, else the one carried back in .smollm2/adapter/adapter.tar
+    if [ "${ADAPTER:-}" = shipped ]; then  # the package's own (what hf-nosa demo --model smollm2 applies)
+        echo "$CODE/hf_nosa/assets/smollm2_adapter"
+        return 0
+    fi
     if [ ! -f "$WORK/adapter/adapter_model.safetensors" ] && [ -f "$CARRIED"/adapter/adapter.tar ]; then
         mkdir -p "$WORK/adapter" && tar -xf "$CARRIED"/adapter/adapter.tar -C "$WORK/adapter"
     fi
