@@ -12,7 +12,7 @@
 # retrofit+eval-base  both at once on the one GPU (the evaluation is host-bound, the retrofit GPU-bound)
 # eval                the retrofitted rows (NOSA retrofitted; its weights under full attention), then any base cell
 #                     an earlier call did not reach (the results under $WORK carry over while the machine is warm)
-# curve               the retrofit-steps curve: the recipe's schedule stopped at each of CURVE_STEPS (resumed across
+# curve               the retrofit-steps curve: the recipe's (CURVE_RECIPE's) schedule stopped at each of CURVE_STEPS (resumed across
 #                     calls), each stop's adapter kept ($WORK/curve/step-N, $OUT/curve-step-N.tar) and measured while
 #                     the retrofit goes on, beside full attention and NOSA untrained: perplexity, locality and bytes
 #                     per token at CURVE_LENGTH, the recipe's budget and layout -> $OUT/smollm2-curve.json
@@ -192,10 +192,16 @@ adapter_dir() {  # the adapter on this machine, else the one carried back in .sm
 
 curve() {  # the retrofit-steps curve: retrofit segments in the foreground, each point's evaluation in the background
     need_model || return 1
-    local script="$CODE/experiments/smollm2/curve.py" results="$WORK/results/smollm2-curve.json" keep="$WORK/curve"
-    local run="$WORK/curve/run" recipe=smollm2-135m status=0 pids=() line stop kind from
+    # CURVE_RECIPE (a recipe name or a YAML path from the repository root) gets its own results file and folders
+    local tag="" recipe=smollm2-135m
+    if [ -n "${CURVE_RECIPE:-}" ]; then
+        recipe=$CURVE_RECIPE tag=-$(basename "$CURVE_RECIPE" .yaml)
+        [ -f "$CODE/$recipe" ] && recipe=$CODE/$recipe
+    fi
+    local script="$CODE/experiments/smollm2/curve.py" results="$WORK/results/smollm2-curve$tag.json"
+    local keep="$WORK/curve$tag" run="$WORK/curve$tag/run" status=0 pids=() line stop kind from
     [ "${SMOKE:-0}" = 1 ] && recipe=$(smoke_recipe)
-    [ -f "$results" ] || cp "$CARRIED"/results/smollm2-curve.json "$results" 2>/dev/null
+    [ -f "$results" ] || cp "$CARRIED/results/smollm2-curve$tag.json" "$results" 2>/dev/null
     mkdir -p "$keep"
     local common=(--recipe "$recipe" --length "$CURVE_LENGTH" --ppl-docs "$PPL_DOCS" --ppl-tokens "$PPL_TOKENS"
                   --results "$results" --keep-dir "$keep")
@@ -230,7 +236,7 @@ curve() {  # the retrofit-steps curve: retrofit segments in the foreground, each
         rm -rf "$keep/step-$stop.partial" && mkdir -p "$keep/step-$stop.partial"
         find "$run" -maxdepth 1 -type f -exec cp {} "$keep/step-$stop.partial/" \;
         mv "$keep/step-$stop.partial" "$keep/step-$stop"  # whole or absent: a kept point is measured as it is
-        (cd "$keep/step-$stop" && tar -cf "$OUT/curve-step-$stop.tar" adapter_config.json adapter_model.safetensors \
+        (cd "$keep/step-$stop" && tar -cf "$OUT/curve$tag-step-$stop.tar" adapter_config.json adapter_model.safetensors \
             nosa_retrofit.json trainer_state.json)
         curve_eval "step-$stop"
     done
