@@ -188,7 +188,7 @@ def activation_moments(model, cache, batch, context) -> dict[str, dict[str, int]
     plus, at every moment, the causal mask of the chunk over the prompt (bool ``C x context``) and four ``[B,
     context]`` int64 tensors (ids, attention mask, position ids and generate's copy)."""
     cfg, ncfg = model.config, cache.nosa_config
-    C, h, f = ncfg.prefill_chunk_size, cfg.hidden_size, cfg.intermediate_size
+    C, h, f = ncfg.prefill_chunk(batch), cfg.hidden_size, cfg.intermediate_size
     Hk, D, H, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_attention_heads, cfg.num_hidden_layers
     B, bf16 = batch, 2
     wide = -(-(D + 3) // 8) * 8  # D' on the sdpa route: bf16 keeps the bias in three columns
@@ -243,6 +243,7 @@ def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False)
         row["peak_formula_gib"] = row["weights_gib"] + row["cache_device_gib"] + row["chunk_activations_estimate_gib"]
         owner = cache.state.workspace if cache.state.workspace is not None else cache
         graph = getattr(owner, "decode_graph", None)  # generate's DecodeGraph (modeling.chunked)
+        row["prefill_chunk"] = cache.nosa_config.prefill_chunk(batch)
         row["decode_parts"] = decode_parts(cache, batch)
         row["decode_parts_stagger"] = stagger_fetches()
         if graph is not None:
@@ -259,9 +260,10 @@ def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False)
 
 
 def nosa_config(args) -> NosaConfig:
-    """NosaConfig defaults, but for ``--prefill-chunk-size`` and ``--host-dtype`` when given (extra workloads beside
-    the default's rows)."""
-    overrides = dict(prefill_chunk_size=args.prefill_chunk_size, host_dtype=args.host_dtype)
+    """NosaConfig defaults, but for ``--prefill-chunk-size``, ``--prefill-batch-tokens`` and ``--host-dtype`` when
+    given (extra workloads beside the default's rows)."""
+    overrides = dict(prefill_chunk_size=args.prefill_chunk_size, prefill_batch_tokens=args.prefill_batch_tokens,
+                     host_dtype=args.host_dtype)
     return NosaConfig(**{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -382,6 +384,8 @@ def parse_args(argv=None):
     parser.add_argument("--prefill-chunk-size", type=int, default=None,
                         help="NOSA's prefill chunk (default: NosaConfig's); larger chunks re-read QUOKA's budget from "
                         "the host fewer times and hold more activations")
+    parser.add_argument("--prefill-batch-tokens", type=int, default=None,
+                        help="NOSA's prefill_batch_tokens (default: NosaConfig's): longer chunks at small batches")
     parser.add_argument("--host-dtype", default=None, choices=("auto", "float8_e4m3fn", "int8"),
                         help="NOSA's host store format (default: NosaConfig's, the model's dtype)")
     parser.add_argument("--nosa-batches", type=int, nargs="+", default=None, metavar="N",

@@ -189,6 +189,7 @@ def main():
     parser.add_argument("--context", type=int, default=65536)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prefill-chunk-size", type=int, default=None, help="default: NosaConfig's")
+    parser.add_argument("--prefill-batch-tokens", type=int, default=None, help="default: NosaConfig's")
     parser.add_argument("--host-dtype", default=None, choices=("auto", "float8_e4m3fn", "int8"),
                         help="the host store's format (default: NosaConfig's, the model's dtype)")
     parser.add_argument("--sync-context", type=int, default=4096, help="prompt length of the host-sync pass")
@@ -208,7 +209,8 @@ def main():
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_GB[args.shape] * 1e9 / total))
     model = build_model(args.shape, "cuda", torch.bfloat16)
-    overrides = dict(prefill_chunk_size=args.prefill_chunk_size, host_dtype=args.host_dtype)
+    overrides = dict(prefill_chunk_size=args.prefill_chunk_size, prefill_batch_tokens=args.prefill_batch_tokens,
+                     host_dtype=args.host_dtype)
     to_nosa(model, NosaConfig(**{k: v for k, v in overrides.items() if v is not None}))
     randomize_eviction_heads(model, scale=0.5, generator=torch.Generator().manual_seed(0))
     result = dict(environment(), commit=os.environ.get("HF_NOSA_COMMIT"), shape=args.shape, context=args.context,

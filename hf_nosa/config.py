@@ -33,6 +33,11 @@ class NosaConfig:
     queries give the first answer token and the keys decoding reads first. 0: every chunk attends to its QUOKA
     blocks only.
 
+    ``prefill_batch_tokens`` (0: off) lets a small batch take longer chunks: a chunk is then
+    ``max(prefill_chunk_size, prefill_batch_tokens // batch)`` tokens (rounded down to whole blocks), so that a chunk
+    step spans about as many tokens at batch 1 as at larger batches. Every chunk costs the same fixed launches and
+    host work per layer whatever its length, which a batch-1 prefill waits on (``prefill_chunk``).
+
     ``host_dtype`` is how the host store keeps K and V: "auto" (the model's dtype), or "float8_e4m3fn" / "int8"
     with one fp32 scale per (block, KV head) (``hf_nosa.host_quant``), which halves the host memory and the bytes
     a block fetch moves against bf16. Eviction scores and compressed keys stay in full precision.
@@ -57,6 +62,7 @@ class NosaConfig:
     prefill_budget_tokens: int | None = None
     host_dtype: str = "auto"
     prefill_dense_tail_tokens: int = 64
+    prefill_batch_tokens: int = 0
 
     def __post_init__(self):
         def fail(name: str, rule: str, fix: str = ""):
@@ -75,6 +81,7 @@ class NosaConfig:
             "prefill_chunk_size",
             "quoka_queries",
             "prefill_dense_tail_tokens",
+            "prefill_batch_tokens",
         )
         for name in int_fields:
             value = getattr(self, name)
@@ -84,7 +91,8 @@ class NosaConfig:
             fail("offload", "it must be True or False")
         if not _is_power_of_two(self.block_size):
             fail("block_size", "it must be a power of two (the paper uses 64)")
-        for name in ("budget_tokens", "query_tokens", "sink_tokens", "local_tokens", "prefill_chunk_size"):
+        for name in ("budget_tokens", "query_tokens", "sink_tokens", "local_tokens", "prefill_chunk_size",
+                     "prefill_batch_tokens"):
             value = getattr(self, name)
             if value < 0 or value % self.block_size:
                 fail(name, f"it must be a non-negative multiple of block_size={self.block_size}")
@@ -125,6 +133,12 @@ class NosaConfig:
                     f"it must cover sink_tokens + local_tokens = {self.sink_tokens} + {self.local_tokens}",
                     "Raise it, or leave it None to use budget_tokens.",
                 )
+
+    def prefill_chunk(self, batch: int) -> int:
+        """Prompt tokens per prefill chunk at ``batch`` rows: ``prefill_chunk_size``, or longer at small batches
+        under ``prefill_batch_tokens``."""
+        grown = self.prefill_batch_tokens // max(1, batch) // self.block_size * self.block_size
+        return max(self.prefill_chunk_size, grown)
 
     # Blocks, the unit every rule works in.
     @property

@@ -42,6 +42,7 @@ FIELD_MEANINGS = {
     "prefill": f"how the prompt is processed, one of {', '.join(PREFILL_MODES)}",
     "offload": "keep the full KV cache in host memory",
     "prefill_chunk_size": "prompt tokens per chunk in chunked prefill",
+    "prefill_batch_tokens": "small batches take chunks of up to this many tokens divided by the batch (0: off)",
     "quoka_queries": "queries per head kept by QUOKA to score blocks",
     "prefill_budget_tokens": "KV tokens each prompt chunk attends to (default: budget_tokens)",
 }

@@ -1,6 +1,7 @@
 """The causal LM forward of a NOSA model with a NosaCache: model-level chunked prefill and graph-replayed decode.
 
-Prefill: a prompt longer than ``prefill_chunk_size`` goes through the whole model one chunk at a time (every layer
+Prefill: a prompt longer than a chunk (``NosaConfig.prefill_chunk``: ``prefill_chunk_size`` tokens, more at small
+batches under ``prefill_batch_tokens``) goes through the whole model one chunk at a time (every layer
 finishes chunk i before any layer sees chunk i + 1), so device memory holds the weights, the cache's working set
 and one chunk's activations whatever the prompt length; logits are computed only where ``logits_to_keep`` asks.
 
@@ -88,7 +89,7 @@ class NosaForward:
         if T == 1 and cache.get_seq_length() > 0 and self._graph_eligible(cache, kwargs):
             return self._decode_with_graph(cache, cache_name, kwargs)
         lead = self._left_padding(cache, kwargs)
-        if T <= cache.nosa_config.prefill_chunk_size and lead is None:
+        if T <= cache.nosa_config.prefill_chunk(inputs.shape[0]) and lead is None:
             return self.original(**kwargs)
         return self._chunked(cache, cache_name, kwargs, lead)
 
@@ -110,7 +111,7 @@ class NosaForward:
         ids_name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
         inputs = kwargs.pop(ids_name)
         B, T = inputs.shape[:2]
-        C = cache.nosa_config.prefill_chunk_size
+        C = cache.nosa_config.prefill_chunk(B)
         past = cache.get_seq_length()
         position_ids = kwargs.pop("position_ids", None)
         if position_ids is None:
