@@ -53,18 +53,50 @@ def test_smoke_run_trains_evaluates_and_exports(tmp_path):
     assert model.config.nosa["compress_kernel"] == results["settings"]["nosa"]["compress_kernel"]
 
 
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (["--query-tokens", "32"], "the evaluation at 384 tokens has a budget of 48 tokens"),
-        (["--windows", "4x2"], "--windows='4x2' is invalid"),
-        (["--selection-loss", "-1"], "--selection-loss=-1.0 is invalid"),
-        (["--rope-factor", "0.5"], "--rope-factor=0.5 is invalid"),
-    ],
-)
-def test_bad_settings_fail_before_any_work(tmp_path, flags, message):
-    out = tmp_path / "run"
-    done = run_experiment("--smoke", "--out", str(out), *flags)
-    assert done.returncode == 2
-    assert message in done.stderr
-    assert not out.exists()
+BAD_SETTINGS = [
+    (["--query-tokens", "32"], "the evaluation at 384 tokens has a budget of 48 tokens"),
+    (["--windows", "4x2"], "--windows='4x2' is invalid"),
+    (["--selection-loss", "-1"], "--selection-loss=-1.0 is invalid"),
+    (["--rope-factor", "0.5"], "--rope-factor=0.5 is invalid"),
+]
+
+# Every bad setting through run.py's main() in one fresh interpreter (starting one costs seconds of imports): the
+# exit code and stderr of each call, and whether its --out folder exists afterwards.
+CHECK_ALL = """
+import contextlib, importlib.util, io, json, sys
+from pathlib import Path
+spec = importlib.util.spec_from_file_location("quality_run", sys.argv[1])
+run = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run)
+results = []
+for i, flags in enumerate(json.loads(sys.argv[3])):
+    out = Path(sys.argv[2]) / f"run{i}"
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            code = run.main(["--smoke", "--out", str(out), *flags])
+        except SystemExit as exit:
+            code = exit.code
+    results.append(dict(code=code, stderr=stderr.getvalue(), out_exists=out.exists()))
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_settings_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_settings")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    flags = json.dumps([flags for flags, _ in BAD_SETTINGS])
+    done = subprocess.run([sys.executable, "-c", CHECK_ALL, str(RUN), str(root), flags], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    return {" ".join(flags): result for (flags, _), result in zip(BAD_SETTINGS, results)}
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD_SETTINGS)
+def test_bad_settings_fail_before_any_work(bad_settings_runs, flags, message):
+    done = bad_settings_runs[" ".join(flags)]
+    assert done["code"] == 2
+    assert message in done["stderr"]
+    assert not done["out_exists"]
