@@ -10,6 +10,9 @@ from .decode_attention import decode_attention
 from .host_read import read_span
 from .fetch import FetchPlan, SlotPool, StepCounters, fetch_blocks, fetch_blocks_ref, fetch_step, plan_fetch
 from .quoka_score import quoka_score
+from .rms_norm import rms_norm
+from .rotary import apply_rotary
+from .silu_mul import silu_mul
 from .window_probs import window_probs
 
 __all__ = [
@@ -18,6 +21,7 @@ __all__ = [
     "SlotPool",
     "StepCounters",
     "append_token",
+    "apply_rotary",
     "block_select",
     "chunk_attention",
     "decode_attention",
@@ -27,5 +31,7 @@ __all__ = [
     "plan_fetch",
     "quoka_score",
     "read_span",
+    "rms_norm",
+    "silu_mul",
     "window_probs",
 ]

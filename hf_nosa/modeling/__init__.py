@@ -12,6 +12,7 @@ from ..config import NosaConfig
 from . import llama, qwen2, qwen3
 from .base import NosaAttentionMixin
 from .chunked import install_forward
+from .fused import fuse_modules
 
 FAMILIES = {
     "llama": llama,
@@ -65,15 +66,17 @@ def check_convertible(config) -> None:
 
 
 def convert_layers(model: nn.Module, cfg: NosaConfig, *, allow_meta: bool = False) -> None:
-    """Swap every attention module of ``model`` for its family's NOSA class, with an eviction head, in place, and
-    route its forward through ``modeling.chunked.NosaForward``.
+    """Swap every attention module of ``model`` for its family's NOSA class, with an eviction head, in place, its
+    RMSNorm and SiLU MLP modules for their fused-kernel subclasses (``modeling.fused``: same parameters and names),
+    and route its forward through ``modeling.chunked.NosaForward``.
 
     ``allow_meta`` lets a model being built by ``from_pretrained`` (weights still on the meta device) convert;
     its eviction heads are then filled by the checkpoint.
     """
-    attention_class = FAMILIES[family_of(model)].ATTENTION_CLASS
+    binding = FAMILIES[family_of(model)]
     for layer in model.model.layers:
-        _convert_attention(layer.self_attn, attention_class, cfg, allow_meta)
+        _convert_attention(layer.self_attn, binding.ATTENTION_CLASS, cfg, allow_meta)
+    fuse_modules(model, binding.FUSED_CLASSES)
     model.config.nosa = cfg.to_dict()
     install_forward(model)  # chunked prefill and graph-replayed decode with a NosaCache (modeling/chunked.py)
 

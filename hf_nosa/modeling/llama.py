@@ -1,13 +1,24 @@
-"""NOSA attention for Llama: the stock LlamaAttention with an eviction head."""
+"""NOSA attention for Llama: the stock LlamaAttention with an eviction head; RMSNorm and MLP on fused kernels."""
 
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCausalLM, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaRMSNorm
 
+from ..kernels.rotary import apply_rotary
 from .base import NosaAttentionMixin
+from .fused import FusedMLPMixin, FusedRMSNormMixin
 
 
 class NosaLlamaAttention(NosaAttentionMixin, LlamaAttention):
-    rotary = staticmethod(apply_rotary_pos_emb)
+    rotary = staticmethod(apply_rotary)
+
+
+class NosaLlamaRMSNorm(FusedRMSNormMixin, LlamaRMSNorm):
+    pass
+
+
+class NosaLlamaMLP(FusedMLPMixin, LlamaMLP):
+    pass
 
 
 MODEL_CLASS = LlamaForCausalLM
 ATTENTION_CLASS = NosaLlamaAttention
+FUSED_CLASSES = {LlamaRMSNorm: NosaLlamaRMSNorm, LlamaMLP: NosaLlamaMLP}

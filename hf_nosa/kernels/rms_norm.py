@@ -1,0 +1,99 @@
+"""RMSNorm forward in one launch, as transformers' ``LlamaRMSNorm`` / ``Qwen2RMSNorm`` / ``Qwen3RMSNorm`` compute it.
+
+The stock forward is eight launches per call (to float32, pow, mean, add eps, rsqrt, mul, back to the input dtype,
+the weight multiply); a decoder layer calls it twice (Qwen3 four times: ``q_norm`` and ``k_norm`` on every head),
+which the decode graph pays in GPU time and a batch-1 prefill chunk in host time. The kernel does the same steps in
+the same dtypes: the row in float32, ``variance = mean(x * x)``, ``x * rsqrt(variance + eps)`` rounded to the input
+dtype, then ``weight * that`` in the promoted dtype of the two (a bf16 weight on bf16 rows gives bf16; an fp32
+weight gives fp32). It is not bitwise equal to torch: the mean sums the row in another order (and Triton's rsqrt is
+not torch's), so a row's scale may differ in float32's last bits, which rounding to bf16/fp16 hides nearly always.
+It has no backward: ``rms_norm`` takes it only where no gradient is wanted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
+from .host_format import cast_rtne
+
+TILE = 4096  # elements per program: rows of a short norm (Qwen3's per-head norm, D = 128) share a program
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, w_ptr, out_ptr, stride_x, stride_o, R, N, inv_n, eps,
+        ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """Program (tile of ``ROWS`` rows): ``w * (x * rsqrt(mean(x * x) + eps)).to(x.dtype)`` per row."""
+        o_r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        o_n = tl.arange(0, BLOCK_N)
+        m_n = o_n < N
+        m = (o_r < R)[:, None] & m_n[None, :]
+        b_x = tl.load(x_ptr + o_r[:, None] * stride_x + o_n[None, :], mask=m, other=0.0).to(tl.float32)
+        variance = tl.sum(b_x * b_x, axis=1) * inv_n  # torch's mean on CUDA multiplies by 1/N too
+        b_h = cast_rtne(b_x * tl.math.rsqrt(variance + eps)[:, None], x_ptr.dtype.element_ty)  # .to(input_dtype)
+        b_w = tl.load(w_ptr + o_n, mask=m_n, other=0.0).to(tl.float32)
+        b_o = cast_rtne(b_w[None, :] * b_h.to(tl.float32), out_ptr.dtype.element_ty)
+        tl.store(out_ptr + o_r[:, None] * stride_o + o_n[None, :], b_o, mask=m)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    N = x.shape[-1]
+    rows = x.reshape(-1, N)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    R = rows.shape[0]
+    if out.numel() == 0:
+        return out
+    block_n = next_power_of_2(N)
+    tile_rows = max(1, min(TILE // block_n, next_power_of_2(R)))
+    with on_device(x):
+        launcher(_rms_norm_kernel)[(-(-R // tile_rows),)](
+            rows, weight, out, rows.stride(0), N, R, N, 1.0 / N, eps,
+            ROWS=tile_rows, BLOCK_N=block_n, num_warps=4 if tile_rows * block_n <= 4096 else 8,
+            enable_fp_fusion=False,
+        )
+    return out
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch reference: ``LlamaRMSNorm.forward`` (Qwen2's and Qwen3's are the same lines)."""
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(input_dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension: Triton on CUDA where no gradient is wanted, the torch reference elsewhere
+    (``HF_NOSA_KERNELS`` forces one, see ``backend.py``).
+
+    Args:
+        x: ``[..., N]`` float32, bfloat16 or float16 (e.g. ``[B, T, hidden]``, or ``[B, T, H, D]`` for Qwen3's
+            per-head ``q_norm``/``k_norm``).
+        weight: ``[N]``.
+        eps: added to the mean square (the module's ``variance_epsilon``).
+
+    Returns:
+        ``[..., N]`` in ``promote_types(weight.dtype, x.dtype)``, as the stock module returns.
+
+    Example:
+        >>> x, w = torch.randn(2, 3, 8), torch.ones(8)
+        >>> torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
+        True
+    """
+    if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rms_norm: x must be [..., N] and weight [N]; got shapes {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if wants_grad or torch.compiler.is_compiling() or kernel_path("rms_norm", x) == "torch":
+        return rms_norm_ref(x, weight, eps)
+    if x.dtype not in DTYPES or weight.dtype not in DTYPES:
+        log_fallback("rms_norm", x.device.type, f"its dtypes ({x.dtype}, weight {weight.dtype}) are not in {DTYPES}")
+        return rms_norm_ref(x, weight, eps)
+    return _launch(x, weight, eps)
