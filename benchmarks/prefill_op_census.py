@@ -15,7 +15,8 @@ launches), ``sync`` (``item``/``nonzero``-like: a launch that also waits for the
 whose tensors stay on the CPU under CUDA too, ``HOST_SIDE``: no launch, no sync). By default the Triton kernels
 run in the interpreter (``HF_NOSA_KERNELS=triton TRITON_INTERPRET=1``, the CUDA path's code) and each counts as one
 ``triton:<kernel>`` launch, the ops the interpreter itself issues not counted (``flash_biased`` is counted the same
-way but computed by its torch reference: interpreted, it would take minutes per layer); ``--kernels torch`` counts the CPU
+way but computed by its torch reference: interpreted, it would take minutes per layer, and so are the decoder
+layer's RMSNorm, rotary and SiLU-product kernels); ``--kernels torch`` counts the CPU
 torch references instead. What CPU runs cannot show: a host-to-device ``.to(device)`` is no op on the CPU; the
 lower-right causal mask is an explicit mask here (``_causal``: a few ops) where CUDA passes a ``CausalBias``.
 
@@ -166,6 +167,29 @@ def hook(model, census: Census, quoka: dict):
             census.paused -= 1
 
     flash_module._launch = reference_launch
+
+    # The decoder layer's elementwise kernels (RMSNorm, rotary, SiLU product) over a whole chunk are thousands of
+    # interpreted programs: count each launch once and compute its result with the torch reference (bitwise or
+    # within float32's last bits of it, see the kernels' tests).
+    from hf_nosa.kernels import rms_norm as norm_module
+    from hf_nosa.kernels import rotary as rotary_module
+    from hf_nosa.kernels import silu_mul as silu_module
+
+    def counted(name, reference):
+        def launch(*a):
+            if census.where is not None and not census.paused:
+                census.note("triton:" + name, "kernel")
+            census.paused += 1
+            try:
+                return reference(*a)
+            finally:
+                census.paused -= 1
+
+        return launch
+
+    norm_module._launch = counted("_rms_norm_kernel", norm_module.rms_norm_ref)
+    rotary_module._launch = counted("_rotary_kernel", rotary_module.apply_rotary_ref)
+    silu_module._launch = counted("_silu_mul_kernel", silu_module.silu_mul_ref)
 
 
 def summarize(counts: dict, keys: list, top: int) -> dict:
