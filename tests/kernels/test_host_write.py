@@ -13,6 +13,10 @@ from hf_nosa.kernels.host_format import cast_rtne, dequantize, quantize_block
 from hf_nosa.kernels.host_write import host_write
 
 
+# The checks read stores with ``read_torch`` (the reference of ``kernels.host_read``, tested against it in
+# test_host_read): the interpreted read kernel would cost more than the writes under test.
+
+
 def _stores(B, Hk, D, P, dtype, device, chunk_blocks, host_dtype="auto"):
     stores = []
     for _ in range(2):
@@ -56,7 +60,7 @@ def _check(B, Hk, D, P, dtype, device, pieces, chunk_blocks=2, seed=0, host_dtyp
         start += n
     assert ker.length == ref.length == start
     for which in range(3):
-        torch.testing.assert_close(ker.read(0, start, "cpu")[which], ref.read(0, start, "cpu")[which], rtol=0, atol=0)
+        torch.testing.assert_close(ker.read_torch(0, start, "cpu")[which], ref.read_torch(0, start, "cpu")[which], rtol=0, atol=0)
     assert_same_store(ker, ref)
 
 
@@ -103,8 +107,8 @@ def test_row_offsets_quantized_interpreted(interpret, monkeypatch, host_dtype):
     assert_same_store(ker, ref)
     for which in range(3):
         for row, length in enumerate(ref.row_lengths().tolist()):  # past a row's length the store holds anything
-            torch.testing.assert_close(ker.read(0, start, "cpu")[which][row, :, :length],
-                                       ref.read(0, start, "cpu")[which][row, :, :length], rtol=0, atol=0)
+            torch.testing.assert_close(ker.read_torch(0, start, "cpu")[which][row, :, :length],
+                                       ref.read_torch(0, start, "cpu")[which][row, :, :length], rtol=0, atol=0)
 
 
 def test_limits_keep_the_last_real_block_of_a_row_exact_interpreted(interpret, monkeypatch):
@@ -139,7 +143,7 @@ def test_limits_keep_the_last_real_block_of_a_row_exact_interpreted(interpret, m
     for row, n in enumerate(limits.tolist()):
         full = n // P * P
         assert torch.equal(ker.tail_k[row, :, : n - full], keys[row, :, full:n])  # the row's last block, exact
-        torch.testing.assert_close(ker.read(0, n, "cpu")[0][row], ref.read(0, n, "cpu")[0][row], rtol=0, atol=0)
+        torch.testing.assert_close(ker.read_torch(0, n, "cpu")[0][row], ref.read_torch(0, n, "cpu")[0][row], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("path", ["torch", "triton"])
@@ -161,7 +165,7 @@ def test_row_offsets_store_each_row_from_its_first_real_token(interpret, monkeyp
                 if start + i >= off:
                     expected[row][:, start + i - off] = k[row, :, i]
         start += n
-    keys, values, _ = host.read(0, start, "cpu")
+    keys, values, _ = host.read_torch(0, start, "cpu")
     for row, off in enumerate(offsets.tolist()):
         torch.testing.assert_close(keys[row, :, : start - off], expected[row][:, : start - off], rtol=0, atol=0)
         torch.testing.assert_close(values[row, :, : start - off], expected[row][:, : start - off] + 1, rtol=0, atol=0)
