@@ -37,6 +37,17 @@ def smollm2(smollm2_file):
     return model, tokenizer
 
 
+@pytest.fixture
+def tokenizer_asked_for(smollm2, monkeypatch):
+    """``load_tokenizer`` answering with the module's tokenizer (built by the loader from the same GGUF file):
+    rebuilding it from the GGUF takes ~10 s a call. Returns the names it was asked for."""
+    import hf_nosa.loading as loading
+
+    asked = []
+    monkeypatch.setattr(loading, "load_tokenizer", lambda spec: asked.append(spec) or smollm2[1])
+    return asked
+
+
 def _greedy(model, ids, cache=None, new=8):
     kwargs = {} if cache is None else {"past_key_values": cache}
     with torch.no_grad():
@@ -69,8 +80,8 @@ def test_smollm2_loads_as_a_plain_llama_that_saves(smollm2, tmp_path):
 
 def test_smollm2_full_budget_reproduces_the_stock_greedy_tokens(smollm2):
     model, tokenizer = smollm2
-    _, ids = _prompt(tokenizer, 1024, seed=1)
-    assert ids.shape[1] == 1024
+    _, ids = _prompt(tokenizer, 512, seed=1)  # the budget covers the prompt and the new tokens many times over
+    assert ids.shape[1] == 512
     stock = _greedy(model, ids)
     nosa = to_nosa(copy.deepcopy(model), NosaConfig(budget_tokens=2048, sink_tokens=64, local_tokens=256,
                                                       query_tokens=256, prefill="dense"))
@@ -123,7 +134,8 @@ def test_demo_model_smollm2_runs_what_ships(smollm2, monkeypatch, capsys):
     assert re.search(r"answer: .*-> correct", text), text
 
 
-def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, tmp_path, monkeypatch, capsys):
+def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, tokenizer_asked_for, tmp_path, monkeypatch,
+                                                                 capsys):
     """Issue 16 item 5: the files ``hf-nosa retrofit`` writes for SmolLM2 (one step of the shipped recipe at toy
     sizes here, ``experiments/smollm2/gpu.sh retrofit`` on the GPU), placed where the package ships an adapter, are
     what ``hf-nosa demo --model smollm2`` applies: LoRA merged, the trained eviction heads in every layer."""
@@ -140,15 +152,15 @@ def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, tmp_p
     from .test_demo import check_output
 
     model, tokenizer = smollm2
-    monkeypatch.setattr(loading, "load_tokenizer", lambda spec: tokenizer)  # rebuilding it from the GGUF takes ~10 s
     data = tmp_path / "ids.jsonl"
     rows = torch.randint(100, 40000, (4, 256), generator=torch.Generator().manual_seed(0)).tolist()
     data.write_text("".join(json_module.dumps({"input_ids": ids}) + "\n" for ids in rows))
     recipe = load_recipe("smollm2-135m")
     recipe.update(nosa=dict(block_size=64, budget_tokens=256, sink_tokens=64, local_tokens=64, query_tokens=64,
                             compress_kernel=32, compress_stride=16),
-                  seq_len=256, steps=1, grad_accum=1, warmup_steps=0, save_every=0)
+                  seq_len=256, steps=1, batch_size=1, grad_accum=1, warmup_steps=0, save_every=0)
     retrofit(recipe, data, tmp_path / "run", base_model=copy.deepcopy(model))
+    assert tokenizer_asked_for and all(loading.is_gguf(spec) for spec in tokenizer_asked_for)  # saved beside it
     shipped = tmp_path / "smollm2_adapter"
     # how an adapter gets into hf_nosa/assets: experiments/smollm2/ship_adapter.py
     spec = importlib.util.spec_from_file_location("ship_adapter", ROOT / "experiments" / "smollm2" / "ship_adapter.py")
@@ -163,7 +175,8 @@ def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, tmp_p
     loaded = []
     original = demo.load_smollm2
     monkeypatch.setattr(demo, "load_smollm2", lambda *a, **kw: loaded.append(original(*a, **kw)) or loaded[-1])
-    assert cli_main(["demo", "--model", "smollm2", "--context", "1024", "--budget", "256", "--seed", "5"]) == 0
+    # context 512: twice the budget, the least the demo takes
+    assert cli_main(["demo", "--model", "smollm2", "--context", "512", "--budget", "256", "--seed", "5"]) == 0
     text = capsys.readouterr().out
     merged, _, _, settings = loaded[0]
     assert "smollm2_adapter" in settings["adapter"] and "UNTRAINED" not in settings["adapter"]
@@ -180,8 +193,9 @@ def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, tmp_p
 
 
 @pytest.mark.slow
-def test_smollm2_recipe_retrofit_smoke(smollm2, tmp_path):
+def test_smollm2_recipe_retrofit_smoke(smollm2, tokenizer_asked_for, tmp_path):
     """The shipped recipe's path end to end at toy sizes: the SmolLM2 base, its tokenizer and the built-in text."""
+    import hf_nosa.loading as loading
     from hf_nosa.retrofit import load_recipe, read_run, retrofit
 
     model, _ = smollm2
@@ -189,8 +203,10 @@ def test_smollm2_recipe_retrofit_smoke(smollm2, tmp_path):
     assert (recipe["model"], recipe["data"], recipe["seq_len"]) == ("smollm2", "python-prose-and-code", 8192)
     small = dict(block_size=16, budget_tokens=64, sink_tokens=16, local_tokens=16, query_tokens=16,
                  compress_kernel=8, compress_stride=4)
-    recipe.update(nosa=small, seq_len=128, steps=2, grad_accum=1, warmup_steps=0, save_every=0)
+    recipe.update(nosa=small, seq_len=128, steps=2, batch_size=1, grad_accum=1, warmup_steps=0, save_every=0)
     result = retrofit(recipe, None, tmp_path / "out", base_model=copy.deepcopy(model))
+    # the tokenizer of the GGUF base, for the built-in text and beside the adapter
+    assert tokenizer_asked_for and all(loading.is_gguf(spec) for spec in tokenizer_asked_for)
     assert result.steps == 2 and len(result.losses) == 2 and all(0 < loss < 20 for loss in result.losses)
     run = read_run(tmp_path / "out")
     assert run["recipe"]["data"] == "python-prose-and-code" and run["base_model"].endswith(".gguf")
