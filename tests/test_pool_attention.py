@@ -100,11 +100,11 @@ def test_head_dims_the_kernel_does_not_take_run_the_sdpa_route(monkeypatch, capl
     assert_close(out, attend(q, with_prefix_read(inputs), 0.3), atol=1e-5, rtol=1e-5)
 
 
-def _prefill_in_parts(monkeypatch, parts, left_pad=(0, 31, 0, 64, 7), length=300, **env):
+def _prefill_in_parts(monkeypatch, parts, left_pad=(0, 31, 0, 64, 7), length=300, layers=2, **env):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(prefill_module, "fetch_parts", lambda device, batch: min(parts, batch))
-    model = _model("qwen3", seed=21)
+    model = _model("qwen3", seed=21, num_hidden_layers=layers)
     ids, mask = _prompt(len(left_pad), length, seed=22, left_pad=left_pad)
     cache = NosaCache(model.config, small_nosa_config(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=32,
                                                       budget_tokens=96, query_tokens=16))
@@ -124,12 +124,13 @@ def test_quoka_prefill_in_parts_equals_one_part(monkeypatch):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
 def test_quoka_prefill_in_parts_with_the_interpreted_fetch_kernel(monkeypatch):
-    """The fetch kernel's row offset (``row0``) in the Triton interpreter against the torch path in one part."""
-    small = dict(left_pad=(0, 31, 0), length=170)
+    """The fetch kernel's row offset (``row0``) in the Triton interpreter against the torch path in one part (one
+    layer: each layer fetches alike, and every kernel of the layer runs interpreted)."""
+    small = dict(left_pad=(0, 31, 0), length=170, layers=1)
     expected, expected_stats = _prefill_in_parts(monkeypatch, 1, HF_NOSA_KERNELS="torch", **small)
     actual, actual_stats = _prefill_in_parts(monkeypatch, 3, HF_NOSA_KERNELS="triton", TRITON_INTERPRET="1", **small)
     assert_close(actual, expected, atol=1e-4, rtol=1e-4)
-    assert actual_stats["blocks_loaded"] == expected_stats["blocks_loaded"]
+    assert actual_stats["blocks_loaded"] == expected_stats["blocks_loaded"] > 0
 
 
 @pytest.mark.gpu

@@ -26,8 +26,8 @@ from .conftest import small_nosa_config, tiny_model
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
 
-def _model(family, seed=0):
-    model = to_nosa(tiny_model(family, seed=seed), small_nosa_config())
+def _model(family, seed=0, **overrides):
+    model = to_nosa(tiny_model(family, seed=seed, **overrides), small_nosa_config())
     return randomize_eviction_heads(model, generator=torch.Generator().manual_seed(seed + 7))
 
 
