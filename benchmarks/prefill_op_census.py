@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import linecache
 import os
@@ -171,9 +172,9 @@ def hook(model, census: Census, quoka: dict):
     # The decoder layer's elementwise kernels (RMSNorm, rotary, SiLU product) over a whole chunk are thousands of
     # interpreted programs: count each launch once and compute its result with the torch reference (bitwise or
     # within float32's last bits of it, see the kernels' tests).
-    from hf_nosa.kernels import rms_norm as norm_module
-    from hf_nosa.kernels import rotary as rotary_module
-    from hf_nosa.kernels import silu_mul as silu_module
+    # the modules by name: hf_nosa.kernels re-exports functions named like two of them
+    norm_module, rotary_module, silu_module = (importlib.import_module("hf_nosa.kernels." + name)
+                                               for name in ("rms_norm", "rotary", "silu_mul"))
 
     def counted(name, reference):
         def launch(*a):
