@@ -54,8 +54,12 @@ def _generate(model, cfg, ids, mask, new_tokens, **kwargs):
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)  # [B, new], [B, new, V]
 
 
-def _check_rows(model, cfg, ids, mask, pads, new_tokens, **kwargs):
+def _check_rows(model, cfg, ids, mask, pads, new_tokens, alone_on=None, **kwargs):
+    """The padded batch against each row alone; ``alone_on``: a monkeypatch that runs the rows alone on the torch
+    path (the reference the kernel path is held to, tokens equal and logits within 1e-4, in test_decode_path)."""
     tokens, logits = _generate(model, cfg, ids, mask, new_tokens, **kwargs)
+    if alone_on is not None:
+        alone_on.setenv("HF_NOSA_KERNELS", "torch")
     for row, pad in enumerate(pads):
         alone = ids[row : row + 1, pad:]
         alone_tokens, alone_logits = _generate(model, cfg, alone, torch.ones_like(alone), new_tokens, **kwargs)
@@ -113,13 +117,14 @@ def test_a_padded_prompts_outputs_come_back_at_the_callers_positions():
 @pytest.mark.parametrize("mode", ["dense", "quoka"])
 def test_the_same_on_the_device_kernels_interpreted(monkeypatch, mode):
     """The Triton path (block_select, fetch, decode attention; QUOKA scoring and chunk attention) in the
-    interpreter: its kernels read each row's padding on the device."""
+    interpreter: its kernels read each row's padding on the device. The rows alone (no padding) run on the torch
+    path: the interpreted batch is what is under test."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
     # 4 blocks (sink, local 2, query 1) against rows of 120, 107 and 80 tokens; 80 + 6 crosses a block
     cfg = small_nosa_config(**{**BASE, "budget_tokens": 64, "query_tokens": 16}, **MODES[mode])
     ids, mask = _batch(length=120)
-    _check_rows(_model("llama", cfg, num_hidden_layers=1), cfg, ids, mask, PADS, 6)
+    _check_rows(_model("llama", cfg, num_hidden_layers=1), cfg, ids, mask, PADS, 6, alone_on=monkeypatch)
 
 
 def _updates_and_crop(model, cfg, prompt, prompt_mask, extra):
