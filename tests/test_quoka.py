@@ -361,8 +361,8 @@ def test_quoka_on_gpu_equals_dense_with_full_budget_and_the_torch_path_with_a_sm
 def test_quoka_with_interpreted_kernels_equals_the_torch_path(monkeypatch):
     """Both chunk-attention call sites (one forward; a continuing call that reads earlier blocks from the host store)
     through the Triton kernels in the interpreter, against the torch references, with a budget smaller than the
-    prompt (so selected blocks come first in every chunk's key list)."""
-    model = _model("llama", seed=5)
+    prompt (so selected blocks come first in every chunk's key list). One layer: every kernel runs once a chunk."""
+    model = _model("llama", seed=5, num_hidden_layers=1)
     ids, mask = _prompt(2, 150, seed=6, left_pad=(0, 21))
     config = small_nosa_config(prefill="quoka", prefill_budget_tokens=48, prefill_chunk_size=32)
 
