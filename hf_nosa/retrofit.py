@@ -314,7 +314,9 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
         raise ValueError(f"resume=True but {output_dir} holds no checkpoint (checkpoints/step-N)")
     if found and not resume:
         raise ValueError(f"{output_dir} already holds checkpoints; pass resume=True or choose an empty output dir")
-    history = {"losses": [], "tokens": 0, "recipe": recipe}
+    # Per step: the LM loss, the alignment losses (with eviction_loss / selection_loss) and the gradient norm before
+    # clipping: what a run that diverges is read from.
+    history = {"losses": [], "aux_losses": [], "grad_norms": [], "tokens": 0, "recipe": recipe}
     if found:
         saved = json.loads((found[-1] / TRAINER_STATE).read_text())
         if saved["recipe"] != recipe:
@@ -349,7 +351,9 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
     if found:
         accelerator.load_state(str(found[-1]))
         saved = json.loads((found[-1] / TRAINER_STATE).read_text())
-        start, history = saved["step"], {**history, "losses": saved["losses"], "tokens": saved["tokens"]}
+        start, history = saved["step"], {**history, "losses": saved["losses"], "tokens": saved["tokens"],
+                                         "aux_losses": saved.get("aux_losses", []),
+                                         "grad_norms": saved.get("grad_norms", [])}
         if "schedule_steps" in saved:  # a time-limited run's schedule goes on where it ended
             plan["steps"] = history["schedule_steps"] = saved["schedule_steps"]
         if saved.get("world_size", accelerator.num_processes) != accelerator.num_processes:
@@ -366,6 +370,7 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
     began, run_tokens, orders = time.perf_counter(), 0, {}
     for step in range(start, stop):
         total = torch.zeros((), device=accelerator.device)
+        total_aux = None
         for micro in range(recipe["grad_accum"]):
             ids = _batch(packed, step, micro, recipe, rank, world, orders).to(accelerator.device)
             sync = micro == recipe["grad_accum"] - 1
@@ -374,13 +379,18 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
                 aux = selection_loss(model)  # None unless the recipe weights an alignment loss
                 accelerator.backward((loss if aux is None else loss + aux) / recipe["grad_accum"])
             total += loss.detach().float()
+            if aux is not None:
+                total_aux = aux.detach().float() + (0 if total_aux is None else total_aux)
         if recipe["max_grad_norm"] is not None:
-            accelerator.clip_grad_norm_(model.parameters(), recipe["max_grad_norm"])
+            norm = accelerator.clip_grad_norm_(model.parameters(), recipe["max_grad_norm"])
+            history["grad_norms"].append(float(norm))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step_loss = float(accelerator.reduce(total / recipe["grad_accum"], "mean"))
         history["losses"].append(step_loss)
+        if total_aux is not None:
+            history["aux_losses"].append(float(accelerator.reduce(total_aux / recipe["grad_accum"], "mean")))
         history["tokens"] += step_tokens
         run_tokens += step_tokens
         speed = run_tokens / (time.perf_counter() - began)
