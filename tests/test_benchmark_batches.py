@@ -99,6 +99,15 @@ def test_quantized_store_plans_about_twice_the_bf16_batch(monkeypatch, shape, co
 # ----- decode_throughput.py: stepping down -----
 
 
+@pytest.fixture
+def freed(monkeypatch):
+    """batch_plan.free recorded instead of run: its gc.collect costs ~0.2 s a try in a full test session, and these
+    tests try up to 20 batches. Returns the host bytes each call was given."""
+    needs = []
+    monkeypatch.setattr(bp, "free", lambda device, host_need=0: needs.append(host_need))
+    return needs
+
+
 def fake_runner(calls, fits_up_to, error):
     def run_row(args, model, shape, method, context, batch, *rest):
         calls.append(batch)
@@ -114,7 +123,7 @@ def fake_runner(calls, fits_up_to, error):
     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
     RuntimeError("CUDA error: out of memory"),  # a failed pinned allocation
 ])
-def test_attempt_steps_down_by_15_percent_after_running_out_of_memory(monkeypatch, error):
+def test_attempt_steps_down_by_15_percent_after_running_out_of_memory(monkeypatch, freed, error):
     calls = []
     fits_up_to = int(torch.randint(20, 60, (1,), generator=torch.Generator().manual_seed(3)))
     monkeypatch.setattr(dt, "run_row", fake_runner(calls, fits_up_to, error))
@@ -125,9 +134,10 @@ def test_attempt_steps_down_by_15_percent_after_running_out_of_memory(monkeypatc
     assert [t["batch"] for t in row["stepped_down"]] == calls[:-1]
     assert all(type(error).__name__ in t["error"] for t in row["stepped_down"])
     assert "error" not in row
+    assert len(freed) == len(calls) and all(need > 0 for need in freed)  # the last row's leftovers go before each try
 
 
-def test_attempt_does_not_retry_other_errors_and_reports_running_out_at_batch_1(monkeypatch):
+def test_attempt_does_not_retry_other_errors_and_reports_running_out_at_batch_1(monkeypatch, freed):
     calls = []
     monkeypatch.setattr(dt, "run_row", fake_runner(calls, 0, ValueError("a bug")))
     args = (dt_args(), None, "1b", "nosa", 32768, 50, torch.device("cpu"), torch.bfloat16, dt.nosa_config(False), {})
@@ -137,6 +147,7 @@ def test_attempt_does_not_retry_other_errors_and_reports_running_out_at_batch_1(
     monkeypatch.setattr(dt, "run_row", fake_runner(calls, 0, MemoryError("no host memory")))
     row = dt.attempt(*args)
     assert calls[-1] == 1 and "out of memory at every batch" in row["error"] and len(row["stepped_down"]) == len(calls)
+    assert len(freed) == 1 + len(calls)  # before every try of both rows
 
 
 # ----- decode_throughput.py: quantized stores at nosa's batch -----
