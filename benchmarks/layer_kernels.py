@@ -119,7 +119,8 @@ def main():
         for phase, (B, T) in (("decode", (args.decode_rows, 1)), ("prefill_chunk", (1, args.chunk))):
             for name, stock, fused, inputs in cases(B, T, dtype):
                 bitwise, diff = compare(fused(*inputs), stock(*inputs))
-                row = dict(phase=phase, op=name, batch=B, tokens=T, dtype=args.dtype, bitwise=bitwise, max_abs_diff=diff)
+                row = dict(phase=phase, op=name, batch=B, tokens=T, dtype=args.dtype, bitwise=bitwise,
+                           max_abs_diff=diff)
                 for side, fn in (("stock", stock), ("fused", fused)):
                     row[f"{side}_graph_us"], row[f"{side}_launches"] = graph_us(fn, inputs, args.calls)
                     row[f"{side}_eager_us"] = eager_us(fn, inputs, args.calls)

@@ -121,7 +121,8 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         ``(q_embed, k_embed)``, shaped and laid out like q and k, in ``promote_types(q.dtype, cos.dtype)``.
 
     Example:
-        >>> q, k, cos, sin = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+        >>> q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 3, 8)
+        >>> cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
         >>> all(torch.equal(a, b) for a, b in zip(apply_rotary(q, k, cos, sin), apply_rotary_ref(q, k, cos, sin)))
         True
     """
