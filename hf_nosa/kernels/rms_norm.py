@@ -5,8 +5,9 @@ the weight multiply); a decoder layer calls it twice (Qwen3 four times: ``q_norm
 which the decode graph pays in GPU time and a batch-1 prefill chunk in host time. The kernel does the same steps in
 the same dtypes: the row in float32, ``variance = mean(x * x)``, ``x * rsqrt(variance + eps)`` rounded to the input
 dtype, then ``weight * that`` in the promoted dtype of the two (a bf16 weight on bf16 rows gives bf16; an fp32
-weight gives fp32). It is not bitwise equal to torch: the mean sums the row in another order (and Triton's rsqrt is
-not torch's), so a row's scale may differ in float32's last bits, which rounding to bf16/fp16 hides nearly always.
+weight gives fp32). It is not bitwise equal to torch: the mean sums the row in another order, so a row's scale may
+differ in float32's last bits, which rounding to bf16/fp16 hides nearly always (Triton's rsqrt compiles to the same
+approximate instruction as CUDA's ``rsqrtf``, with denormals flushed, which ``variance + eps`` never is).
 It has no backward: ``rms_norm`` takes it only where no gradient is wanted.
 """
 
