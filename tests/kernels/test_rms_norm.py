@@ -31,10 +31,11 @@ def _inputs(shape, dtype, weight_dtype=None, seed=0, device="cpu"):
 
 
 def _check_close(actual, expected):
-    """Equal dtypes; every element within one ulp of the storage dtype, and nearly all bitwise equal."""
+    """Equal dtypes; bf16/fp16 within an ulp and nearly all bitwise equal; float32 within a few ulps (the mean's
+    order: 3.3e-7 relative at most over 256 rows of 2048, interpreted)."""
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     eps = torch.finfo(expected.dtype).eps
-    torch.testing.assert_close(actual, expected, atol=0, rtol=2 * eps)
+    torch.testing.assert_close(actual, expected, atol=0, rtol=(8 if expected.dtype == torch.float32 else 2) * eps)
     if expected.dtype != torch.float32:  # the float32 scale's last bits seldom survive rounding to bf16/fp16
         assert (actual != expected).float().mean() < 0.01
 
