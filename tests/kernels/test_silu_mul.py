@@ -71,6 +71,7 @@ def test_fused_mlp_keeps_names_and_stock_output_on_cpu():
         assert torch.equal(fused(x), stock(x))
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
 def test_kernel_only_where_no_gradient_is_wanted(interpret, monkeypatch):
     calls = []
     launch = silu_module._launch
