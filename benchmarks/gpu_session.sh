@@ -30,6 +30,8 @@ case "${1:-}" in
     timeout 300 python benchmarks/pinning.py --gib 16 --out "$OUT" 2>&1 | tail -5 ;;
   quoka-attention)  # issue 17 item 2: a QUOKA chunk's attention by every candidate beside plain sdpa, chunks of 512 and 2048 (about 2 minutes)
     for c in 512 2048; do timeout 250 python benchmarks/dense_attention.py --quoka-only --quoka-chunk $c --out "$OUT" 2>&1 | grep '"quoka_chunk"' | python -c "import json,sys; [print(r['shape'], r['chunk'], r['run'], round(r.get('tflops', 0), 1), 'TFLOP/s', r.get('error', '')[:80]) for r in map(json.loads, sys.stdin)]"; done ;;
+  layer-kernels)  # the fused RMSNorm, rotary and SiLU-product kernels against the stock torch ops, at a decode step (42 x 1) and a prefill chunk (about 1 minute)
+    timeout 200 python benchmarks/layer_kernels.py --out "$OUT" 2>&1 | tail -20 ;;
   ttft-small-batch)  # issue 17: generate's time to the first token at 64K, NOSA at batches 1, 2 and 4, with prefill_batch_tokens 0 (512-token chunks), 2048, 4096 and 8192 (longer chunks at small batches); 64 new tokens (about 6 minutes)
     for bt in 0 2048 4096 8192; do timeout 150 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --nosa-batches 1 2 4 --new-tokens 64 --skip-engine --prefill-batch-tokens $bt --out "$OUT/ttft_batch_tokens_$bt.json" 2>&1 | grep -v '^{' | tail -4; done ;;
   generate-64k-chunk2048)  # the same with 2048-token prefill chunks, NOSA only (QUOKA re-reads its budget 4x less)
