@@ -361,13 +361,42 @@ def load_tokenizer(spec: str | os.PathLike):
 
     kind, where = resolve(spec)
     if kind == "gguf":
-        _require_gguf(where)
-        return AutoTokenizer.from_pretrained(str(where.parent), gguf_file=where.name)
+        return _gguf_tokenizer(where)
     folder = where if kind == "folder" else _hub_folder(where, _TOKENIZER_FILES)
     if (folder / "tokenizer.json").is_file():
         # Straight from tokenizer.json: AutoTokenizer would read config.json, whose remote code it must not run.
         return PreTrainedTokenizerFast.from_pretrained(folder)
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+
+
+def gguf_tokenizer_dir() -> Path:
+    """Where tokenizers rebuilt from GGUF files are kept (``cache_dir() / "gguf-tokenizers"``)."""
+    return cache_dir() / "gguf-tokenizers"
+
+
+def _gguf_tokenizer(where: Path):
+    """The tokenizer a GGUF file embeds. transformers rebuilds it from the file's metadata, about 10 s on a CPU for
+    SmolLM2 and again in every process, so the first load also saves it (``save_pretrained``, as export ships it)
+    under ``gguf_tokenizer_dir()``, keyed by the file's path, size and modification time, and later loads read that
+    folder. A cache that cannot be written is skipped."""
+    from transformers import AutoTokenizer
+
+    _require_gguf(where)
+    stat = where.stat()
+    key = hashlib.sha256(f"{where.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = gguf_tokenizer_dir() / f"{where.stem}-{key}"
+    if (folder / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(str(where.parent), gguf_file=where.name)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder.parent) as scratch:  # whole or absent, even with processes racing
+            tokenizer.save_pretrained(scratch)
+            os.replace(scratch, folder)
+            os.mkdir(scratch)  # TemporaryDirectory removes its folder on exit
+    except OSError:
+        pass
+    return tokenizer
 
 
 def load_config(spec: str | os.PathLike):
