@@ -89,7 +89,7 @@ def decode(
         full_mask = torch.cat([mask, mask.new_ones(B, max_new_tokens + 1)], 1)
 
     logits = None
-    # A NosaCache's model sends the prompt through itself in chunks of prefill_chunk_size, with the cache's prefill
+    # A NosaCache's model sends the prompt through itself in chunks (NosaConfig.prefill_chunk), with the cache's prefill
     # mode; pieces sent one by one would be updates after a prompt instead (the per-token decode rule).
     piece = decode_from if isinstance(cache, NosaCache) else prefill_chunk
     for start in range(0, decode_from, piece):
