@@ -23,6 +23,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -388,14 +389,15 @@ def _gguf_tokenizer(where: Path):
     if (folder / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     tokenizer = AutoTokenizer.from_pretrained(str(where.parent), gguf_file=where.name)
-    try:
+    scratch = None
+    try:  # written beside and renamed into place: whole or absent, even with processes racing
         folder.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder.parent) as scratch:  # whole or absent, even with processes racing
-            tokenizer.save_pretrained(scratch)
-            os.replace(scratch, folder)
-            os.mkdir(scratch)  # TemporaryDirectory removes its folder on exit
+        scratch = tempfile.mkdtemp(dir=folder.parent)
+        tokenizer.save_pretrained(scratch)
+        os.replace(scratch, folder)
     except OSError:
-        pass
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     return tokenizer
 
 

@@ -70,6 +70,16 @@ def kernel_path(name: str, tensor: torch.Tensor) -> str:
     return path
 
 
+def inference_kernel_path(name: str, *tensors: torch.Tensor) -> str:
+    """``kernel_path`` for a kernel with no backward: ``"torch"`` also where a gradient is wanted through any of
+    ``tensors`` or while torch compiles (the reference is then the computation autograd and Dynamo trace)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "torch"
+    if torch.compiler.is_compiling():
+        return "torch"
+    return kernel_path(name, tensors[0])
+
+
 def _log_once(name: str, path: str, device_type: str) -> None:
     key = (name, path, device_type)
     if key not in _logged:

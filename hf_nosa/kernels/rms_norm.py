@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
+from .backend import HAS_TRITON, inference_kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
 from .host_format import cast_rtne
 
 TILE = 4096  # elements per program: rows of a short norm (Qwen3's per-head norm, D = 128) share a program
@@ -91,8 +91,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dim() < 1 or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"rms_norm: x must be [..., N] and weight [N]; got shapes {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
-    wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if wants_grad or torch.compiler.is_compiling() or kernel_path("rms_norm", x) == "torch":
+    if inference_kernel_path("rms_norm", x, weight) == "torch":
         return rms_norm_ref(x, weight, eps)
     if x.dtype not in DTYPES or weight.dtype not in DTYPES:
         log_fallback("rms_norm", x.device.type, f"its dtypes ({x.dtype}, weight {weight.dtype}) are not in {DTYPES}")

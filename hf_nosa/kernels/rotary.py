@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
+from .backend import HAS_TRITON, inference_kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
 from .host_format import cast_rtne
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -126,9 +126,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         >>> all(torch.equal(a, b) for a, b in zip(apply_rotary(q, k, cos, sin), apply_rotary_ref(q, k, cos, sin)))
         True
     """
-    wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, cos, sin))
-    if (unsqueeze_dim != 1 or wants_grad or torch.compiler.is_compiling()
-            or kernel_path("rotary", q) == "torch"):
+    if unsqueeze_dim != 1 or inference_kernel_path("rotary", q, k, cos, sin) == "torch":
         return apply_rotary_ref(q, k, cos, sin, unsqueeze_dim)
     if q.dim() != 4 or k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
         raise ValueError(f"apply_rotary: q must be [B, H, T, D] and k [B, Hk, T, D]; got shapes {tuple(q.shape)} "

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import HAS_TRITON, interpreting, kernel_path, launcher, log_fallback, on_device, tl, triton
+from .backend import HAS_TRITON, inference_kernel_path, interpreting, launcher, log_fallback, on_device, tl, triton
 from .host_format import cast_rtne
 
 BLOCK = 2048  # elements per program
@@ -76,8 +76,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """
     if gate.shape != up.shape:
         raise ValueError(f"silu_mul: gate and up must have one shape; got {tuple(gate.shape)} and {tuple(up.shape)}")
-    wants_grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
-    if wants_grad or torch.compiler.is_compiling() or kernel_path("silu_mul", gate) == "torch":
+    if inference_kernel_path("silu_mul", gate, up) == "torch":
         return silu_mul_ref(gate, up)
     if gate.dtype not in DTYPES or up.dtype != gate.dtype or not (gate.is_contiguous() and up.is_contiguous()):
         log_fallback("silu_mul", gate.device.type, f"gate and up ({gate.dtype}, {up.dtype}) are not contiguous "
