@@ -17,7 +17,7 @@ REQUIRED = ("model", "nosa", "lora", "seq_len", "lr_eviction", "lr_lora", "steps
             "device_memory_gb")
 DEFAULTS = dict(description="", tokenizer=None, text_field="text", warmup_steps=0, weight_decay=0.0,
                 max_grad_norm=1.0, seed=0, save_every=0, keep_checkpoints=2, gradient_checkpointing=True,
-                selection_loss=0.0, eviction_loss=0.0, data=None)
+                selection_loss=0.0, eviction_loss=0.0, distill_loss=0.0, data=None)
 LORA_KEYS = ("r", "alpha", "dropout", "target_modules")
 MODEL_CONFIG_KEYS = ("config", "family", "seed")
 
@@ -105,6 +105,7 @@ def load_recipe(recipe: str | Path | dict) -> dict:
     _number(out, "weight_decay", float, 0, inclusive=True)
     for name in ("selection_loss", "eviction_loss"):  # weights of hf_nosa.selection_loss's auxiliary losses
         _number(out, name, float, 0, inclusive=True)
+    _number(out, "distill_loss", float, 0, inclusive=True)  # weight of the KL to the base model (hf_nosa.distill)
     if (out["selection_loss"] or out["eviction_loss"]) and out["gradient_checkpointing"]:
         raise ValueError("recipe selection_loss / eviction_loss need gradient_checkpointing: false (a recomputed layer "
                          "does not hand its loss back)")

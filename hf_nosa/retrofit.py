@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .config import NosaConfig
+from .distill import distill_kl, teacher_logits
 from .modeling import FAMILIES, eviction_heads, family_of, to_nosa
 from .recipe import DEFAULTS, LORA_KEYS, REQUIRED, load_recipe  # noqa: F401  (part of this module's API)
 from .retrofit_data import BUILTIN_DATA, DATA_SUFFIXES, data_files, pack_data  # noqa: F401  (part of this module's API)
@@ -314,13 +315,14 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
         raise ValueError(f"resume=True but {output_dir} holds no checkpoint (checkpoints/step-N)")
     if found and not resume:
         raise ValueError(f"{output_dir} already holds checkpoints; pass resume=True or choose an empty output dir")
-    # Per step: the LM loss, the alignment losses (with eviction_loss / selection_loss) and the gradient norm before
-    # clipping: what a run that diverges is read from.
-    history = {"losses": [], "aux_losses": [], "grad_norms": [], "tokens": 0, "recipe": recipe}
+    # Per step: the LM loss, the alignment losses (with eviction_loss / selection_loss), the KL to the base model
+    # (with distill_loss, unweighted) and the gradient norm before clipping: what a run that diverges is read from.
+    history = {"losses": [], "aux_losses": [], "distill_losses": [], "grad_norms": [], "tokens": 0, "recipe": recipe}
     if found:
         saved = json.loads((found[-1] / TRAINER_STATE).read_text())
-        if saved["recipe"] != recipe:
-            changed = sorted(k for k in {*recipe, *saved["recipe"]} if recipe.get(k) != saved["recipe"].get(k))
+        before = {**DEFAULTS, **saved["recipe"]}  # a key added since the checkpoint was written has its default
+        if before != recipe:
+            changed = sorted(k for k in {*recipe, *before} if recipe.get(k) != before.get(k))
             raise ValueError(f"resume: the recipe differs from the checkpoint's in {changed}; use the same recipe")
 
     # bf16 on GPU; CPU trains in fp32. `accelerate launch --cpu` (or ACCELERATE_USE_CPU) forces the CPU.
@@ -353,6 +355,7 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
         saved = json.loads((found[-1] / TRAINER_STATE).read_text())
         start, history = saved["step"], {**history, "losses": saved["losses"], "tokens": saved["tokens"],
                                          "aux_losses": saved.get("aux_losses", []),
+                                         "distill_losses": saved.get("distill_losses", []),
                                          "grad_norms": saved.get("grad_norms", [])}
         if "schedule_steps" in saved:  # a time-limited run's schedule goes on where it ended
             plan["steps"] = history["schedule_steps"] = saved["schedule_steps"]
@@ -367,20 +370,32 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
     step_tokens = recipe["batch_size"] * recipe["seq_len"] * recipe["grad_accum"] * world
     bar = tqdm(total=recipe["steps"], initial=start, disable=not accelerator.is_main_process, desc="retrofit")
     model.train()
+    unwrapped = accelerator.unwrap_model(model)
     began, run_tokens, orders = time.perf_counter(), 0, {}
     for step in range(start, stop):
         total = torch.zeros((), device=accelerator.device)
-        total_aux = None
+        total_aux = total_kl = None
         for micro in range(recipe["grad_accum"]):
             ids = _batch(packed, step, micro, recipe, rank, world, orders).to(accelerator.device)
             sync = micro == recipe["grad_accum"] - 1
             with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+                # the base model's logits (no LoRA, stock attention, no gradient), before the student's graph exists
+                teacher = teacher_logits(model, unwrapped, ids) if recipe["distill_loss"] else None
+                out = model(input_ids=ids, labels=ids, use_cache=False)
+                objective = loss = out.loss
                 aux = selection_loss(model)  # None unless the recipe weights an alignment loss
-                accelerator.backward((loss if aux is None else loss + aux) / recipe["grad_accum"])
+                if aux is not None:
+                    objective = objective + aux
+                kl = distill_kl(out.logits, teacher) if teacher is not None else None
+                if kl is not None:
+                    objective = objective + recipe["distill_loss"] * kl
+                del out, teacher  # only what the backward saved of the logits stays alive
+                accelerator.backward(objective / recipe["grad_accum"])
             total += loss.detach().float()
             if aux is not None:
                 total_aux = aux.detach().float() + (0 if total_aux is None else total_aux)
+            if kl is not None:
+                total_kl = kl.detach().float() + (0 if total_kl is None else total_kl)
         if recipe["max_grad_norm"] is not None:
             norm = accelerator.clip_grad_norm_(model.parameters(), recipe["max_grad_norm"])
             history["grad_norms"].append(float(norm))
@@ -391,6 +406,8 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
         history["losses"].append(step_loss)
         if total_aux is not None:
             history["aux_losses"].append(float(accelerator.reduce(total_aux / recipe["grad_accum"], "mean")))
+        if total_kl is not None:
+            history["distill_losses"].append(float(accelerator.reduce(total_kl / recipe["grad_accum"], "mean")))
         history["tokens"] += step_tokens
         run_tokens += step_tokens
         speed = run_tokens / (time.perf_counter() - began)
