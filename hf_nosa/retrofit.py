@@ -2,7 +2,8 @@
 
 The model trains with the attention it will decode with (``training.py``): ``to_nosa`` adds the eviction heads,
 PEFT adds LoRA to the projections named by the recipe, and the eviction heads train in full through
-``modules_to_save`` (design Sec. 5). Runs single-process or under ``accelerate launch`` (DDP; FSDP through
+``modules_to_save`` (design Sec. 5); with the recipe's ``distill_loss`` each micro-step also distils from the base
+model (``distill.py``). Runs single-process or under ``accelerate launch`` (DDP; FSDP through
 accelerate's own sharded checkpoints).
 
 The output directory holds the PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``, eviction

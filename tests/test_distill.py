@@ -183,3 +183,19 @@ def test_retrofit_with_gradient_checkpointing_records_distill_losses_only_when_w
     state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
     assert len(state["losses"]) == 2 and len(state["distill_losses"]) == (2 if weight else 0)
     assert all(math.isfinite(x) and x > 0 for x in state["distill_losses"])
+
+
+def test_a_checkpoint_written_before_distill_loss_existed_resumes(tmp_path):
+    data = _write_text_data(tmp_path / "train.jsonl", n=40)
+    recipe = load_recipe("tiny")
+    recipe.update(steps=2, warmup_steps=1, save_every=0, gradient_checkpointing=False)
+    out = tmp_path / "run"
+    retrofit(recipe, data, out, max_steps=1)
+    (checkpoint,) = (out / "checkpoints").glob("step-*")
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    del state["recipe"]["distill_loss"], state["distill_losses"]  # as an older version wrote it
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    retrofit(recipe, data, out, resume=True)
+    assert json.loads((out / "trainer_state.json").read_text())["step"] == 2
+    with pytest.raises(ValueError, match="distill_loss"):  # a real change of the key is still refused
+        retrofit({**recipe, "distill_loss": 1.0}, data, out, resume=True)
