@@ -24,7 +24,10 @@
 # Settings (environment): CALL_SECONDS (540), LENGTHS ("4096 8192"), RATIO (8: budget = length / 8), SAMPLES (16 per
 # task, decoded as one batch), PPL_DOCS (8), PPL_TOKENS (128), TASKS (all), CHAT (1: RULER prompts in the chat
 # template; 0: plain text), ADAPTER (shipped: the eval phase's retrofit:* cells use the package's adapter,
-# hf_nosa/assets/smollm2_adapter, instead of a retrofit's), RESUME (1: continue the retrofit in $WORK/adapter), MAX_STEPS (N: the retrofit runs the
+# hf_nosa/assets/smollm2_adapter, instead of a retrofit's; a folder: that adapter, e.g. a curve's kept
+# $WORK/curve-recipe-distill/step-160), EVAL_TAG (the eval phase writes smollm2-LENGTH-TAG.json instead of
+# smollm2-LENGTH.json, started from the base:* cells of BASE_RESULTS, default docs/results/smollm2-gpu-shipped-LENGTH.json
+# when it exists: those cells do not depend on the adapter, so another adapter costs only its two cells), RESUME (1: continue the retrofit in $WORK/adapter), MAX_STEPS (N: the retrofit runs the
 # recipe's whole schedule and stops, checkpointed, at global step N instead of fitting itself to the call with
 # --time-limit; with RESUME=1 the next call goes on from there), CURVE_STEPS ("20 40 80 160"), CURVE_LENGTH (8192),
 # CURVE_STEP_S / CURVE_OVERHEAD_S / CURVE_EVAL_S (4 / 60 / 90: seconds a retrofit step, a retrofit process beyond its
@@ -159,12 +162,14 @@ evaluate() {  # evaluate CELLS [ADAPTER]: one background process per length; wai
     local cells=$1 adapter=${2:-} pids=() length until
     until=$(( END - 20 ))
     for length in $LENGTHS; do
+        local name=smollm2-$length${EVAL_TAG:+-$EVAL_TAG}.json
         local args=(--length "$length" --cells "$cells" --samples "$SAMPLES" --ppl-docs "$PPL_DOCS"
                     --ppl-tokens "$PPL_TOKENS" --tasks "$TASKS" --budget-ratio "$RATIO" --deadline "$until"
-                    --results "$WORK/results/smollm2-$length.json")
+                    --results "$WORK/results/$name")
         [ -n "$adapter" ] && args+=(--adapter "$adapter")
         [ "${CHAT:-1}" = 0 ] && args+=(--no-chat-template)
-        [ -f "$WORK/results/smollm2-$length.json" ] || cp "$CARRIED"/results/smollm2-"$length".json "$WORK/results/" 2>/dev/null
+        [ -f "$WORK/results/$name" ] || cp "$CARRIED/results/$name" "$WORK/results/" 2>/dev/null
+        [ -n "${EVAL_TAG:-}" ] && [ ! -f "$WORK/results/$name" ] && base_cells_into "$length" "$WORK/results/$name"
         timeout $(( until + 10 - $(date +%s) > 1 ? until + 10 - $(date +%s) : 1 )) python3 "$DRIVER" "${args[@]}" > "$OUT/eval-$length.log" 2>&1 &
         pids+=($!)
     done
@@ -178,9 +183,23 @@ evaluate() {  # evaluate CELLS [ADAPTER]: one background process per length; wai
     return "$status"
 }
 
+base_cells_into() {  # base_cells_into LENGTH FILE: FILE holds only the base:* cells of BASE_RESULTS (if any)
+    local from=${BASE_RESULTS:-$CODE/docs/results/smollm2-gpu-shipped-$1.json}
+    [ -f "$from" ] || return 0
+    python3 -c 'import json, sys
+data = json.load(open(sys.argv[1]))
+data["cells"] = [c for c in data["cells"] if c["cell"].startswith("base:")]
+json.dump(data, open(sys.argv[2], "w"), indent=1)' "$from" "$2" && say "$2: base cells from $from"
+}
+
 adapter_dir() {  # the adapter on this machine, else the one carried back in .smollm2/adapter/adapter.tar
     if [ "${ADAPTER:-}" = shipped ]; then  # the package's own (what hf-nosa demo --model smollm2 applies)
         echo "$CODE/hf_nosa/assets/smollm2_adapter"
+        return 0
+    fi
+    if [ -n "${ADAPTER:-}" ]; then  # a folder holding an adapter
+        [ -f "$ADAPTER/adapter_model.safetensors" ] || { say "ADAPTER=$ADAPTER holds no adapter_model.safetensors" >&2; return 1; }
+        echo "$ADAPTER"
         return 0
     fi
     if [ ! -f "$WORK/adapter/adapter_model.safetensors" ] && [ -f "$CARRIED"/adapter/adapter.tar ]; then

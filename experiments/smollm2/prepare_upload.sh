@@ -30,7 +30,8 @@ read -r SIZE SHA <<<"$(python3 -c 'from hf_nosa.loading import SMOLLM2 as s; pri
 
 rm -rf "$DIR/code" "$DIR/whl" "$DIR"/part*
 mkdir -p "$DIR/code" "$DIR/whl"
-git archive HEAD hf_nosa recipes experiments/smollm2 pyproject.toml | tar -x -C "$DIR/code" --exclude 'hf_nosa/assets/demo_model'
+git archive HEAD hf_nosa recipes experiments/smollm2 pyproject.toml $(git ls-files 'docs/results/smollm2-gpu-shipped-*.json') \
+    | tar -x -C "$DIR/code" --exclude 'hf_nosa/assets/demo_model'  # the shipped adapter's results: EVAL_TAG's base cells
 git rev-parse HEAD > "$DIR/code/COMMIT"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
