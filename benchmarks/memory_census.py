@@ -222,7 +222,7 @@ def formula_parts(model, cache, batch: int, context: int) -> dict:
                 moments_mib_per_sequence={m: {k: v / batch / mib for k, v in t.items()} for m, t in moments.items()},
                 largest_moment=max(moments, key=lambda m: sum(moments[m].values())),
                 chunk_activations_gib=chunk_activations(model, cache, batch, context) / GiB, batch=batch,
-                chunk=ncfg.prefill_chunk_size, fetch_parts=fetch_parts(torch.device("cuda"), batch),
+                chunk=ncfg.prefill_chunk(batch), fetch_parts=fetch_parts(torch.device("cuda"), batch),
                 tail_piece_tokens=tail_piece_tokens(ncfg.prefill_budget_blocks * ncfg.block_size, batch,
                                                     ncfg.block_size))
 

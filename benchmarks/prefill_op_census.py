@@ -242,7 +242,7 @@ def run(args, batch: int) -> dict:
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(dtype).eval()
-    to_nosa(model, NosaConfig())
+    to_nosa(model, NosaConfig(prefill_batch_tokens=0))  # 512-token chunks at every batch: comparable across commits
     randomize_eviction_heads(model, scale=0.5, generator=torch.Generator().manual_seed(0))
     import hf_nosa
     import transformers
@@ -256,7 +256,7 @@ def run(args, batch: int) -> dict:
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
                        cache_implementation="nosa")
     wall = time.perf_counter() - t0
-    ncfg = NosaConfig()
+    ncfg = model.config.nosa if isinstance(model.config.nosa, NosaConfig) else NosaConfig.from_dict(model.config.nosa)
     full, chunk_size = ncfg.prefill_budget_blocks * ncfg.block_size, ncfg.prefill_chunk_size
     keys = sorted(quoka)
     steady = [key for key in keys if key[0] * chunk_size >= full]  # chunks selecting a whole budget of blocks

@@ -33,10 +33,12 @@ class NosaConfig:
     queries give the first answer token and the keys decoding reads first. 0: every chunk attends to its QUOKA
     blocks only.
 
-    ``prefill_batch_tokens`` (0: off) lets a small batch take longer chunks: a chunk is then
+    ``prefill_batch_tokens`` (default 2048; 0: off) lets a small batch take longer chunks: a chunk is
     ``max(prefill_chunk_size, prefill_batch_tokens // batch)`` tokens (rounded down to whole blocks), so that a chunk
     step spans about as many tokens at batch 1 as at larger batches. Every chunk costs the same fixed launches and
-    host work per layer whatever its length, which a batch-1 prefill waits on (``prefill_chunk``).
+    host work per layer whatever its length, which a batch-1 prefill waits on (``prefill_chunk``): on an H200 a 64K
+    prompt reached its first token in 1.14 s in 2048-token chunks against 3.83 s in 512-token ones. From 4 rows on
+    (at the defaults) chunks are ``prefill_chunk_size`` tokens, so large batches keep their memory.
 
     ``host_dtype`` is how the host store keeps K and V: "auto" (the model's dtype), or "float8_e4m3fn" / "int8"
     with one fp32 scale per (block, KV head) (``hf_nosa.host_quant``), which halves the host memory and the bytes
@@ -62,7 +64,7 @@ class NosaConfig:
     prefill_budget_tokens: int | None = None
     host_dtype: str = "auto"
     prefill_dense_tail_tokens: int = 64
-    prefill_batch_tokens: int = 0
+    prefill_batch_tokens: int = 2048
 
     def __post_init__(self):
         def fail(name: str, rule: str, fix: str = ""):

@@ -54,6 +54,7 @@ def small_nosa_config(**overrides) -> NosaConfig:
         local_tokens=32,
         compress_kernel=8,
         compress_stride=4,
+        prefill_batch_tokens=0,  # chunks of exactly prefill_chunk_size at every batch: the sizes the tests choose
     )
     base.update(overrides)
     return NosaConfig(**base)

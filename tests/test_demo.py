@@ -49,7 +49,7 @@ def test_demo_runs_on_the_embedded_model(capsys):
     # progress on stderr while it runs: every prefill chunk up to the whole prompt, then decode steps
     chunks = re.findall(r"prefill: (\d+)/(\d+) prompt tokens", captured.err)
     prefill, total = [int(done) for done, _ in chunks], int(chunks[0][1])
-    chunk = json.loads((DEFAULT_MODEL / "config.json").read_text())["nosa"]["prefill_chunk_size"]
+    chunk = NosaConfig.from_dict(json.loads((DEFAULT_MODEL / "config.json").read_text())["nosa"]).prefill_chunk(1)
     assert prefill == sorted(prefill) and prefill[-1] == total and len(prefill) == -(-total // chunk)
     steps = int(re.search(r"decode: (\d+) steps done", captured.err).group(1))
     assert "decode: step 1 of at most" in captured.err and steps == int(re.search(r"over (\d+) decode steps", text).group(1))

@@ -12,7 +12,9 @@ from .conftest import padded_batch, small_nosa_config, tiny_model
 def test_the_chunk_grows_at_small_batches_in_whole_blocks():
     cfg = NosaConfig(prefill_chunk_size=512, prefill_batch_tokens=4096)
     assert [cfg.prefill_chunk(b) for b in (1, 2, 3, 4, 8, 9, 64)] == [4096, 2048, 1344, 1024, 512, 512, 512]
-    assert NosaConfig(prefill_chunk_size=512).prefill_chunk(1) == 512  # 0: off
+    assert NosaConfig(prefill_chunk_size=512, prefill_batch_tokens=0).prefill_chunk(1) == 512  # 0: off
+    # the default: 2048-token chunks for one row, 1024 for two, prefill_chunk_size from four rows on
+    assert [NosaConfig().prefill_chunk(b) for b in (1, 2, 4, 38)] == [2048, 1024, 512, 512]
     assert NosaConfig(prefill_chunk_size=512, prefill_batch_tokens=256).prefill_chunk(1) == 512  # never shorter
 
 

@@ -235,7 +235,7 @@ def test_generate_on_a_long_prompt_with_the_default_config():
     assert stats["seen_tokens"] == ids.shape[1] + 2 and stats["decode_steps"] == 2
     # the last chunk holds the prompt's tail and attends to the whole prompt (prefill_dense_tail_tokens), read a
     # prefill budget at a time: the device still holds at most the budget and the chunk
-    assert cfg.budget_tokens < stats["device_tokens"] <= cfg.budget_tokens + cfg.prefill_chunk_size
+    assert cfg.budget_tokens < stats["device_tokens"] <= cfg.budget_tokens + cfg.prefill_chunk(1)
 
 
 def test_quoka_outside_a_nosa_cache_says_it_attends_fully(caplog, monkeypatch):

@@ -29,7 +29,8 @@
 # smollm2-LENGTH.json, started from the base:* cells of BASE_RESULTS, default docs/results/smollm2-gpu-shipped-LENGTH.json
 # when it exists: those cells do not depend on the adapter, so another adapter costs only its two cells), RESUME (1: continue the retrofit in $WORK/adapter), MAX_STEPS (N: the retrofit runs the
 # recipe's whole schedule and stops, checkpointed, at global step N instead of fitting itself to the call with
-# --time-limit; with RESUME=1 the next call goes on from there), CURVE_STEPS ("20 40 80 160"), CURVE_LENGTH (8192),
+# --time-limit; with RESUME=1 the next call goes on from there), RECIPE (the retrofit phase's recipe: a name of
+# recipes/ or a YAML path from the repository root; default smollm2-135m), CURVE_STEPS ("20 40 80 160"), CURVE_LENGTH (8192),
 # CURVE_STEP_S / CURVE_OVERHEAD_S / CURVE_EVAL_S (4 / 60 / 90: seconds a retrofit step, a retrofit process beyond its
 # steps and an evaluation process take, until the call has measured them), SMOKE (1: every phase at toy sizes on
 # the CPU: SmolLM2 at 1K tokens and budget 256, a 2-step retrofit of 512-token sequences, 1 sample of 3 tasks; the
@@ -129,7 +130,8 @@ EOF
 
 retrofit() {
     need_model || return 1
-    local recipe=smollm2-135m resume=() limit
+    local recipe=${RECIPE:-smollm2-135m} resume=() limit
+    [ -f "$CODE/$recipe" ] && recipe=$CODE/$recipe  # a YAML path from the repository root
     [ "${SMOKE:-0}" = 1 ] && recipe=$(smoke_recipe)
     [ "${RESUME:-0}" = 1 ] && resume=(--resume)
     if [ "${RESUME:-0}" != 1 ] && [ -d "$WORK/adapter" ]; then
