@@ -6,7 +6,11 @@ iteration here selects K random blocks per (sequence, KV head) disjoint from the
 fetched; the same bytes are then moved by one ``copy_`` from a pinned buffer, in the same run. The target is
 fetch >= 90% of the copy.
 
-    PYTHONPATH=. python benchmarks/fetch_bandwidth.py --out DIR
+``--contention`` (CUDA) times the same fetches again while a side stream keeps the SMs busy, once with bf16 GEMMs
+(compute) and once with device copies (HBM): the fetch reads host memory from SM threads (UVA), so work that
+shares the SMs may slow it, which is what overlapping a decode step's fetch with its compute would meet.
+
+    PYTHONPATH=. python benchmarks/fetch_bandwidth.py --out DIR [--contention]
     python benchmarks/fetch_bandwidth.py --smoke      # tiny sizes on CPU (Triton interpreter)
 """
 
@@ -52,7 +56,24 @@ class Timer:
         return time.perf_counter() - self.t
 
 
-def run_config(B, Hk, D, K, P, tokens, iters, warmup, device, dtype):
+def busy_side_stream(kind: str, seconds: float, device) -> torch.cuda.Stream:
+    """A side stream queued with about ``seconds`` of ``kind`` work ("gemm": 4096^3 bf16 matmuls; "hbm": 1 GiB
+    device copies), so that whatever the current stream runs next overlaps it."""
+    side = torch.cuda.Stream(device)
+    if kind == "gemm":
+        a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
+        op, each_s = (lambda: a @ a), 2 * 4096**3 / 500e12  # about 0.3 ms at 500 TFLOP/s
+    else:
+        x, y = torch.empty(1 << 30, dtype=torch.uint8, device=device), torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        op, each_s = (lambda: y.copy_(x)), 2 * (1 << 30) / 4e12  # about 0.5 ms at 4 TB/s
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(side):
+        for _ in range(int(seconds / each_s) + 1):
+            op()
+    return side
+
+
+def run_config(B, Hk, D, K, P, tokens, iters, warmup, device, dtype, contention=False):
     pin = device.type == "cuda"
     host = HostStore(B, Hk, D, dtype, P, pin=pin)
     host.ensure_capacity(tokens + iters + warmup + 1)  # contents do not matter for bandwidth
@@ -100,12 +121,23 @@ def run_config(B, Hk, D, K, P, tokens, iters, warmup, device, dtype):
     copy_seconds = timer.stop()
     fetch_gbps = nbytes * iters / seconds / 1e9
     copy_gbps = nbytes * iters / copy_seconds / 1e9
-    return dict(
+    row = dict(
         batch=B, kv_heads=Hk, head_dim=D, block_size=P, blocks_per_head=K, host_tokens=tokens, iters=iters,
         bytes_per_iter=nbytes, fetch_ms=1000 * seconds / iters, copy_ms=1000 * copy_seconds / iters,
         fetch_GBps=fetch_gbps, pinned_copy_GBps=copy_gbps, ratio=fetch_gbps / copy_gbps,
         meets_target=fetch_gbps >= 0.9 * copy_gbps,
     )
+    if contention and device.type == "cuda":
+        for kind in ("gemm", "hbm"):
+            side = busy_side_stream(kind, 3 * seconds, device)  # outlasts the timed fetches
+            timer.start()
+            for i in range(iters):
+                fetch(i)
+            busy = timer.stop()
+            side.synchronize()
+            row[f"fetch_GBps_beside_{kind}"] = nbytes * iters / busy / 1e9
+            row[f"fetch_slowdown_beside_{kind}"] = busy / seconds
+    return row
 
 
 def main(argv=None):
@@ -115,6 +147,8 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in the Triton interpreter")
+    parser.add_argument("--contention", action="store_true",
+                        help="also time the fetch beside a side stream of GEMMs and of device copies (CUDA)")
     args = parser.parse_args(argv)
     if args.smoke or not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -125,7 +159,7 @@ def main(argv=None):
         device, dtype, configs, P = torch.device("cuda"), torch.bfloat16, CONFIGS, 64
     result = dict(environment(), rows=[])
     for B, Hk, D, K in configs:
-        row = run_config(B, Hk, D, K, P, args.tokens, args.iters, args.warmup, device, dtype)
+        row = run_config(B, Hk, D, K, P, args.tokens, args.iters, args.warmup, device, dtype, args.contention)
         result["rows"].append(row)
         print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
         if args.out:

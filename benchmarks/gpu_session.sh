@@ -40,6 +40,8 @@ case "${1:-}" in
     timeout 570 python benchmarks/decode_throughput.py --quick --shapes 1b --methods nosa,nosa_fp8 --out "$OUT/fp8_1b" 2>&1 | grep -v '^{' | tail -30 ;;
   fp8-fetch-blocks)  # issue 18: the engine at 64K, bf16 and fp8 stores, with the decode fetch copying 2 (default) and 4 blocks per iteration (HF_NOSA_FETCH_BLOCKS): does a one-byte store need more blocks in flight?
     for nb in 2 4; do HF_NOSA_FETCH_BLOCKS=$nb timeout 280 python benchmarks/decode_throughput.py --shapes 1b --contexts 65536 --steps 8 --methods nosa,nosa_fp8 --out "$OUT/fetch_blocks_$nb" 2>&1 | grep -v '^{' | tail -8; done ;;
+  fetch-contention)  # does the UVA fetch slow down beside compute on another stream? (why staggered decode parts gain nothing; about 1 minute)
+    timeout 200 python benchmarks/fetch_bandwidth.py --contention --out "$OUT" 2>&1 | tail -8 ;;
   decode-parts)   # the engine at 64K with the batch decoded in 1 and 2 parts on their own streams (HF_NOSA_DECODE_PARTS), 2 parts staggered and free (HF_NOSA_DECODE_PARTS_STAGGER), 4 staggered, bf16 and fp8 stores, an 18 GB host budget (batch 8: a quick A/B), then the GPU test of the parts (about 4 minutes)
     for run in 1:1 2:1 2:0 4:1; do parts=${run%:*} stagger=${run#*:}; HF_NOSA_DECODE_PARTS=$parts HF_NOSA_DECODE_PARTS_STAGGER=$stagger timeout 200 python benchmarks/decode_throughput.py --shapes 1b --contexts 65536 --steps 8 --host-gb 18 --methods nosa,nosa_fp8 --out "$OUT/decode_parts_${parts}_stagger_$stagger" 2>&1 | grep -v '^{' | tail -4; done
     timeout 100 python -m pytest -q -m gpu -p no:cacheprovider tests/test_decode_parts.py 2>&1 | tail -3 ;;
