@@ -115,11 +115,11 @@ print(f"gguf {gguf.__file__}; torch {torch.__version__}; transformers {transform
 EOF
 }
 
-smoke_recipe() {  # the shipped recipe at toy sizes: the same base, data and code path
-    python3 - "$WORK/smoke-recipe.yaml" <<'EOF'
+smoke_recipe() {  # smoke_recipe [RECIPE]: that recipe (default the shipped one) at toy sizes: the same base, data and code path
+    python3 - "$WORK/smoke-recipe.yaml" "${1:-smollm2-135m}" <<'EOF'
 import sys, yaml
 from hf_nosa.retrofit import load_recipe
-recipe = load_recipe("smollm2-135m")
+recipe = load_recipe(sys.argv[2])
 recipe.update(nosa=dict(block_size=64, budget_tokens=256, sink_tokens=64, local_tokens=64, query_tokens=64,
                         compress_kernel=32, compress_stride=16), seq_len=512, steps=2, grad_accum=1, warmup_steps=0,
               save_every=0)
@@ -132,7 +132,7 @@ retrofit() {
     need_model || return 1
     local recipe=${RECIPE:-smollm2-135m} resume=() limit
     [ -f "$CODE/$recipe" ] && recipe=$CODE/$recipe  # a YAML path from the repository root
-    [ "${SMOKE:-0}" = 1 ] && recipe=$(smoke_recipe)
+    [ "${SMOKE:-0}" = 1 ] && recipe=$(smoke_recipe "$recipe")
     [ "${RESUME:-0}" = 1 ] && resume=(--resume)
     if [ "${RESUME:-0}" != 1 ] && [ -d "$WORK/adapter" ]; then
         mv "$WORK/adapter" "$WORK/adapter.$(date +%s)"  # a fresh run; the earlier one stays beside it
@@ -221,7 +221,7 @@ curve() {  # the retrofit-steps curve: retrofit segments in the foreground, each
     fi
     local script="$CODE/experiments/smollm2/curve.py" results="$WORK/results/smollm2-curve$tag.json"
     local keep="$WORK/curve$tag" run="$WORK/curve$tag/run" status=0 pids=() line stop kind from
-    [ "${SMOKE:-0}" = 1 ] && recipe=$(smoke_recipe)
+    [ "${SMOKE:-0}" = 1 ] && recipe=$(smoke_recipe "$recipe")
     [ -f "$results" ] || cp "$CARRIED/results/smollm2-curve$tag.json" "$results" 2>/dev/null
     mkdir -p "$keep"
     local common=(--recipe "$recipe" --length "$CURVE_LENGTH" --ppl-docs "$PPL_DOCS" --ppl-tokens "$PPL_TOKENS"
