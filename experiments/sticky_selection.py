@@ -77,11 +77,13 @@ def _commit() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--margins", type=float, nargs="+", required=True)
+    parser.add_argument("--margins", type=float, nargs="*", default=[])
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--docs", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64, help="decoded tokens per document")
     parser.add_argument("--untrained", action="store_true", help="the base converted with A = 0, not the adapter")
+    parser.add_argument("--full", action="store_true",
+                        help="first a full-attention row: the base model (A = 0, no adapter) with transformers' cache")
     parser.add_argument("--results", type=Path, required=True)
     args = parser.parse_args()
 
@@ -96,6 +98,21 @@ def main() -> None:
         "commit": _commit(), "date": date.today().isoformat(), "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
         "device": f"cpu, fp32, {torch.get_num_threads()} thread(s)", "rows": []}
+    if args.full:
+        from transformers import DynamicCache
+
+        from hf_nosa.eval.runner import dense_attention_outside_nosa_cache
+
+        reference = to_nosa(load_causal_lm("smollm2")[0], cfg)  # A = 0: the base model's attention exactly
+        began = time.perf_counter()
+        with torch.no_grad(), dense_attention_outside_nosa_cache(reference):
+            result = long_generation_perplexity(reference, docs, make_cache=lambda: DynamicCache(config=reference.config),
+                                                generate_tokens=args.tokens, batch_size=len(docs))
+        row = {"margin": None, "method": "full attention (base)", "perplexity": result["perplexity"],
+               "nll": result["nll"], "decode_steps": result["decode_steps"], "seconds": time.perf_counter() - began}
+        data["rows"].append(row)
+        args.results.write_text(json.dumps(data, indent=1) + "\n")
+        print(row, flush=True)
     for margin in args.margins:
         traffic = {"locality": []}
 
