@@ -19,6 +19,7 @@ for every margin, so perplexities compare token for token.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import subprocess
@@ -67,6 +68,21 @@ class StickySelector:
         return selected
 
 
+def _passkey(model, tokenizer, cfg, selector, args) -> dict:
+    """The suite's passkey task through ``eval.runner.evaluate_tasks``, its "nosa" caches built with ``selector``."""
+    from hf_nosa.eval import runner
+
+    stock = runner.cache_factory
+    runner.cache_factory = lambda model, method, nosa_config: (lambda: NosaCache(model.config, nosa_config,
+                                                                                   selector=copy.copy(selector)))
+    try:
+        row = runner.evaluate_tasks(model, tokenizer, tasks=["passkey"], length=args.length, method="nosa",
+                                    nosa_config=cfg, samples=args.passkey, seed=0, batch_size=1)
+    finally:
+        runner.cache_factory = stock
+    return {"passkey": row["tasks"]["passkey"], "locality": row.get("locality"), "samples": args.passkey}
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -84,6 +100,9 @@ def main() -> None:
     parser.add_argument("--untrained", action="store_true", help="the base converted with A = 0, not the adapter")
     parser.add_argument("--full", action="store_true",
                         help="first a full-attention row: the base model (A = 0, no adapter) with transformers' cache")
+    parser.add_argument("--passkey", type=int, default=0,
+                        help="instead of perplexity: pass keys found in this many RULER passkey prompts (seed 0), "
+                             "decoded as the suite does (the question and the answer token by token after a dense prefill)")
     parser.add_argument("--results", type=Path, required=True)
     args = parser.parse_args()
 
@@ -121,6 +140,13 @@ def main() -> None:
             traffic["locality"].append(stats["locality"])
 
         began = time.perf_counter()
+        if args.passkey:
+            row = {"margin": margin, **_passkey(model, tokenizer, cfg, StickySelector(margin), args),
+                   "seconds": time.perf_counter() - began}
+            data["rows"].append(row)
+            args.results.write_text(json.dumps(data, indent=1) + "\n")
+            print(row, flush=True)
+            continue
         with torch.no_grad():
             result = long_generation_perplexity(
                 model, docs, make_cache=lambda: NosaCache(model.config, cfg, selector=StickySelector(margin)),
