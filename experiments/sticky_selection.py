@@ -22,7 +22,7 @@ import argparse
 import copy
 import json
 import platform
-import subprocess
+import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -35,6 +35,9 @@ from hf_nosa.eval.perplexity import long_generation_perplexity, perplexity_docum
 from hf_nosa.loading import load_causal_lm
 from hf_nosa.retrofit import merge_adapter
 from hf_nosa.selection import eviction_block_scores, query_block_scores, select_blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.environment
+from benchmarks.environment import source_commit  # noqa: E402
 
 ADAPTER = Path(__file__).resolve().parents[1] / "hf_nosa" / "assets" / "smollm2_adapter"
 
@@ -83,13 +86,6 @@ def _passkey(model, tokenizer, cfg, selector, args) -> dict:
     return {"passkey": row["tasks"]["passkey"], "locality": row.get("locality"), "samples": args.passkey}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -114,7 +110,7 @@ def main() -> None:
     data = json.loads(args.results.read_text()) if args.results.is_file() else {
         "what": __doc__.split("\n\n")[0], "model": "base, A = 0" if args.untrained else "shipped adapter",
         "length": args.length, "docs": args.docs, "tokens": args.tokens, "nosa_config": cfg.to_dict(),
-        "commit": _commit(), "date": date.today().isoformat(), "torch": torch.__version__,
+        "commit": source_commit(), "date": date.today().isoformat(), "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
         "device": f"cpu, fp32, {torch.get_num_threads()} thread(s)", "rows": []}
     if args.full:

@@ -44,6 +44,16 @@ def tiny_model(family: str = "llama", seed: int = 0, attn: str = "sdpa", **overr
     return model_cls(config).eval()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matrices: one thread is fastest, and keeps a module steady on a busy 2-core machine (``pytestmark =
+    pytest.mark.usefixtures("one_thread")``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def small_nosa_config(**overrides) -> NosaConfig:
     """Block 16, windows 8/4: every rule of the paper, at sizes a CPU test can afford."""
     base = dict(

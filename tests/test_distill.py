@@ -22,12 +22,7 @@ from .conftest import small_nosa_config, tiny_model
 from .test_retrofit import _write_text_data
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _student(base, *, targets=("q_proj", "k_proj", "v_proj", "o_proj")):
@@ -155,22 +150,6 @@ def test_recipe_rejects_a_bad_distill_loss(value):
     assert recipe["distill_loss"] == 0.0
     with pytest.raises(ValueError, match="distill_loss"):
         load_recipe({**recipe, "distill_loss": value})
-
-
-def test_retrofit_records_distill_losses_beside_the_alignment_losses_across_a_resume(tmp_path):
-    data = _write_text_data(tmp_path / "train.jsonl", n=40)
-    recipe = load_recipe("tiny")
-    recipe.update(steps=3, warmup_steps=1, save_every=0, gradient_checkpointing=False, distill_loss=1.0,
-                  selection_loss=0.1, eviction_loss=0.1)
-    out = tmp_path / "run"
-    retrofit(recipe, data, out, max_steps=2)
-    first = json.loads((out / "trainer_state.json").read_text())
-    assert len(first["losses"]) == len(first["distill_losses"]) == len(first["aux_losses"]) == 2
-    assert all(math.isfinite(x) and x > 0 for x in first["distill_losses"] + first["aux_losses"])
-    retrofit(recipe, data, out, resume=True)
-    whole = json.loads((out / "trainer_state.json").read_text())
-    assert whole["step"] == 3 and len(whole["distill_losses"]) == len(whole["aux_losses"]) == 3
-    assert whole["distill_losses"][:2] == first["distill_losses"]
 
 
 @pytest.mark.parametrize("weight", [0.0, 0.5])

@@ -33,13 +33,7 @@ RUN_KEYS = {"base_model", "family", "nosa_config", "recipe", "steps", "final_los
             "hf_nosa_version"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: one thread is fastest, and keeps the suite steady on a busy 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _write_text_data(path: Path, seed: int = 0, n: int = 120) -> Path:

@@ -11,13 +11,7 @@ from hf_nosa.training import BACKENDS, flex_block_mask, nosa_training_attention,
 from .conftest import small_nosa_config, tiny_model
 from .utils import assert_close
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matrices: one thread is fastest, and keeps the suite steady on a busy 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # A budget far below the sequence: sink 1 + local 1 + query 1 + eviction 1 blocks of 16 tokens.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
+import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -29,15 +29,11 @@ from hf_nosa.eval.runner import evaluate_tasks
 from hf_nosa.loading import load_causal_lm
 from hf_nosa.retrofit import merge_adapter
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.environment
+from benchmarks.environment import source_commit  # noqa: E402
+
 ADAPTER = Path(__file__).resolve().parents[2] / "hf_nosa" / "assets" / "smollm2_adapter"
 
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _append(path: Path, row: dict, header: dict) -> None:
@@ -65,7 +61,7 @@ def main() -> None:
               "command": "python experiments/smollm2/prefill_chunks.py " + " ".join(
                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                   for k, v in vars(args).items()),
-              "device": f"cpu, fp32, {torch.get_num_threads()} thread(s)", "commit": _commit(),
+              "device": f"cpu, fp32, {torch.get_num_threads()} thread(s)", "commit": source_commit(),
               "date": date.today().isoformat(), "torch": torch.__version__, "transformers": transformers.__version__,
               "python": platform.python_version()}
     for batch_tokens in args.batch_tokens:
