@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -44,6 +45,12 @@ class NosaConfig:
     with one fp32 scale per (block, KV head) (``hf_nosa.host_quant``), which halves the host memory and the bytes
     a block fetch moves against bf16. Eviction scores and compressed keys stay in full precision.
 
+    ``resident_margin`` (default 0: the paper's rule) makes decoding's query-aware choice sticky: a block selected at
+    the previous step (one the device holds) competes with its query-aware score times ``1 + resident_margin``, so a
+    new block must beat it by that factor to take its place. Consecutive steps then share more blocks (locality) and
+    fetch fewer. It applies to decode steps only; training and prefill keep the stateless rule. On SmolLM2 at 8K with
+    the shipped adapter, a margin of 1 lifted locality from 0.90 to 0.96 at the same perplexity (docs/results.md).
+
     Example:
         >>> cfg = NosaConfig(budget_tokens=2048, local_tokens=512)
         >>> cfg.budget_blocks
@@ -65,6 +72,7 @@ class NosaConfig:
     host_dtype: str = "auto"
     prefill_dense_tail_tokens: int = 64
     prefill_batch_tokens: int = 2048
+    resident_margin: float = 0.0
 
     def __post_init__(self):
         def fail(name: str, rule: str, fix: str = ""):
@@ -120,6 +128,9 @@ class NosaConfig:
             fail("prefill", f"allowed values are {PREFILL_MODES}")
         if not isinstance(self.host_dtype, str) or self.host_dtype not in HOST_DTYPES:
             fail("host_dtype", f"allowed values are {HOST_DTYPES}")
+        margin = self.resident_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
+            fail("resident_margin", "it must be a finite number >= 0 (0: the stateless NOSA rule)")
         if self.quoka_queries < 1:
             fail("quoka_queries", "it must be at least 1")
         if self.prefill_dense_tail_tokens < 0:

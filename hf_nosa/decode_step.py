@@ -15,7 +15,8 @@ from .attend import AttentionInputs
 from .kernels.backend import kernel_path
 from .kernels.block_scores import NewToken, append_token, block_select
 from .kernels.fetch import SlotPool, count_share, fetch_blocks, fetch_step, plan_fetch
-from .selection import MASK_VALUE, eviction_block_scores, num_windows, query_block_scores, select_blocks
+from .selection import (MASK_VALUE, eviction_block_scores, favour_resident, num_windows, query_block_scores,
+                        select_blocks)
 
 
 class DecodePaths:
@@ -117,9 +118,12 @@ class DecodePaths:
         ck, cb = self.compressed.keys[b0:b1], self.compressed.bias[b0:b1]
         token = NewToken(k, b, self.compressed.ring_k[b0:b1], self.compressed.ring_b[b0:b1])
         offsets = self.offset[b0:b1]
-        selected = block_select(q, ck, cb, self.step, self.cfg, scale, token=token, offsets=offsets)
         pool = SlotPool(self.slot_k[b0:b1], self.slot_v[b0:b1], self.slot_b[b0:b1], self.slot_block[b0:b1],
                         self.tail_slot[b0:b1])
+        # read before fetch_step rewrites it: the blocks last step selected
+        resident = pool.slot_block if self.cfg.resident_margin else None
+        selected = block_select(q, ck, cb, self.step, self.cfg, scale, token=token, offsets=offsets,
+                                resident=resident)
         if fetch_after is not None:
             torch.cuda.current_stream(k.device).wait_event(fetch_after)
         fetch_step(selected, pool, self.host, k, v, b, self.step, self.counters, count_locality=self.warm,
@@ -173,5 +177,7 @@ class DecodePaths:
         keys, bias = self.compressed.keys[:, :, :n], self.compressed.bias[:, :, :n]
         c = t // self.cfg.block_size  # blocks of the longest row; a shorter row's later blocks are no candidates
         qs = query_block_scores(query, keys, positions, c, self.cfg, scale, compressed_bias=bias)
+        if self.cfg.resident_margin:  # the slot pool still holds last step's selection
+            qs = favour_resident(qs, self.slot_block, self.cfg.resident_margin)
         es = eviction_block_scores(bias, positions, c, self.cfg)
         return select_blocks(qs, es, positions // self.cfg.block_size, self.cfg)[:, :, 0]

@@ -215,6 +215,27 @@ def eviction_block_scores(
     return pool_windows_to_blocks(scores, n_blocks, cfg, fill=float("-inf"))
 
 
+def favour_resident(query_scores: torch.Tensor, resident: torch.Tensor, margin: float) -> torch.Tensor:
+    """Query-aware block scores with the blocks the device holds multiplied by ``1 + margin`` (``resident_margin``).
+
+    A decode step's query-aware choice then changes only where a new block beats a held one by that factor, so
+    consecutive steps share more blocks. Multiplying (not adding) keeps the order among new blocks and among held
+    ones, and a block the query ignores (score 0) gains nothing.
+
+    Args:
+        query_scores: ``[B, Hk, Tq, N]``.
+        resident: ``[B, Hk, S]`` long, the blocks held (the slot pool's table: last step's selection and the
+            block being written), -1 for an empty slot.
+
+    Returns:
+        ``[B, Hk, Tq, N]`` float32.
+    """
+    N = query_scores.shape[-1]
+    held = torch.zeros(*resident.shape[:2], N + 1, dtype=torch.bool, device=query_scores.device)
+    held.scatter_(-1, torch.where((resident < 0) | (resident >= N), N, resident).to(query_scores.device), True)
+    return torch.where(held[:, :, None, :N], query_scores.float() * (1.0 + margin), query_scores.float())
+
+
 def topk_recent_first(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` highest scores on the last dim, ties broken towards the most recent (highest) index.
 

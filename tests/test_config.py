@@ -32,6 +32,10 @@ def test_defaults_follow_the_paper():
         ("budget_tokens", 4096.0, "integer"),
         ("prefill_budget_tokens", 100, "multiple of block_size"),
         ("quoka_queries", 0, "at least 1"),
+        ("resident_margin", -0.5, "finite number >= 0"),
+        ("resident_margin", float("inf"), "finite number >= 0"),
+        ("resident_margin", True, "finite number >= 0"),
+        ("resident_margin", "1", "finite number >= 0"),
     ],
 )
 def test_each_invalid_field_names_itself(field, value, words):
@@ -44,7 +48,7 @@ def test_each_invalid_field_names_itself(field, value, words):
 
 def test_round_trip_through_config_json(tmp_path):
     model = tiny_model("llama")
-    cfg = small_nosa_config(prefill="nosa", offload=False)
+    cfg = small_nosa_config(prefill="nosa", offload=False, resident_margin=0.75)
     to_nosa(model, cfg)
     model.config.save_pretrained(tmp_path)
     section = json.loads((tmp_path / "config.json").read_text())["nosa"]

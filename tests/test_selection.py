@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from hf_nosa.selection import (
+    favour_resident,
     MASK_VALUE,
     PADDING_WINDOW_BIAS,
     QUOKA_PADDING_SCORE,
@@ -275,3 +276,21 @@ def test_quoka_query_choice_ranks_by_cosine_with_the_mean_query():
         picked = cosine.gather(-1, chosen)
         # the picks are the 8 lowest cosines, lowest first (compared by value: equal cosines may swap)
         torch.testing.assert_close(picked, cosine.sort(-1).values[..., :8], atol=1e-6, rtol=0)
+
+
+def test_favour_resident_keeps_a_held_block_within_the_margin():
+    """Blocks 3 and 5 compete for the one query-aware place: 5 scores higher, 3 is held (last step's choice)."""
+    cfg = NosaConfig(block_size=16, budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16,
+                     compress_kernel=8, compress_stride=4)
+    qs = torch.zeros(1, 1, 1, 8)
+    qs[..., 3], qs[..., 5] = 0.6, 0.7
+    es = torch.zeros(1, 1, 1, 8)
+    es[..., 1] = 1.0  # the eviction head's one place goes to block 1
+    current = torch.tensor([8])
+    held = torch.tensor([[[3, 0, 7, -1, 12]]])  # -1: an empty slot; 12: not a candidate
+    query_part = lambda scores: set(select_blocks(scores, es, current, cfg)[0, 0, 0].tolist()) - {0, 7, 1}  # noqa: E731
+    assert query_part(qs) == {5}
+    assert query_part(favour_resident(qs, held, 0.1)) == {5}  # 0.66 < 0.7
+    assert query_part(favour_resident(qs, held, 0.25)) == {3}  # 0.75 > 0.7
+    favoured = favour_resident(qs, held, 0.25)
+    assert favoured[..., 0] == 0.0 and favoured[..., 5] == qs[..., 5]  # a held block the query ignores stays at 0

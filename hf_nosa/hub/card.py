@@ -45,6 +45,7 @@ FIELD_MEANINGS = {
     "prefill_batch_tokens": "small batches take chunks of up to this many tokens divided by the batch (0: off)",
     "quoka_queries": "queries per head kept by QUOKA to score blocks",
     "prefill_budget_tokens": "KV tokens each prompt chunk attends to (default: budget_tokens)",
+    "resident_margin": "decode keeps a block it holds unless a new one scores this much higher (0: off)",
 }
 
 

@@ -34,6 +34,7 @@ from ..selection import (
     PADDING_WINDOW_BIAS,
     compress_keys,
     eviction_block_scores,
+    favour_resident,
     num_windows,
     query_block_scores,
     select_blocks,
@@ -154,13 +155,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _select_kernel(
-        logits_ptr, cb_ptr, step_ptr, offset_ptr, out_ptr, qs_ptr, es_ptr,
-        stride_cb_b, stride_cb_h, stride_o_b, stride_o_h,
-        W_CAP,
+        logits_ptr, cb_ptr, step_ptr, offset_ptr, out_ptr, qs_ptr, es_ptr, resident_ptr,
+        stride_cb_b, stride_cb_h, stride_o_b, stride_o_h, stride_r_b, stride_r_h,
+        W_CAP, S, factor,
         HK: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, BW: tl.constexpr, N_SORT: tl.constexpr,
         K: tl.constexpr, K_PAD: tl.constexpr, N_Q: tl.constexpr, P: tl.constexpr, KER: tl.constexpr,
         STRIDE: tl.constexpr, R: tl.constexpr, OFF0: tl.constexpr, M: tl.constexpr,
         SINK: tl.constexpr, LOCAL: tl.constexpr, STORE_SCORES: tl.constexpr, PAD_BIAS: tl.constexpr,
+        STICKY: tl.constexpr,
     ):
         i_bh = tl.program_id(0)
         i_b = i_bh // HK
@@ -210,6 +212,13 @@ if HAS_TRITON:
         if STORE_SCORES:
             tl.store(qs_ptr + i_bh * N_SORT + o_n, qs)
             tl.store(es_ptr + i_bh * N_SORT + o_n, es)
+
+        if STICKY:  # favour_resident: the blocks the slot pool holds (last step's selection) score x factor
+            p_r = resident_ptr + i_b.to(tl.int64) * stride_r_b + i_h * stride_r_h
+            held = tl.zeros([N_SORT], tl.int32)
+            for i_s in range(S):
+                held = tl.maximum(held, (o_n == tl.load(p_r + i_s)).to(tl.int32))
+            qs = tl.where(held > 0, qs * factor, qs)
 
         # select_blocks: +inf for sink and local window, Q from the query score, the rest from the eviction score
         valid = o_n < c
@@ -267,7 +276,7 @@ def _launch_logits(query, ck, cb, token: NewToken | None, step, offsets, cfg: No
     return logits
 
 
-def _block_select_triton(query, ck, cb, step, offsets, cfg, scale, token, K, return_scores):
+def _block_select_triton(query, ck, cb, step, offsets, cfg, scale, token, K, return_scores, resident):
     B, Hk, W_CAP, _ = ck.shape
     G = query.shape[1] // Hk
     R, off0, M = _geometry(cfg)
@@ -277,14 +286,16 @@ def _block_select_triton(query, ck, cb, step, offsets, cfg, scale, token, K, ret
     scores = _empty(2, B * Hk, N_SORT, dtype=torch.float32, device=ck.device) if return_scores else out
     with on_device(ck):
         logits = _launch_logits(query, ck, cb, token, step, offsets, cfg, scale, score=True)
+        sticky = resident is not None and cfg.resident_margin > 0
+        held = resident if sticky else out
         launcher(_select_kernel)[(B * Hk,)](
             logits, cb, step, offsets, out, scores[0] if return_scores else out, scores[1] if return_scores else out,
-            cb.stride(0), cb.stride(1), out.stride(0), out.stride(1),
-            W_CAP,
+            held, cb.stride(0), cb.stride(1), out.stride(0), out.stride(1), held.stride(0), held.stride(1),
+            W_CAP, held.shape[-1] if sticky else 0, 1.0 + cfg.resident_margin,
             HK=Hk, G=G, G_PAD=next_power_of_2(G), BW=BLOCK_W, N_SORT=N_SORT, K=K, K_PAD=next_power_of_2(K),
             N_Q=n_q, P=cfg.block_size, KER=cfg.compress_kernel, STRIDE=cfg.compress_stride, R=R, OFF0=off0, M=M,
             SINK=cfg.sink_blocks, LOCAL=cfg.local_blocks, STORE_SCORES=return_scores, PAD_BIAS=PADDING_WINDOW_BIAS,
-            num_warps=4,
+            STICKY=sticky, num_warps=4,
         )
     if return_scores:
         return out, scores[0].view(B, Hk, N_SORT), scores[1].view(B, Hk, N_SORT)
@@ -319,8 +330,9 @@ def append_token_ref(ck, cb, token: NewToken, step, cfg: NosaConfig, offsets=Non
 
 
 def block_select_ref(query, ck, cb, step, cfg: NosaConfig, scale: float, token=None, budget_blocks=None,
-                     return_scores=False, offsets=None):
-    """``selection.py`` applied to the decode token at ``step`` (reads it with a host sync), row-relative."""
+                     return_scores=False, offsets=None, resident=None):
+    """``selection.py`` applied to the decode token at ``step`` (reads it with a host sync), row-relative; the
+    returned scores are those before ``favour_resident``."""
     if token is not None:
         append_token_ref(ck, cb, token, step, cfg, offsets)
     K = cfg.budget_blocks if budget_blocks is None else budget_blocks
@@ -331,7 +343,10 @@ def block_select_ref(query, ck, cb, step, cfg: NosaConfig, scale: float, token=N
     n = num_windows(int(t.max()) + 1, cfg)
     qs = query_block_scores(query, ck[:, :, :n], positions, c, cfg, scale, compressed_bias=cb[:, :, :n])[:, :, 0]
     es = eviction_block_scores(cb[:, :, :n], positions, c, cfg)[:, :, 0]
-    selected = select_blocks(qs[:, :, None], es[:, :, None], positions // cfg.block_size, cfg, K)[:, :, 0]
+    favoured = qs[:, :, None]
+    if resident is not None and cfg.resident_margin > 0:
+        favoured = favour_resident(favoured, resident, cfg.resident_margin)
+    selected = select_blocks(favoured, es[:, :, None], positions // cfg.block_size, cfg, K)[:, :, 0]
     # ascending, -1 last: the kernel's order
     selected = torch.where(selected < 0, torch.iinfo(torch.long).max, selected).sort(-1).values
     selected = selected.masked_fill(selected == torch.iinfo(torch.long).max, -1)
@@ -371,6 +386,7 @@ def block_select(
     budget_blocks: int | None = None,
     return_scores: bool = False,
     offsets: torch.Tensor | None = None,
+    resident: torch.Tensor | None = None,
 ):
     """The blocks the decode token at cache index t attends to (NOSA rule of ``selection.py``), on the device.
 
@@ -387,6 +403,9 @@ def block_select(
         offsets: ``[B]`` long on the device, each row's left padding, or None (zeros). Row b's token is then
             ``t - offsets[b]`` for every rule: blocks, windows, sink and local window counted from the row's first
             real token (``hf_nosa.padding``).
+        resident: ``[B, Hk, S]`` long, the blocks the slot pool holds (-1: empty slot); with
+            ``cfg.resident_margin > 0`` their query-aware scores are multiplied by ``1 + resident_margin`` before
+            the choice (``selection.favour_resident``). None: no block is favoured.
 
     Returns:
         ``[B, Hk, K]`` long block indices in ascending order, -1 after them.
@@ -399,14 +418,20 @@ def block_select(
         torch.Size([1, 2, 4])
     """
     offsets = _check(query, compressed_keys, compressed_bias, step, token, offsets)
+    if resident is not None:
+        B, Hk = compressed_keys.shape[:2]
+        if (resident.dim() != 3 or tuple(resident.shape[:2]) != (B, Hk) or resident.dtype != torch.long
+                or resident.device != compressed_keys.device or resident.stride(-1) != 1):
+            raise ValueError(f"resident must be long [B, Hk, S] with B, Hk = {B}, {Hk} on the compressed keys' device, "
+                             f"contiguous in S; got {resident.dtype} {tuple(resident.shape)} on {resident.device}")
     K = cfg.budget_blocks if budget_blocks is None else budget_blocks
     if not isinstance(K, int) or K < 1:
         raise ValueError(f"budget_blocks must be a positive int; got {budget_blocks!r}")
     if kernel_path("block_select", compressed_keys) == "torch":
         return block_select_ref(query, compressed_keys, compressed_bias, step, cfg, scale, token, K, return_scores,
-                                offsets)
+                                offsets, resident)
     return _block_select_triton(query, compressed_keys, compressed_bias, step, offsets, cfg, scale, token, K,
-                                return_scores)
+                                return_scores, resident)
 
 
 def _check(query, ck, cb, step, token, offsets=None) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import hf_nosa.kernels.block_scores as mod
 from hf_nosa import NosaConfig
 from hf_nosa.kernels.block_scores import NewToken, append_token, append_token_ref, block_select, block_select_ref
-from hf_nosa.selection import MASK_VALUE, compress_keys, num_windows, select_blocks
+from hf_nosa.selection import MASK_VALUE, compress_keys, favour_resident, num_windows, select_blocks
 from tests.conftest import small_nosa_config
 from tests.utils import assert_close
 
@@ -68,13 +68,15 @@ def clone_token(token):
     return None if token is None else NewToken(token.key, token.bias, token.ring_k.clone(), token.ring_b.clone())
 
 
-def check(q, ck, cb, token, step, cfg, tol):
+def check(q, ck, cb, token, step, cfg, tol, resident=None):
     scale = q.shape[-1] ** -0.5
     t = int(step)
     ck_ref, cb_ref, tok_ref = ck.clone(), cb.clone(), clone_token(token)
-    sel_ref, qs_ref, es_ref = block_select_ref(q, ck_ref, cb_ref, step.clone(), cfg, scale, tok_ref, None, True)
+    sel_ref, qs_ref, es_ref = block_select_ref(q, ck_ref, cb_ref, step.clone(), cfg, scale, tok_ref, None, True,
+                                               resident=resident)
     ck_k, cb_k, tok_k = ck.clone(), cb.clone(), clone_token(token)
-    sel, qs, es = block_select(q, ck_k, cb_k, step.clone(), cfg, scale, token=tok_k, return_scores=True)
+    sel, qs, es = block_select(q, ck_k, cb_k, step.clone(), cfg, scale, token=tok_k, return_scores=True,
+                               resident=resident)
     n, c = num_windows(t + 1, cfg), t // cfg.block_size
     assert_close(ck_k[:, :, :n], ck_ref[:, :, :n], **tol, msg="compressed keys")
     assert_close(cb_k[:, :, :n], cb_ref[:, :, :n], atol=1e-6, rtol=1e-6, msg="compressed scores")
@@ -85,7 +87,10 @@ def check(q, ck, cb, token, step, cfg, tol):
     assert sel.shape == sel_ref.shape and sel.dtype == torch.long
     if c:
         current = torch.tensor([c], device=q.device)
-        on_kernel_scores = select_blocks(qs[:, :, None, :c], es[:, :, None, :c], current, cfg)[:, :, 0]
+        favoured = qs[:, :, None, :c]
+        if resident is not None and cfg.resident_margin:
+            favoured = favour_resident(favoured, resident, cfg.resident_margin)
+        on_kernel_scores = select_blocks(favoured, es[:, :, None, :c], current, cfg)[:, :, 0]
         assert torch.equal(sel, ascending(on_kernel_scores)), "the kernel's pick differs from select_blocks on its own scores"
     assert torch.equal(sel, sel_ref), "the kernel's pick differs from the reference"
     return sel
@@ -183,6 +188,40 @@ def test_ties_go_to_the_most_recent_block(interpret):
     assert sel[0, 0].tolist() == expected
 
 
+def held_blocks(B, Hk, S, t, cfg, seed, device="cpu"):
+    """A slot table ``[B, Hk, S]``: distinct random blocks, some slots empty (-1), some at or past t's block (held
+    but no candidate: the block being written)."""
+    g = torch.Generator().manual_seed(seed)
+    c = t // cfg.block_size
+    n = max(c + 4, S)
+    table = torch.stack([torch.randperm(n, generator=g)[:S] for _ in range(B * Hk)]).view(B, Hk, S)
+    table[(torch.rand(B, Hk, S, generator=g) < 0.2) | (table >= c + 4)] = -1
+    return table.to(device)
+
+
+RESIDENT_CASES = [  # B, H, Hk, D, t, dtype, W, cfg (with resident_margin), append, pads
+    (2, 4, 2, 64, 200, torch.float32, 256, SMALL.replace(resident_margin=1.0), True, ()),
+    (3, 8, 1, 64, 967, torch.float32, 512, SMALL.replace(resident_margin=0.3), False, ()),
+    (2, 8, 2, 64, 299, torch.bfloat16, 256, SMALL.replace(resident_margin=1.0), True, (150, 0)),
+    (1, 4, 1, 128, 4999, torch.float32, 512, PAPER.replace(resident_margin=0.5), True, ()),  # 78 blocks > 64
+    (2, 4, 2, 64, 301, torch.float32, 512, NARROW.replace(resident_margin=2.0), True, ()),
+]
+
+
+@pytest.mark.parametrize("B,H,Hk,D,t,dtype,W,cfg,append,pads", RESIDENT_CASES)
+def test_resident_margin_matches_reference_interpreted(interpret, poison, B, H, Hk, D, t, dtype, W, cfg, append,
+                                                       pads):
+    state = make_state(B, H, Hk, D, t, dtype, W, cfg, append, pads=pads, seed=t)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    resident = held_blocks(B, Hk, cfg.budget_blocks + 1, t, cfg, seed=t)
+    favoured = check(*state, cfg, tol, resident=resident)
+    plain = check(*state, cfg.replace(resident_margin=0.0), tol, resident=resident)
+    # the margin only ever trades a new block for a held one in the query-aware part
+    held = lambda sel: sum(int(b) in set(r.tolist()) for s_, r in zip(sel.flatten(0, 1), resident.flatten(0, 1))  # noqa: E731
+                           for b in s_ if b >= 0)
+    assert held(favoured) >= held(plain)
+
+
 def test_append_token_matches_reference(interpret):
     cfg = SMALL
     for t in (7, 8, 11, 12, 99):  # before, at and between window ends
@@ -208,6 +247,10 @@ def test_bad_input():
         block_select(q, ck, cb, step, SMALL, 0.25, budget_blocks=0)
     with pytest.raises(ValueError, match="token.bias"):
         block_select(q, ck, cb, step, SMALL, 0.25, token=token._replace(bias=token.bias.double()))
+    with pytest.raises(ValueError, match="resident"):
+        block_select(q, ck, cb, step, SMALL, 0.25, resident=torch.zeros(1, 2, 9, dtype=torch.int32))
+    with pytest.raises(ValueError, match="resident"):
+        block_select(q, ck, cb, step, SMALL, 0.25, resident=torch.zeros(1, 3, 9, dtype=torch.long))
 
 
 GPU_CASES = [  # B, H, Hk, D, t, dtype, W, cfg, append
@@ -229,6 +272,18 @@ def test_matches_reference_gpu(monkeypatch, poison, B, H, Hk, D, t, dtype, W, cf
     state = make_state(B, H, Hk, D, t, dtype, W, cfg, append, device="cuda")
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     check(*state, cfg, tol)
+
+
+@pytest.mark.gpu
+def test_resident_margin_matches_reference_gpu(monkeypatch, poison):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("HF_NOSA_KERNELS", raising=False)
+    cfg = PAPER.replace(resident_margin=1.0)
+    for B, t, dtype, W in ((4, 20_031, torch.bfloat16, 2048), (2, 70_000, torch.float32, 8192)):
+        state = make_state(B, 32, 8, 128, t, dtype, W, cfg, True, device="cuda", seed=t)
+        resident = held_blocks(B, 8, cfg.budget_blocks + 1, t, cfg, seed=t, device="cuda")
+        tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        check(*state, cfg, tol, resident=resident)
 
 
 @pytest.mark.gpu

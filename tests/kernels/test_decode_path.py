@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_nosa
-from hf_nosa import NosaCache
+from hf_nosa import NosaCache, NosaConfig
 from hf_nosa.cache import NosaLayer
 from hf_nosa.kernels.block_scores import block_select
 from hf_nosa.kernels.cuda_graph import DecodeGraph, greedy_decode
@@ -69,6 +69,22 @@ def test_kernel_path_equals_torch_path_interpreted(interpret, monkeypatch):
     for key in STAT_KEYS:
         assert stats_k[key] == stats_t[key], key
     assert abs(stats_k["locality"] - stats_t["locality"]) < 1e-6
+
+
+def test_resident_margin_kernel_path_equals_torch_path_interpreted(interpret, monkeypatch):
+    """``resident_margin`` on both decode paths: the same tokens and traffic, and more blocks kept than without."""
+    model = nosa_model(num_hidden_layers=1, budget=96, seed=2)
+    ids = torch.randint(3, 97, (2, 130), generator=torch.Generator().manual_seed(4))
+    cfg = NosaConfig.from_dict(model.config.nosa, resident_margin=1.0)
+    seq_t, scores_t, stats_t = generate(model, ids, "torch", monkeypatch, 12, nosa_config=cfg)
+    seq_k, scores_k, stats_k = generate(model, ids, "triton", monkeypatch, 12, nosa_config=cfg)
+    assert torch.equal(seq_k, seq_t)
+    assert_close(scores_k, scores_t, atol=1e-4, rtol=1e-4)
+    for key in STAT_KEYS:
+        assert stats_k[key] == stats_t[key], key
+    *_, stats_0 = generate(model, ids, "torch", monkeypatch, 12, nosa_config=cfg.replace(resident_margin=0.0))
+    assert stats_0["locality"] < stats_t["locality"], (stats_0["locality"], stats_t["locality"])
+    assert stats_0["blocks_loaded"] > stats_t["blocks_loaded"]
 
 
 def test_kernel_path_with_a_selector_interpreted(interpret, monkeypatch):
