@@ -27,7 +27,9 @@
 # hf_nosa/assets/smollm2_adapter, instead of a retrofit's; a folder: that adapter, e.g. a curve's kept
 # $WORK/curve-recipe-distill/step-160), EVAL_TAG (the eval phase writes smollm2-LENGTH-TAG.json instead of
 # smollm2-LENGTH.json, started from the base:* cells of BASE_RESULTS, default docs/results/smollm2-gpu-shipped-LENGTH.json
-# when it exists: those cells do not depend on the adapter, so another adapter costs only its two cells), RESUME (1: continue the retrofit in $WORK/adapter), MAX_STEPS (N: the retrofit runs the
+# when it exists: those cells do not depend on the adapter, so another adapter costs only its two cells),
+# RESIDENT_MARGIN (0: NosaConfig.resident_margin of the retrofit:* cells; give it an EVAL_TAG of its own), EVAL_CELLS
+# (the eval phase's cells, default retrofit:nosa, the base cells, retrofit:default), RESUME (1: continue the retrofit in $WORK/adapter), MAX_STEPS (N: the retrofit runs the
 # recipe's whole schedule and stops, checkpointed, at global step N instead of fitting itself to the call with
 # --time-limit; with RESUME=1 the next call goes on from there), RECIPE (the retrofit phase's recipe: a name of
 # recipes/ or a YAML path from the repository root; default smollm2-135m), CURVE_STEPS ("20 40 80 160"), CURVE_LENGTH (8192),
@@ -168,7 +170,7 @@ evaluate() {  # evaluate CELLS [ADAPTER]: one background process per length; wai
         local args=(--length "$length" --cells "$cells" --samples "$SAMPLES" --ppl-docs "$PPL_DOCS"
                     --ppl-tokens "$PPL_TOKENS" --tasks "$TASKS" --budget-ratio "$RATIO" --deadline "$until"
                     --results "$WORK/results/$name")
-        [ -n "$adapter" ] && args+=(--adapter "$adapter")
+        [ -n "$adapter" ] && args+=(--adapter "$adapter" --resident-margin "${RESIDENT_MARGIN:-0}")
         [ "${CHAT:-1}" = 0 ] && args+=(--no-chat-template)
         [ -f "$WORK/results/$name" ] || cp "$CARRIED/results/$name" "$WORK/results/" 2>/dev/null
         [ -n "${EVAL_TAG:-}" ] && [ ! -f "$WORK/results/$name" ] && base_cells_into "$length" "$WORK/results/$name"
@@ -179,7 +181,7 @@ evaluate() {  # evaluate CELLS [ADAPTER]: one background process per length; wai
     local status=0
     for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
     for length in $LENGTHS; do
-        cp "$WORK/results/smollm2-$length.json" "$OUT/" 2>/dev/null
+        cp "$WORK/results/smollm2-$length${EVAL_TAG:+-$EVAL_TAG}.json" "$OUT/" 2>/dev/null
         grep -E '^\[|^(cell|skip)' "$OUT/eval-$length.log" | tail -n 12
     done
     return "$status"
@@ -289,7 +291,7 @@ for phase in "$@"; do
             wait "$base" || status=1 ;;
         eval)
             adapter=$(adapter_dir) || { status=1; break; }
-            evaluate "retrofit:nosa,$BASE_CELLS,retrofit:default" "$adapter" || status=1 ;;
+            evaluate "${EVAL_CELLS:-retrofit:nosa,$BASE_CELLS,retrofit:default}" "$adapter" || status=1 ;;
         curve) curve || status=1 ;;
         *) echo "unknown phase $phase; phases: upload-K join retrofit eval-base retrofit+eval-base eval curve" >&2; exit 2 ;;
     esac
