@@ -15,10 +15,13 @@ import hf_nosa
 
 
 def command_line() -> str:
-    """The command that ran, with the output folder written as DIR (it is a path of the machine that ran it) and
+    """The command that ran, the script named from the repository root, with the output folder written as DIR (it is a path of the machine that ran it) and
     the ``HF_NOSA_*`` settings of the run in front (they change what runs, e.g. ``HF_NOSA_PREFILL_FETCH_PARTS``;
     ``HF_NOSA_COMMIT`` only names the code and is left out)."""
     args = list(sys.argv)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if args and os.path.abspath(args[0]).startswith(root + os.sep):
+        args[0] = os.path.relpath(os.path.abspath(args[0]), root)  # the script, as the repository names it
     for i, arg in enumerate(args[:-1]):
         if arg == "--out":
             args[i + 1] = "DIR"

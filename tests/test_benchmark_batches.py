@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,3 +255,13 @@ def test_generate_host_batch_counts_what_the_cache_checks(monkeypatch, host_dtyp
     one = s["num_hidden_layers"] * hf_nosa.host_store.HostStore.planned_bytes(
         1, s["num_key_value_heads"], s["head_dim"], torch.bfloat16, 64, host_dtype, 65536 + 512)
     assert batch * one <= gen.HOST_SHARE * available < (batch + 1) * one
+
+
+def test_recorded_command_names_the_script_from_the_repository_root(monkeypatch):
+    from benchmarks import environment
+
+    script = Path(environment.__file__).resolve().parent / "decode.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--batch", "4", "--out", "/somewhere/results"])
+    command = environment.command_line()
+    assert command.endswith("python benchmarks/decode.py --batch 4 --out DIR")
+    assert str(script.parent) not in command
