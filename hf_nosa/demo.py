@@ -178,8 +178,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"prompt:      {ids.shape[1]} tokens of filler with a pass key hidden at {100 * depth:.0f}% depth (seed {seed})")
     print(f"NOSA:        budget {budget} tokens ({context // budget}x less than the context) in blocks of "
           f"{config.block_size}: sink {config.sink_tokens}, local {config.local_tokens}, query-aware "
-          f"{config.query_tokens}, eviction head {budget - config.sink_tokens - config.local_tokens - config.query_tokens}; "
-          f"prefill {args.prefill}")
+          f"{config.query_tokens}, eviction head {budget - config.sink_tokens - config.local_tokens - config.query_tokens}"
+          f"{f', resident margin {config.resident_margin:g}' if config.resident_margin else ''}; prefill {args.prefill}")
     print(f"pass key:    {sample.answers[0]}")
     print(f"answer:      {answer or '(empty)'}  -> {'correct' if correct else 'WRONG'}")
     print(f"KV cache:    full cache {_mb(stats['full_kv_bytes'])} in the host store; device working set "

@@ -166,8 +166,12 @@ def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, token
     spec = importlib.util.spec_from_file_location("ship_adapter", ROOT / "experiments" / "smollm2" / "ship_adapter.py")
     shipping = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(shipping)
-    shipping.ship(tmp_path / "run", shipped)
+    with pytest.raises(ValueError, match="resident_margin"):
+        shipping.ship(tmp_path / "run", tmp_path / "refused", resident_margin=-1.0)
+    shipping.ship(tmp_path / "run", shipped, resident_margin=1.0)  # decoding's setting, which training ignores
     assert sorted(p.name for p in shipped.iterdir()) == sorted(shipping.SHIPPED)
+    record = json_module.loads((shipped / "nosa_retrofit.json").read_text())
+    assert record["trained_nosa_config"]["resident_margin"] == 0.0 and record["nosa_config"]["resident_margin"] == 1.0
     assert json_module.loads((shipped / "adapter_config.json").read_text())["base_model_name_or_path"] == "smollm2"
     monkeypatch.setattr(demo, "SMOLLM2_ADAPTER", shipped)
     monkeypatch.setattr(loading, "load_causal_lm", lambda spec, **kw: (copy.deepcopy(model), tokenizer))
@@ -180,6 +184,9 @@ def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, token
     text = capsys.readouterr().out
     merged, _, _, settings = loaded[0]
     assert "smollm2_adapter" in settings["adapter"] and "UNTRAINED" not in settings["adapter"]
+    from hf_nosa import NosaConfig
+
+    assert NosaConfig.from_model_config(merged.config).resident_margin == 1.0  # the shipped record's, not the run's
     stored = load_file(str(shipped / "adapter_model.safetensors"))
     heads = eviction_heads(merged)
     assert len(heads) == model.config.num_hidden_layers
@@ -189,7 +196,7 @@ def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, token
     assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
     check_output(text)
     assert "adapter:     the NOSA retrofit adapter shipped in smollm2_adapter" in text
-    assert "sink 64, local 64, query-aware 64, eviction head 64" in text
+    assert "sink 64, local 64, query-aware 64, eviction head 64, resident margin 1;" in text
 
 
 @pytest.mark.slow

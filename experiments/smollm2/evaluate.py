@@ -143,9 +143,9 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, default=None, help="unix time by which the last cell must end")
     parser.add_argument("--results", required=True, help="JSON file: read to resume, written after every cell")
     parser.add_argument("--device", default="auto", help="cpu, cuda, ...; auto: cuda when present")
-    parser.add_argument("--resident-margin", type=float, default=0.0,
-                        help="NosaConfig.resident_margin of the retrofit:* cells (0: the stateless rule); recorded in "
-                             "their rows")
+    parser.add_argument("--resident-margin", type=float, default=None,
+                        help="NosaConfig.resident_margin of the retrofit:* cells (0: the stateless rule; default: the "
+                             "adapter's, as the demo decodes); recorded in their rows")
     args = parser.parse_args(argv)
 
     cells = parse_cells(args.cells, METHODS)
@@ -171,14 +171,17 @@ def main(argv=None) -> int:
     started = time.time()
     base = load_pretrained(args.model)  # fp32 on the CPU: the adapter merges at full precision
     tokenizer = load_tokenizer(args.model)
-    models = {}
+    models, margins = {}, {}
     if any(m == "retrofit" for m, _ in pending):
         from hf_nosa import NosaConfig
         from hf_nosa.retrofit import merge_adapter, read_run
 
         models["retrofit"] = merge_adapter(args.adapter, base_model=copy.deepcopy(base)).to(device, dtype).eval()
         section = NosaConfig.from_model_config(models["retrofit"].config)
-        models["retrofit"].config.nosa = section.replace(resident_margin=args.resident_margin).to_dict()
+        if args.resident_margin is not None:
+            section = section.replace(resident_margin=args.resident_margin)
+        models["retrofit"].config.nosa = section.to_dict()
+        margins["retrofit"] = section.resident_margin
         results.data["adapter"] = {k: v for k, v in read_run(args.adapter).items() if k != "recipe"}
     models["base"] = base.to(device, dtype).eval()
     budget = budget_for(None, args.length, None, args.budget_ratio)
@@ -205,7 +208,7 @@ def main(argv=None) -> int:
                             layout=layout, protocol="ruler", chat_template=not args.no_chat_template,
                             show_progress=False, verbose=True)
             seconds[method] = time.time() - began
-            margin = args.resident_margin if model_name == "retrofit" else 0.0
+            margin = margins.get(model_name, 0.0)
             for row in rows:
                 results.add({"cell": cell, "model": model_name, **row, "cell_seconds": seconds[method],
                              "resident_margin": margin})

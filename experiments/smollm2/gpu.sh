@@ -25,10 +25,10 @@
 # task, decoded as one batch), PPL_DOCS (8), PPL_TOKENS (128), TASKS (all), CHAT (1: RULER prompts in the chat
 # template; 0: plain text), ADAPTER (shipped: the eval phase's retrofit:* cells use the package's adapter,
 # hf_nosa/assets/smollm2_adapter, instead of a retrofit's; a folder: that adapter, e.g. a curve's kept
-# $WORK/curve-recipe-distill/step-160), EVAL_TAG (the eval phase writes smollm2-LENGTH-TAG.json instead of
+# $WORK/curve-recipe-q128/step-160), EVAL_TAG (the eval phase writes smollm2-LENGTH-TAG.json instead of
 # smollm2-LENGTH.json, started from the base:* cells of BASE_RESULTS, default docs/results/smollm2-gpu-shipped-LENGTH.json
 # when it exists: those cells do not depend on the adapter, so another adapter costs only its two cells),
-# RESIDENT_MARGIN (0: NosaConfig.resident_margin of the retrofit:* cells; give it an EVAL_TAG of its own), EVAL_CELLS
+# RESIDENT_MARGIN (NosaConfig.resident_margin of the retrofit:* cells, default the adapter's; give it an EVAL_TAG of its own), EVAL_CELLS
 # (the eval phase's cells, default retrofit:nosa, the base cells, retrofit:default), RESUME (1: continue the retrofit in $WORK/adapter), MAX_STEPS (N: the retrofit runs the
 # recipe's whole schedule and stops, checkpointed, at global step N instead of fitting itself to the call with
 # --time-limit; with RESUME=1 the next call goes on from there), RECIPE (the retrofit phase's recipe: a name of
@@ -170,7 +170,7 @@ evaluate() {  # evaluate CELLS [ADAPTER]: one background process per length; wai
         local args=(--length "$length" --cells "$cells" --samples "$SAMPLES" --ppl-docs "$PPL_DOCS"
                     --ppl-tokens "$PPL_TOKENS" --tasks "$TASKS" --budget-ratio "$RATIO" --deadline "$until"
                     --results "$WORK/results/$name")
-        [ -n "$adapter" ] && args+=(--adapter "$adapter" --resident-margin "${RESIDENT_MARGIN:-0}")
+        [ -n "$adapter" ] && args+=(--adapter "$adapter" ${RESIDENT_MARGIN:+--resident-margin "$RESIDENT_MARGIN"})
         [ "${CHAT:-1}" = 0 ] && args+=(--no-chat-template)
         [ -f "$WORK/results/$name" ] || cp "$CARRIED/results/$name" "$WORK/results/" 2>/dev/null
         [ -n "${EVAL_TAG:-}" ] && [ ! -f "$WORK/results/$name" ] && base_cells_into "$length" "$WORK/results/$name"

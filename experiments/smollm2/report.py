@@ -109,6 +109,8 @@ def table(data: dict, why: str | None = None) -> str:
         if row is None:
             lines.append("| " + " | ".join([label, *["-"] * len(tasks), "not run", "-", "-", "-"]) + " |")
             continue
+        if row.get("resident_margin") and row.get("method") != "default":  # a decode setting: say it on the row
+            label = f"{label}, resident margin {row['resident_margin']:g}"
         cells = [label, *[_fmt(row["tasks"].get(t), ".2f") for t in tasks], f"**{row['mean_accuracy']:.3f}**",
                  _fmt(row.get("perplexity"), ".3f"), _fmt(row.get("locality"), ".3f"),
                  _mb(row.get("bytes_to_device_per_token"))]
