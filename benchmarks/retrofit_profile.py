@@ -2,7 +2,7 @@
 backward) on a random model of SmolLM2-135M's shape, by variant and by kernel.
 
 The GPU retrofit of SmolLM2 ran at 10.8K tokens/s (6 s per 8-sequence step), about what the 16x larger 1b shape
-reaches (benchmarks/results/train_step.json): time that does not scale with the model. Variants, each built the way
+reaches (benchmarks/results/train_step_16k_first.json): time that does not scale with the model. Variants, each built the way
 ``hf-nosa retrofit`` builds it (``retrofit._build_model``: to_nosa, fp32 eviction heads, PEFT LoRA; bf16 autocast):
 
 - ``dense``: the same LoRA model without NOSA (stock sdpa attention);

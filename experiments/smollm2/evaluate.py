@@ -208,7 +208,8 @@ def main(argv=None) -> int:
                             layout=layout, protocol="ruler", chat_template=not args.no_chat_template,
                             show_progress=False, verbose=True)
             seconds[method] = time.time() - began
-            margin = margins.get(model_name, 0.0)
+            # a decode setting: full attention ("default") has none
+            margin = None if method == "default" else margins.get(model_name, 0.0)
             for row in rows:
                 results.add({"cell": cell, "model": model_name, **row, "cell_seconds": seconds[method],
                              "resident_margin": margin})
