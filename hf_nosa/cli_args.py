@@ -153,7 +153,7 @@ def eval(parser: argparse.ArgumentParser) -> None:  # noqa: A001 - the command's
                         help="a causal LM, NOSA or not: a save_pretrained folder, a Hub id, a .gguf file (needs "
                              "hf-nosa[gguf]) or smollm2 (required)")
     parser.add_argument("--tasks", nargs="+", default=list(EVAL_DEFAULT_TASKS),
-                        help=f"tasks, comma or space separated, from {', '.join(EVAL_TASKS)}")
+                        help=f"tasks, comma or space separated, from {', '.join(EVAL_TASKS)}; all: every one")
     parser.add_argument("--lengths", nargs="+", default=list(EVAL_LENGTHS), help="prompt lengths in tokens")
     parser.add_argument("--cache", nargs="+", default=list(EVAL_METHODS),
                         help=f"methods, comma or space separated, from {', '.join(EVAL_METHODS)}")

@@ -274,6 +274,17 @@ def test_eval_command_writes_json(tmp_path, tokenizer, capsys):
     assert cli_main(["eval", "--model", str(tmp_path / "missing"), "--lengths", "320"]) == 2
 
 
+def test_tasks_all_names_every_task_the_pass_key_included(monkeypatch):
+    import hf_nosa.eval.runner as runner
+
+    asked = {}
+    monkeypatch.setattr(runner, "evaluate", lambda model, tokenizer, **kw: asked.update(kw) or [])
+    args = ["eval", "--model", str(DEMO_MODEL), "--tasks", "all", "--lengths", "320", "--cache", "default",
+            "--samples", "1", "--ppl-docs", "0", "--device", "cpu", "--no-progress"]
+    assert cli_main(args) == 0
+    assert asked["tasks"] == list(TASKS) and "passkey" in asked["tasks"]
+
+
 def test_default_suite_is_the_ruler_tasks():
     assert set(DEFAULT_TASKS) == set(TASKS) - {"passkey"}
     assert len(DEFAULT_TASKS) == 8

@@ -523,6 +523,8 @@ def _saved_nosa_section(model: str):
 
 def run(args: argparse.Namespace) -> int:
     tasks = _split_list(args.tasks)
+    if tasks == ["all"]:  # every task, the pass key included (the default leaves it out)
+        tasks = list(TASKS)
     methods = _split_list(args.cache)
     try:
         lengths = [int(x) for x in _split_list(args.lengths)]
@@ -533,7 +535,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{name}={value} is invalid: it must be at least 1")
     for task in tasks:
         if task not in TASKS:
-            raise ValueError(f"task {task!r} is unknown; allowed values are {TASKS} (--tasks)")
+            raise ValueError(f"task {task!r} is unknown; allowed values are {TASKS}, or all (--tasks)")
     for method in methods:
         if method not in METHODS:
             raise ValueError(f"cache method {method!r} is unknown; allowed values are {METHODS} (--cache)")
