@@ -5,9 +5,9 @@ Per query head, the ``n`` queries least similar (cosine) to the chunk's mean que
 (design Sec. 4). The torch reference takes eight launches (a float copy, the mean, a matmul, the norms, a clamp, a
 division, a top-k and the gather); at batch 1 the prefill is bound by the host issuing them. One program per
 (sequence, query head) here averages the real queries, writes each query's cosine (real queries only; padding
-+inf, last) to a scratch row, and ranks them there: a query's rank is the number of queries with a lower cosine, or
-the same cosine and a lower index, so the ``n`` of rank below ``n`` are written out in the reference's order
-(lowest cosine first; the reference's top-k leaves the order of exact ties open). Sums run in float32 in another
+after every real one) to a scratch row, and takes the lowest cosine left ``n`` times (the lower index among equal
+ones), so the ``n`` kept queries come out in the reference's order (lowest cosine first; the reference's top-k
+leaves the order of exact ties open). Sums run in float32 in another
 order than torch's, so cosines may differ from the reference's in the last bits: the kept set differs only where
 two cosines at the boundary lie that close.
 """
@@ -19,7 +19,9 @@ import torch
 from ..selection import quoka_query_choice
 from .backend import HAS_TRITON, kernel_path, launcher, next_power_of_2, on_device, tl, triton
 
-BLOCK_T = 128  # queries per step (a 512-token chunk in 4; the ranks in 16 tiles of 128 x 128)
+BLOCK_T = 128  # queries per step (a 512-token chunk in 4)
+# The cosine padding queries get: above every real one (cosines are bounded by the mean's norm), below +inf (kept).
+PADDING = 3.0e38
 
 if HAS_TRITON:
 
@@ -30,7 +32,7 @@ if HAS_TRITON:
         stride_vb, stride_vt,
         stride_ob, stride_oh, stride_on, stride_od,
         H, T, D, n,
-        HAS_VALID: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+        HAS_VALID: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PADDING: tl.constexpr,
     ):
         """Program (sequence x query head): the head's ``n`` kept queries, lowest cosine to the mean first."""
         i_bh = tl.program_id(0)
@@ -54,7 +56,8 @@ if HAS_TRITON:
             count += real.to(tl.float32)
         mean = total / tl.maximum(tl.sum(count, axis=0), 1.0)
 
-        # each query's cosine to the mean, up to the mean's norm (one positive number per head: same ranking)
+        # each query's cosine to the mean, up to the mean's norm (one positive number per head: same ranking);
+        # padding gets PADDING (finite), so that a kept query, set to +inf below, is never kept again
         for t0 in range(0, T, BLOCK_T):
             o_t = t0 + tl.arange(0, BLOCK_T)
             q = tl.load(q_row + o_t[:, None] * stride_qt + o_d[None, :] * stride_qd,
@@ -63,24 +66,28 @@ if HAS_TRITON:
             cos = tl.sum(q * mean[None, :], axis=1) / tl.maximum(norm, 1e-12)
             if HAS_VALID:
                 real = tl.load(valid_ptr + i_b * stride_vb + o_t * stride_vt, mask=o_t < T, other=0) != 0
-                cos = tl.where(real, cos, float("inf"))
+                cos = tl.where(real, cos, PADDING)
             tl.store(cos_row + o_t, cos, mask=o_t < T)
         tl.debug_barrier()  # the row's cosines, written by every thread, are read by every thread below
 
-        for i0 in range(0, T, BLOCK_T):
-            o_i = i0 + tl.arange(0, BLOCK_T)
-            c_i = tl.load(cos_row + o_i, mask=o_i < T)
-            rank = tl.zeros([BLOCK_T], dtype=tl.int32)
-            for j0 in range(0, T, BLOCK_T):
-                o_j = j0 + tl.arange(0, BLOCK_T)
-                c_j = tl.load(cos_row + o_j, mask=o_j < T)
-                ahead = (c_j[None, :] < c_i[:, None]) | ((c_j[None, :] == c_i[:, None]) & (o_j[None, :] < o_i[:, None]))
-                rank += tl.sum((ahead & (o_j < T)[None, :]).to(tl.int32), axis=1)
-            keep = (o_i < T) & (rank < n)
-            q = tl.load(q_row + o_i[:, None] * stride_qt + o_d[None, :] * stride_qd,
-                        mask=keep[:, None] & m_d[None, :])
-            p_out = out_ptr + i_b * stride_ob + i_h * stride_oh + rank[:, None] * stride_on + o_d[None, :] * stride_od
-            tl.store(p_out, q, mask=keep[:, None] & m_d[None, :])
+        # n passes, each keeping the lowest cosine left (the lower index among equal ones): O(n T), not the O(T^2)
+        # of ranking every query against every other, which made 2048-token chunks pay 16x per program
+        for r in range(0, n):
+            best_c = tl.full([], float("inf"), tl.float32)
+            best_i = tl.zeros([], dtype=tl.int32) + T
+            for t0 in range(0, T, BLOCK_T):
+                o_t = t0 + tl.arange(0, BLOCK_T)
+                c = tl.load(cos_row + o_t, mask=o_t < T, other=float("inf"))
+                c_min = tl.min(c, axis=0)
+                i_min = tl.min(tl.where((c == c_min) & (o_t < T), o_t, T), axis=0)
+                better = (c_min < best_c) | ((c_min == best_c) & (i_min < best_i))
+                best_c = tl.where(better, c_min, best_c)
+                best_i = tl.where(better, i_min, best_i)
+            tl.debug_barrier()  # every thread has read the row before the kept query leaves it
+            tl.store(cos_row + best_i, float("inf"))
+            q = tl.load(q_row + best_i * stride_qt + o_d * stride_qd, mask=m_d)
+            tl.store(out_ptr + i_b * stride_ob + i_h * stride_oh + r * stride_on + o_d * stride_od, q, mask=m_d)
+            tl.debug_barrier()  # the store above is seen by every thread of the next pass
 
 
 def quoka_kept_queries_ref(query: torch.Tensor, n_keep: int, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,6 +132,6 @@ def quoka_kept_queries(query: torch.Tensor, n_keep: int, valid: torch.Tensor | N
         launcher(_quoka_choice_kernel)[(B * H,)](
             query, flags, cos, out, *query.stride(), *valid_strides,
             out.stride(0), out.stride(1), out.stride(3), out.stride(4),
-            H, T, D, n, HAS_VALID=has_valid, BLOCK_T=BLOCK_T, BLOCK_D=max(16, next_power_of_2(D)),
+            H, T, D, n, HAS_VALID=has_valid, BLOCK_T=BLOCK_T, BLOCK_D=max(16, next_power_of_2(D)), PADDING=PADDING,
         )
     return out
