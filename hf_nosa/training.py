@@ -5,7 +5,7 @@ Query token ``t`` attends to exactly what decoding token ``t`` would: the blocks
 own block up to ``t``; every key ``j`` carries the eviction bias ``b_j`` in its logit. The selection is computed
 without gradient (a discrete choice); ``delta`` and ``A`` learn through the bias alone.
 
-Three backends compute the same thing:
+Four backends compute the same thing:
 
 - ``"flex"`` (CUDA): FlexAttention. The block table is built from the selected blocks (a tile is visited when
   any query of the tile selected any block in it), ``mask_mod`` reads the per-token selection bitmap, and
@@ -13,6 +13,14 @@ Three backends compute the same thing:
   group share their KV head's selection, so they can be folded into the query rows (``fold`` rows per token, the
   group's largest power-of-two factor up to ``FLEX_FOLD``): a 128-row tile then spans 128 / fold tokens, and the
   union of its tokens' selections, which decides the tiles visited, is over fewer tokens.
+- ``"sparse"``: Triton block-sparse kernels with the rule inside, forward and backward
+  (``kernels/sparse_train_attention.py``). Rows are (token, query head of the group) pairs, so a key block is read
+  once per GQA group; a tile of rows visits the blocks any of its tokens selected and its tokens' own blocks (the
+  plan, built once from the bitmap and kept for the backward), and inside a visited block the mask is the rows'
+  bits for that block, read once and broadcast over its keys, plus the own-block causal rule. The bias gradient
+  comes from the backward kernel. On CPU tensors it runs the torch reference unless ``HF_NOSA_KERNELS=triton`` and
+  ``TRITON_INTERPRET=1`` (``kernels/backend.py``). Flex stays the CUDA default until a GPU benchmark has compared
+  the two.
 - ``"explicit"`` (CPU): an additive mask per chunk of queries on sdpa (``dense_attention.biased_attention``).
 - ``"reference"``: the same masks through the einsum attention of ``attend.py`` (the per-token reference).
 
@@ -23,7 +31,8 @@ passed, looked up by a fingerprint of the inputs) instead of selecting again.
 Left padding (``attention_mask`` with leading zeros): every row is selected as if alone, its blocks, windows, sink
 and local window counted from its first real token (``hf_nosa.padding``): the selection runs on each row's tokens
 moved to the front (``offsets`` = its padding length) and its blocks are row-relative; the token masks (explicit)
-and ``mask_mod`` (flex) map them back to the keys' positions.
+and ``mask_mod`` (flex) map them back to the keys' positions; the sparse kernels read each row's keys from its
+first real one.
 
 Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, Tq queries, T keys, D head dim, P block size, N blocks.
 """
@@ -39,6 +48,7 @@ import torch.nn.functional as F
 from .attend import AttentionInputs, attend
 from .config import NosaConfig
 from .dense_attention import biased_attention
+from .kernels.sparse_train_attention import sparse_train_attention
 from .kernels.window_probs import window_probs
 from .masks import additive_mask, padding_bias
 from .padding import from_rows, leading_padding, to_rows
@@ -53,7 +63,7 @@ from .selection import (
     windows_available,
 )
 
-BACKENDS = ("flex", "explicit", "reference")
+BACKENDS = ("flex", "sparse", "explicit", "reference")
 
 # Most fp32 elements one query chunk may hold in its largest intermediate (256 MiB): the selection scores
 # [B, H, chunk, W] and the explicit path's logits [B, H, chunk, T] stay bounded however long the sequence is.
@@ -411,6 +421,13 @@ def _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold, offsets=N
     return _unfold_rows(out, fold)
 
 
+def _sparse(query, key, value, bias, bitmap, cfg, scale, q_offset, offsets=None) -> torch.Tensor:
+    # As for flex: autocast off, q/k/v in one dtype, the bias in fp32 (its gradient comes back in fp32).
+    with torch.autocast(query.device.type, enabled=False):
+        return sparse_train_attention(query, key.to(query.dtype), value.to(query.dtype), bias, bitmap, scale,
+                                      block_size=cfg.block_size, q_offset=q_offset, offsets=offsets)
+
+
 def nosa_training_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -433,10 +450,11 @@ def nosa_training_attention(
         attention_mask: the model's mask (bool or additive, ``[B or 1, 1, Tq, T]``) or None for causal. Keys the
             last query row may not see are padding: like the cache, they get ``MASK_VALUE`` in their bias. The
             rule is causal by itself, so a causal + padding mask is all the flex backend honours; the explicit
-            backend also adds the mask as given. Left padding is counted out: each row selects as it would alone
-            (module docstring). Rows of padding queries are arbitrary (and differ between the backends); train on
-            packed sequences, which have none.
-        backend: ``"flex"``, ``"explicit"`` or ``"reference"``; default flex on CUDA, explicit elsewhere.
+            backend also adds the mask as given (flex and sparse honour causal + padding only). Left padding is
+            counted out: each row selects as it would alone (module docstring). Rows of padding queries are
+            arbitrary (and differ between the backends; sparse gives 0); train on packed sequences, which have none.
+        backend: ``"flex"``, ``"sparse"`` (Triton block-sparse kernels, forward and backward), ``"explicit"`` or
+            ``"reference"``; default flex on CUDA, explicit elsewhere.
         fold: flex only: query heads of a GQA group folded into the rows of one attention head (it must divide the
             group and ``FLEX_TILE``); default ``flex_fold(H, Hk)``.
 
@@ -487,5 +505,7 @@ def nosa_training_attention(
         bitmap = _bitmap(selected_block_indices(query, key, bias, cfg, scale, q_offset=q_offset, offsets=offsets), N)
     if backend == "flex":
         return _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold, offsets)
+    if backend == "sparse":
+        return _sparse(query, key, value, bias, bitmap, cfg, scale, q_offset, offsets)
     attention = biased_attention if backend == "explicit" else attend
     return _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_offset, attention, offsets)

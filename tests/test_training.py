@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_nosa import NosaCache, to_nosa
+from hf_nosa import NosaCache, NosaConfig, to_nosa
 from hf_nosa.modeling import eviction_heads, randomize_eviction_heads
 from hf_nosa.selection import nosa_token_mask
 from hf_nosa.training import BACKENDS, flex_block_mask, nosa_training_attention, selected_blocks
@@ -240,6 +240,31 @@ def test_bad_backend_and_lengths():
         nosa_training_attention(q, k, v, bias, cfg, 0.25, backend="triton")
     with pytest.raises(ValueError, match="q_offset"):
         nosa_training_attention(q, k, v, bias, cfg, 0.25, q_offset=3)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_sparse_backend_equals_explicit_with_gradients_interpreted(interpret, padded):
+    """The Triton block-sparse kernels (interpreted) on a real selection: the explicit backend's output and
+    gradients of query, key, value and bias (real query rows; padding rows are arbitrary in every backend)."""
+    cfg = NosaConfig(block_size=16, budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16,
+                     compress_kernel=8, compress_stride=4)
+    q, k, v, bias = _inputs(14, T=96)
+    mask, real = None, torch.ones(2, 4, 96, 16, dtype=torch.bool)
+    if padded:
+        keep = torch.ones(2, 96, dtype=torch.bool)
+        keep[1, :21] = False
+        mask = (torch.ones(96, 96, dtype=torch.bool).tril()[None] & keep[:, None, :])[:, None]
+        real[1, :, :21] = False
+    upstream = torch.randn(2, 4, 96, 16, generator=torch.Generator().manual_seed(15)) * real
+    results = {}
+    for backend in ("explicit", "sparse"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+        out = nosa_training_attention(*leaves, cfg, 0.25, attention_mask=mask, backend=backend)
+        (out * upstream).sum().backward()
+        results[backend] = [out.detach()[real]] + [t.grad for t in leaves]
+    for name, actual, expected in zip(("out", "dq", "dk", "dv", "dbias"), results["sparse"], results["explicit"]):
+        assert expected.abs().sum() > 0, name
+        assert_close(actual, expected, atol=1e-4, rtol=1e-4, msg=name)
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ from .quoka_score import quoka_score
 from .rms_norm import rms_norm
 from .rotary import apply_rotary
 from .silu_mul import silu_mul
+from .sparse_train_attention import sparse_train_attention
 from .window_probs import window_probs
 
 __all__ = [
@@ -33,5 +34,6 @@ __all__ = [
     "read_span",
     "rms_norm",
     "silu_mul",
+    "sparse_train_attention",
     "window_probs",
 ]
