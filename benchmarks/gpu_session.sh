@@ -63,8 +63,13 @@ case "${1:-}" in
     tail -n 30 "$OUT/p8b.log" ;;
   retrofit-profile)  # where the smollm2-135m retrofit's micro-step goes: dense / nosa / nosa+aux, batch 1 and 4 (about 3 minutes)
     timeout 450 python benchmarks/retrofit_profile.py --batches 1,4 --out "$OUT" 2>&1 | grep -v USDT | tail -80 ;;
+  prefill-chunks)  # the prefill's chunk policy and kernels: their GPU tests, then generate's first token at 64K, batches 1, 4, 16 at the defaults (about 4 minutes)
+    timeout 120 python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_quoka_choice.py tests/kernels/test_compress_extend.py 2>&1 | tail -3
+    timeout 200 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --nosa-batches 1 4 16 --new-tokens 16 --skip-engine --out "$OUT/ttft_chunks.json" 2>&1 | grep -v '^{' | tail -4 ;;
+  train-sparse)   # issue 17: the retrofit step and one layer's attention at 32K with the sparse training backend beside dense (about 4 minutes)
+    timeout 230 python benchmarks/train_step.py --lengths 32768 --backends sparse --repeats 2 --out "$OUT/train_sparse" 2>&1 | tail -30 ;;
   train-step)     # issue 17's retrofit step at 16K, 32K, 64K
     timeout 570 python benchmarks/train_step.py --lengths 16384,32768,65536 --out "$OUT" 2>&1 | tail -30 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|train-step" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-step" >&2; exit 2 ;;
 esac

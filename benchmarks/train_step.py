@@ -98,9 +98,12 @@ def build(mode: str, shape: dict, cfg: NosaConfig, recipe: dict, device, dtype):
     return model.train(), torch.optim.AdamW(groups)
 
 
-def model_step(mode, seq_len, args, shape, cfg, recipe, device, dtype) -> dict:
-    """Mean time and peak memory of full retrofit steps (after warm-up steps that compile FlexAttention)."""
+def model_step(mode, seq_len, args, shape, cfg, recipe, device, dtype, backend=None) -> dict:
+    """Mean time and peak memory of full retrofit steps (after warm-up steps that compile FlexAttention or tune the
+    sparse kernels); ``backend``: the NOSA training backend on CUDA (``training.CUDA_BACKEND``)."""
     _reset_peak(device)
+    if backend is not None:
+        training.CUDA_BACKEND = backend
     model, optimizer = build(mode, shape, cfg, recipe, device, dtype)
     ids = torch.randint(3, shape["vocab_size"], (1, seq_len), device=device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -129,6 +132,8 @@ def model_step(mode, seq_len, args, shape, cfg, recipe, device, dtype) -> dict:
     step_s = sum(times) / len(times)
     result = dict(kind="model_step", mode=mode, seq_len=seq_len, step_s=step_s, tokens_per_s=seq_len / step_s,
                   peak_memory_gb=_peak_gb(device), loss=loss, warmup_s=warmup_s, step_times_s=times)
+    if mode == "nosa" and device.type == "cuda":
+        result["backend"] = training.CUDA_BACKEND
     del model, optimizer
     _reset_peak(device)
     return result
@@ -177,11 +182,12 @@ def tile_coverage(bitmap: torch.Tensor, cfg: NosaConfig, *, tile: int, kv_tile: 
 
 
 def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
-    """One layer's attention, forward + backward: NOSA (selection + block table + kernel) in each layout against
-    causal sdpa; the parts alone; tile coverage."""
+    """One layer's attention, forward + backward: NOSA (selection + block table + kernel) with each backend of
+    ``--backends`` (flex in each layout) against causal sdpa; the parts alone; tile coverage."""
     H, Hk, D = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     scale = D**-0.5
-    backend = "flex" if device.type == "cuda" else "explicit"
+    backends = args.backends.split(",") if device.type == "cuda" else ["explicit"]
+    backend = "flex" if "flex" in backends else backends[0]
     folds = sorted({1, flex_fold(H, Hk, limit=8)}) if backend == "flex" else [None]
     rows = []
 
@@ -203,7 +209,12 @@ def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
 
         runs = [(dict(mode="dense"), dense)]
         kv_tiles = [None] if backend != "flex" or cfg.block_size >= FLEX_TILE else [None, cfg.block_size]
-        for fold in folds:
+        if "sparse" in backends:
+            def sparse():
+                nosa_training_attention(q, k, v, bias, cfg, scale, backend="sparse").backward(grad)
+
+            runs.append((dict(mode="nosa", backend="sparse"), sparse))
+        for fold in folds if backend == "flex" or device.type != "cuda" else []:
             for kv_tile in kv_tiles if fold == folds[-1] else [None]:
                 def nosa(fold=fold, kv_tile=kv_tile):
                     training.FLEX_KV_TILE = kv_tile  # a key tile of one NOSA block: runs if the kernel divides it
@@ -213,7 +224,8 @@ def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
                     finally:
                         training.FLEX_KV_TILE = None
 
-                runs.append((dict(mode="nosa", fold=fold, kv_tile=kv_tile or max(FLEX_TILE, cfg.block_size)), nosa))
+                runs.append((dict(mode="nosa", backend=backend, fold=fold,
+                                  kv_tile=kv_tile or max(FLEX_TILE, cfg.block_size)), nosa))
         for extra, fn in runs:
             _reset_peak(device)
             row = dict(base, **extra)
@@ -243,7 +255,7 @@ def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
                 finally:
                     training.SELECTION_KERNEL = False
                 add(row)
-            for fold in folds:
+            for fold in folds if backend == "flex" else []:
                 if fold is not None:
                     add(dict(kind="attention_part", inputs=kind, part="block_table", fold=fold, seq_len=seq_len,
                              seconds=_timed(lambda: flex_block_mask(bitmap, cfg, heads=H, tile=FLEX_TILE, fold=fold),
@@ -263,16 +275,19 @@ def _targets(results: list[dict], shape: str, lengths: list[int]) -> dict:
     measured = {}
     for seq_len in lengths:
         mine = [r for r in results if r["shape"] == shape and r["seq_len"] == seq_len]
-        steps = {r["mode"]: r for r in mine if r["kind"] == "model_step"}
+        steps = [r for r in mine if r["kind"] == "model_step" and "step_s" in r]
+        dense_steps = [r for r in steps if r["mode"] == "dense"]
         row = {}
-        if all("step_s" in steps.get(m, {}) for m in ("dense", "nosa")):
-            row["step_time_nosa_over_dense"] = steps["nosa"]["step_s"] / steps["dense"]["step_s"]
-            if steps["dense"]["peak_memory_gb"]:
-                row["peak_memory_nosa_over_dense"] = steps["nosa"]["peak_memory_gb"] / steps["dense"]["peak_memory_gb"]
+        for nosa in (r for r in steps if r["mode"] == "nosa") if dense_steps else ():
+            tag = f" ({nosa['backend']})" if "backend" in nosa else ""
+            row["step_time_nosa_over_dense" + tag] = nosa["step_s"] / dense_steps[0]["step_s"]
+            if dense_steps[0]["peak_memory_gb"]:
+                row["peak_memory_nosa_over_dense" + tag] = nosa["peak_memory_gb"] / dense_steps[0]["peak_memory_gb"]
         attn = [r for r in mine if r["kind"] == "attention" and "fwd_bwd_s" in r]
         dense = {r["inputs"]: r["fwd_bwd_s"] for r in attn if r["mode"] == "dense"}
         row["attention_time_nosa_over_dense"] = {
-            f"{r['inputs']}, fold {r['fold']}, key tile {r['kv_tile']}": r["fwd_bwd_s"] / dense[r["inputs"]]
+            (f"{r['inputs']}, sparse" if r.get("backend") == "sparse" else
+             f"{r['inputs']}, fold {r['fold']}, key tile {r['kv_tile']}"): r["fwd_bwd_s"] / dense[r["inputs"]]
             for r in attn if r["mode"] == "nosa" and r["inputs"] in dense
         }
         measured[str(seq_len)] = row
@@ -289,6 +304,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed model steps (FlexAttention compiles here)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats of the attention-only runs")
     parser.add_argument("--attention-only", action="store_true", help="skip the whole-model steps")
+    parser.add_argument("--backends", default="flex,sparse",
+                        help="NOSA training backends timed on CUDA, model steps and attention (flex, sparse)")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -304,6 +321,9 @@ def main() -> int:
             parser.error("the full benchmark needs a GPU; use --smoke on the CPU")
         dtype, default_lengths = torch.bfloat16, "16384,32768,65536"
     lengths = [int(x) for x in (args.lengths or default_lengths).split(",")]
+    backends = args.backends.split(",")
+    if not backends or any(b not in ("flex", "sparse") for b in backends):
+        parser.error(f"--backends {args.backends!r} is not supported; allowed values are flex, sparse")
     report = dict(environment(), flex_tile=FLEX_TILE, shapes={}, results=[], targets={})
     for name in shapes:
         shape, recipe_name = SHAPES[name]
@@ -315,14 +335,15 @@ def main() -> int:
         for seq_len in lengths:
             rows = []
             if not args.attention_only:
-                for mode in ("dense", "nosa"):
+                runs = [("dense", None)] + [("nosa", b) for b in (backends if device.type == "cuda" else [None])]
+                for mode, backend in runs:
                     try:
-                        row = model_step(mode, seq_len, args, shape, cfg, recipe, device, dtype)
+                        row = model_step(mode, seq_len, args, shape, cfg, recipe, device, dtype, backend)
                     except torch.OutOfMemoryError:
-                        row = dict(kind="model_step", mode=mode, seq_len=seq_len, oom=True)
+                        row = dict(kind="model_step", mode=mode, seq_len=seq_len, oom=True, backend=backend)
                         _reset_peak(device)
                     except Exception as error:  # recorded, so that the other lengths and shapes still run
-                        row = dict(kind="model_step", mode=mode, seq_len=seq_len,
+                        row = dict(kind="model_step", mode=mode, seq_len=seq_len, backend=backend,
                                    error=f"{type(error).__name__}: {error}"[:500])
                         _reset_peak(device)
                     rows.append(row)

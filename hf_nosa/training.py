@@ -64,6 +64,9 @@ from .selection import (
 )
 
 BACKENDS = ("flex", "sparse", "explicit", "reference")
+# The backend CUDA tensors take when none is named: "flex" until benchmarks/train_step.py (which times each) has
+# measured "sparse" faster on a GPU.
+CUDA_BACKEND = "flex"
 
 # Most fp32 elements one query chunk may hold in its largest intermediate (256 MiB): the selection scores
 # [B, H, chunk, W] and the explicit path's logits [B, H, chunk, T] stay bounded however long the sequence is.
@@ -470,7 +473,7 @@ def nosa_training_attention(
         torch.Size([1, 4, 96, 16])
     """
     if backend is None:
-        backend = "flex" if query.is_cuda else "explicit"
+        backend = CUDA_BACKEND if query.is_cuda else "explicit"
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not supported; allowed values are {BACKENDS} (or None for auto)")
     Tq, T = query.shape[2], key.shape[2]
