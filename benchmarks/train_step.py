@@ -253,7 +253,7 @@ def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
                 except Exception as error:  # recorded: the rest of the run goes on
                     row["error"] = f"{type(error).__name__}: {error}"[:500]
                 finally:
-                    training.SELECTION_KERNEL = False
+                    training.SELECTION_KERNEL = None  # the default: the kernel on CUDA
                 add(row)
             for fold in folds if backend == "flex" else []:
                 if fold is not None:

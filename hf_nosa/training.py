@@ -19,8 +19,8 @@ Four backends compute the same thing:
   plan, built once from the bitmap and kept for the backward), and inside a visited block the mask is the rows'
   bits for that block, read once and broadcast over its keys, plus the own-block causal rule. The bias gradient
   comes from the backward kernel. On CPU tensors it runs the torch reference unless ``HF_NOSA_KERNELS=triton`` and
-  ``TRITON_INTERPRET=1`` (``kernels/backend.py``). Flex stays the CUDA default until a GPU benchmark has compared
-  the two.
+  ``TRITON_INTERPRET=1`` (``kernels/backend.py``). The CUDA default (``CUDA_BACKEND``): a 32K retrofit step
+  of the 1b shape took 3.67 s against flex's 9.59 s on an H200.
 - ``"explicit"`` (CPU): an additive mask per chunk of queries on sdpa (``dense_attention.biased_attention``).
 - ``"reference"``: the same masks through the einsum attention of ``attend.py`` (the per-token reference).
 
@@ -64,9 +64,9 @@ from .selection import (
 )
 
 BACKENDS = ("flex", "sparse", "explicit", "reference")
-# The backend CUDA tensors take when none is named: "flex" until benchmarks/train_step.py (which times each) has
-# measured "sparse" faster on a GPU.
-CUDA_BACKEND = "flex"
+# The backend CUDA tensors take when none is named. On an H200 at 32K (1b shape) a retrofit step took 3.67 s with
+# "sparse" against 9.59 s with "flex" (dense sdpa: 1.41 s); benchmarks/train_step.py times each.
+CUDA_BACKEND = "sparse"
 
 # Most fp32 elements one query chunk may hold in its largest intermediate (256 MiB): the selection scores
 # [B, H, chunk, W] and the explicit path's logits [B, H, chunk, T] stay bounded however long the sequence is.
@@ -83,9 +83,10 @@ FLEX_KV_TILE: int | None = None
 # if the folded layout is faster.
 FLEX_FOLD = 1
 # The query-aware scores of the selection through the Triton window-probability kernel (kernels/window_probs.py;
-# Triton on CUDA, its torch reference elsewhere) instead of selection.query_block_scores. Off until measured on a
-# GPU: benchmarks/train_step.py times both and counts the tokens whose selections differ.
-SELECTION_KERNEL = False
+# Triton on CUDA, its torch reference elsewhere) instead of selection.query_block_scores. None: on CUDA tensors only.
+# On an H200 at 32K it takes 45 against 95 ms a layer and step, and 1 to 4 of 32,768 tokens select differently (the
+# summation order moves near-ties; benchmarks/results/train_step.json).
+SELECTION_KERNEL: bool | None = None
 
 _compiled_flex = None
 
@@ -133,8 +134,9 @@ def selected_block_indices(
     compressed_bias = compress_keys(bias, cfg)  # [B, Hk, W]
     W = compressed_keys.shape[2]
     # The reference holds [B, H, chunk, W] fp32 scores, the kernel [B, Hk, chunk, W].
-    chunk = chunk_size or _query_chunk(B * (Hk if SELECTION_KERNEL else H) * max(W, N, 1))
-    if SELECTION_KERNEL:
+    use_kernel = query.is_cuda if SELECTION_KERNEL is None else SELECTION_KERNEL
+    chunk = chunk_size or _query_chunk(B * (Hk if use_kernel else H) * max(W, N, 1))
+    if use_kernel:
         padding = compressed_bias.float() < PADDING_WINDOW_BIAS  # [B, Hk, W], as query_block_scores marks them
     out = torch.empty(B, Hk, Tq, cfg.budget_blocks, dtype=torch.int16 if N < 2**15 - 1 else torch.int32,
                       device=query.device)
@@ -144,7 +146,7 @@ def selected_block_indices(
         hi = min(Tq, lo + chunk)
         positions = _positions(q_offset + lo, q_offset + hi, offsets, query.device)
         with no_autocast:
-            if SELECTION_KERNEL:
+            if use_kernel:
                 probs = window_probs(query[:, :, lo:hi], compressed_keys, windows_available(positions, cfg), scale,
                                      padding=padding)
                 qs = pool_windows_to_blocks(probs, N, cfg, fill=0.0)
@@ -457,7 +459,7 @@ def nosa_training_attention(
             counted out: each row selects as it would alone (module docstring). Rows of padding queries are
             arbitrary (and differ between the backends; sparse gives 0); train on packed sequences, which have none.
         backend: ``"flex"``, ``"sparse"`` (Triton block-sparse kernels, forward and backward), ``"explicit"`` or
-            ``"reference"``; default flex on CUDA, explicit elsewhere.
+            ``"reference"``; default ``CUDA_BACKEND`` (sparse) on CUDA, explicit elsewhere.
         fold: flex only: query heads of a GQA group folded into the rows of one attention head (it must divide the
             group and ``FLEX_TILE``); default ``flex_fold(H, Hk)``.
 
