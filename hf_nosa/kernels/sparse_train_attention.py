@@ -8,7 +8,9 @@ padding (``offsets``) positions and blocks are row-relative and keys inside the 
 Why a kernel of our own: FlexAttention's ``mask_mod`` reads the bitmap once per (query, key) element, which made a
 visited tile cost about 11x a dense one on an H200. Here the mask of a (row tile, key block) pair is the rows'
 bits for that block, read once as a ``[BLOCK_M]`` vector and broadcast over the block's keys, and the own-block
-causal rule: a visited tile costs about what a dense one does.
+causal rule. On an H200 at 32K (1b heads, forward + backward) the kernels take about 2.2x dense sdpa where the
+rows' selections cover every causal tile (iid inputs) and 1.2x where they cover 73% (smooth ones), against 11x
+with FlexAttention (benchmarks/train_step.py).
 
 Layout: rows are (token, query head of a GQA group) pairs, so one program reads each key block once for its
 group's G heads; key tiles are single NOSA blocks (``BLOCK_N = max(16, P)``, rows of a block past P masked). The
