@@ -13,6 +13,7 @@ after ``import hf_nosa``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -187,3 +188,28 @@ def shared_zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torc
     if t is None:
         t = _zeros[key] = torch.zeros(shape, dtype=dtype, device=device)
     return t
+
+
+def fastest_config(run, configs, device: torch.device, what: str) -> tuple:
+    """The configuration of ``configs`` for which ``run(*config)`` is fastest on ``device`` (each compiled and run once
+    first, then timed over 3 runs); ``what`` names the kernel in the error when none fits the GPU."""
+    from triton.runtime.errors import OutOfResources
+
+    best, best_ms = None, math.inf
+    for config in configs:
+        try:
+            run(*config)
+        except OutOfResources:  # a configuration the GPU cannot hold (shared memory): skip it; other errors raise
+            continue
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            run(*config)
+        stop.record()
+        torch.cuda.synchronize(device)
+        ms = start.elapsed_time(stop)
+        if ms < best_ms:
+            best, best_ms = config, ms
+    if best is None:
+        raise RuntimeError(f"{what}: no configuration of {configs} fits this GPU")
+    return best

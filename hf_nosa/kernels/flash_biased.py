@@ -22,14 +22,12 @@ The torch reference is ``attend.attend``; ``tests/kernels/test_flash_biased.py``
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..attend import AttentionInputs, attend
 from ..selection import MASK_VALUE
-from .backend import (HAS_TRITON, interpreting, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl,
-                      triton)
+from .backend import (HAS_TRITON, fastest_config, interpreting, kernel_path, launcher, log_fallback, next_power_of_2,
+                      on_device, tl, triton)
 
 LOG2E = 1.4426950408889634
 # Fixed tiles under the interpreter (autotuning there would run every configuration); on a GPU the launcher picks
@@ -176,32 +174,8 @@ def _launch(query, keys, values, bias, scale, q_offset, causal, out, config=None
         key = (D, causal, query.dtype, query.device)
         config = _BEST.get(key)
         if config is None:
-            config = _BEST[key] = _fastest(run, query)
+            config = _BEST[key] = fastest_config(run, CONFIGS, query.device, "flash_biased")
     run(*config)
-
-
-def _fastest(run, query) -> tuple:
-    """The configuration of CONFIGS that runs this call fastest (each compiled and run once first)."""
-    from triton.runtime.errors import OutOfResources
-
-    best, best_ms = None, math.inf
-    for config in CONFIGS:
-        try:
-            run(*config)
-        except OutOfResources:  # a configuration the GPU cannot hold (shared memory): skip it; other errors raise
-            continue
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            run(*config)
-        stop.record()
-        torch.cuda.synchronize(query.device)
-        ms = start.elapsed_time(stop)
-        if ms < best_ms:
-            best, best_ms = config, ms
-    if best is None:
-        raise RuntimeError(f"flash_biased: no configuration of {CONFIGS} fits this GPU")
-    return best
 
 
 def _joined(keys, values, bias, q_offset, prefix):

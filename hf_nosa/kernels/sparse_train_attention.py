@@ -29,15 +29,14 @@ The torch reference ``sparse_train_attention_ref`` is the per-token mask as an a
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from ..attend import AttentionInputs, attend
 from ..selection import MASK_VALUE
-from .backend import HAS_TRITON, interpreting, kernel_path, launcher, next_power_of_2, on_device, tl, triton
+from .backend import (HAS_TRITON, fastest_config, interpreting, kernel_path, launcher, next_power_of_2, on_device,
+                      tl, triton)
 from .sparse_train_plan import TILE_ROWS, SparsePlan, sparse_train_plan
 
 LOG2E = 1.4426950408889634
@@ -103,6 +102,23 @@ if HAS_TRITON:
         return b
 
     @triton.jit
+    def _row_tile(k_ptr, v_ptr, bias_ptr, sel_ptr, count_ptr, block_ptr, i_b, i_hk, i_t, off, o_t, o_d,
+                  stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_bb, stride_bh,
+                  stride_sb, stride_sh, stride_st, Hk, N, n_qt):
+        """What a row tile reads across its blocks: K, V and bias from the row's first real key, the rows'
+        selection bits, and the plan's visited blocks (count and list)."""
+        p_k = k_ptr + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + off.to(tl.int64) * stride_kt \
+            + o_d[None, :]
+        p_v = v_ptr + i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + off.to(tl.int64) * stride_vt \
+            + o_d[None, :]
+        p_b = bias_ptr + i_b.to(tl.int64) * stride_bb + i_hk.to(tl.int64) * stride_bh + off
+        p_sel = sel_ptr + i_b.to(tl.int64) * stride_sb + i_hk.to(tl.int64) * stride_sh + o_t.to(tl.int64) * stride_st
+        i_plan = (i_b * Hk + i_hk) * n_qt + i_t
+        count = tl.load(count_ptr + i_plan)
+        p_blocks = block_ptr + i_plan.to(tl.int64) * N
+        return p_k, p_v, p_b, p_sel, count, p_blocks
+
+    @triton.jit
     def _sparse_fwd_kernel(
         q_ptr, k_ptr, v_ptr, bias_ptr, sel_ptr, off_ptr, count_ptr, block_ptr, out_ptr, lse_ptr,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
@@ -119,15 +135,10 @@ if HAS_TRITON:
         o_t, o_h, m_r, pos, own = _rows(i_t, i_s, i_hk, Tq, q_offset, off, TOKENS, G, P, BLOCK_M)
         o_n, o_d = tl.arange(0, BLOCK_N), tl.arange(0, D)
         b_q = _load_rows(q_ptr, i_b, o_h, o_t, o_d, m_r, stride_qb, stride_qh, stride_qt, IEEE)
-        p_k = k_ptr + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + off.to(tl.int64) * stride_kt \
-            + o_d[None, :]
-        p_v = v_ptr + i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + off.to(tl.int64) * stride_vt \
-            + o_d[None, :]
-        p_b = bias_ptr + i_b.to(tl.int64) * stride_bb + i_hk.to(tl.int64) * stride_bh + off
-        p_sel = sel_ptr + i_b.to(tl.int64) * stride_sb + i_hk.to(tl.int64) * stride_sh + o_t.to(tl.int64) * stride_st
-        i_plan = (i_b * Hk + i_hk) * n_qt + i_t
-        count = tl.load(count_ptr + i_plan)
-        p_blocks = block_ptr + i_plan.to(tl.int64) * N
+        p_k, p_v, p_b, p_sel, count, p_blocks = _row_tile(
+            k_ptr, v_ptr, bias_ptr, sel_ptr, count_ptr, block_ptr, i_b, i_hk, i_t, off, o_t, o_d,
+            stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_bb, stride_bh,
+            stride_sb, stride_sh, stride_st, Hk, N, n_qt)
 
         m_i = tl.full([BLOCK_M], FLOOR, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -235,15 +246,10 @@ if HAS_TRITON:
         o_l = i_b.to(tl.int64) * stride_lb + o_h.to(tl.int64) * stride_lh + o_t
         b_lse = tl.load(lse_ptr + o_l, mask=m_r, other=0.0) * 1.4426950408889634
         b_delta = tl.load(delta_ptr + o_l, mask=m_r, other=0.0)
-        p_k = k_ptr + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + off.to(tl.int64) * stride_kt \
-            + o_d[None, :]
-        p_v = v_ptr + i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + off.to(tl.int64) * stride_vt \
-            + o_d[None, :]
-        p_b = bias_ptr + i_b.to(tl.int64) * stride_bb + i_hk.to(tl.int64) * stride_bh + off
-        p_sel = sel_ptr + i_b.to(tl.int64) * stride_sb + i_hk.to(tl.int64) * stride_sh + o_t.to(tl.int64) * stride_st
-        i_plan = (i_b * Hk + i_hk) * n_qt + i_t
-        count = tl.load(count_ptr + i_plan)
-        p_blocks = block_ptr + i_plan.to(tl.int64) * N
+        p_k, p_v, p_b, p_sel, count, p_blocks = _row_tile(
+            k_ptr, v_ptr, bias_ptr, sel_ptr, count_ptr, block_ptr, i_b, i_hk, i_t, off, o_t, o_d,
+            stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_bb, stride_bh,
+            stride_sb, stride_sh, stride_st, Hk, N, n_qt)
 
         b_dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
         for i in range(0, count):
@@ -274,32 +280,8 @@ def _tuned(name, run, configs, query, G, P, tokens, config) -> None:
         key = (name, query.shape[-1], G, P, tokens, query.dtype, query.device)
         config = _BEST.get(key)
         if config is None:
-            config = _BEST[key] = _fastest(run, query, configs, name)
+            config = _BEST[key] = fastest_config(run, configs, query.device, f"sparse_train_attention ({name})")
     run(*config)
-
-
-def _fastest(run, query, configs, name) -> tuple:
-    """The configuration of ``configs`` that runs this call fastest (each compiled and run once first)."""
-    from triton.runtime.errors import OutOfResources
-
-    best, best_ms = None, math.inf
-    for config in configs:
-        try:
-            run(*config)
-        except OutOfResources:  # a configuration the GPU cannot hold (shared memory): skip it; other errors raise
-            continue
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            run(*config)
-        stop.record()
-        torch.cuda.synchronize(query.device)
-        ms = start.elapsed_time(stop)
-        if ms < best_ms:
-            best, best_ms = config, ms
-    if best is None:
-        raise RuntimeError(f"sparse_train_attention: no configuration of {configs} fits this GPU ({name})")
-    return best
 
 
 def _common(query, key, value, bias, bitmap, plan, block_size):
