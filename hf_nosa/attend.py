@@ -10,7 +10,7 @@ from .masks import additive_mask
 
 if TYPE_CHECKING:
     from .pool_attention import PoolBlocks
-    from .prefix_attention import Prefix
+    from .prefix_attention import DenseTail, Prefix
 
 # Query rows per chunk, so that long prefills never hold all logits at once.
 _QUERY_CHUNK = 1024
@@ -26,6 +26,9 @@ class AttentionInputs(NamedTuple):
     every query sees all of them; q_offset and attn_mask then count the keys above only); None: none.
     blocks: keys before these held in the slot pool once fetched, a part of the batch at a time
     (``pool_attention.PoolBlocks``; every query sees all of them; q_offset counts the keys above only); None: none.
+    tail: QUOKA's dense tail (``prefix_attention.DenseTail``): row b's queries from ``tail.first_query[b]`` on
+    attend instead to every token before the keys above (``tail.prefix``) and causally to those keys; the
+    others as the fields above say. None: none.
     """
 
     keys: torch.Tensor
@@ -36,11 +39,12 @@ class AttentionInputs(NamedTuple):
     causal: bool
     prefix: Prefix | None = None
     blocks: PoolBlocks | None = None
+    tail: DenseTail | None = None
 
 
 def with_prefix_read(inputs: AttentionInputs) -> AttentionInputs:
     """``inputs`` with its prefix read whole (or its pool blocks fetched for every row) and put before its keys:
-    the reference's view of it."""
+    the reference's view of it. A dense tail stays as it is (``attend`` reads its prefix)."""
     if inputs.prefix is None and inputs.blocks is None:
         return inputs
     if inputs.attn_mask is not None:
@@ -52,7 +56,35 @@ def with_prefix_read(inputs: AttentionInputs) -> AttentionInputs:
     else:
         k, v, b = inputs.blocks.fetch(0, inputs.keys.shape[0])
     return AttentionInputs(torch.cat([k, inputs.keys], 2), torch.cat([v, inputs.values], 2),
-                           torch.cat([b, inputs.key_bias], 2), None, inputs.q_offset + k.shape[2], inputs.causal)
+                           torch.cat([b, inputs.key_bias], 2), None, inputs.q_offset + k.shape[2], inputs.causal,
+                           tail=inputs.tail)
+
+
+def own_keys(inputs: AttentionInputs, n_queries: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys, values and bias of a causal chunk's own tokens: the last ``n_queries`` of ``inputs`` (after its
+    pool blocks when they were read in, ``with_prefix_read``)."""
+    if not inputs.causal or inputs.attn_mask is not None or inputs.prefix is not None \
+            or inputs.keys.shape[2] != inputs.q_offset + n_queries:
+        raise ValueError("AttentionInputs: a dense tail goes with a causal chunk over its own keys (after any blocks)")
+    n = n_queries
+    return inputs.keys[:, :, -n:], inputs.values[:, :, -n:], inputs.key_bias[:, :, -n:]
+
+
+def with_dense_tail(out: torch.Tensor, query: torch.Tensor, tail: DenseTail, dense) -> torch.Tensor:
+    """``out [B, H, Tq, D]`` (every query's attention without the tail) with each row's tail queries replaced:
+    ``dense(query[:, :, q0:], q0)`` gives queries ``q0 ..`` (q0 the earliest first tail query) over the tail's
+    prefix and the chunk's keys up to each query; rows whose tail starts later keep ``out`` before it."""
+    first = tail.first_query
+    q0, Tq = int(first.min()), query.shape[2]
+    if q0 >= Tq:
+        return out
+    part = dense(query[:, :, q0:], q0)  # [B, H, Tq - q0, D]
+    rows = torch.arange(q0, Tq) >= first[:, None]  # [B, Tq - q0], on the host with first
+    if bool(rows.all()):
+        out[:, :, q0:] = part
+    else:
+        out[:, :, q0:] = torch.where(rows.to(out.device)[:, None, :, None], part, out[:, :, q0:])
+    return out
 
 
 def attend(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.Tensor:
@@ -66,6 +98,17 @@ def attend(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.
     Returns:
         ``[B, H, Tq, D]`` in the query's dtype; fp32 accumulation.
     """
+    if inputs.tail is not None:
+        tail = inputs.tail
+        own = own_keys(inputs, query.shape[2])
+
+        def dense(part: torch.Tensor, q0: int) -> torch.Tensor:
+            before = tail.prefix.read(0, tail.prefix.length)
+            whole = AttentionInputs(*(torch.cat([x, y], 2) for x, y in zip(before, own)), None,
+                                    before[0].shape[2] + q0, causal=True)
+            return attend(part, whole, scale)
+
+        return with_dense_tail(attend(query, inputs._replace(tail=None), scale), query, tail, dense)
     inputs = with_prefix_read(inputs)
     B, H, Tq, D = query.shape
     keys, values = inputs.keys.float(), inputs.values.float()

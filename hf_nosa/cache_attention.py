@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .attend import AttentionInputs
+from .attend import AttentionInputs, own_keys, with_dense_tail
 from .dense_attention import biased_attention
 from .kernels.backend import kernel_path
 from .kernels.decode_attention import decode_attention
@@ -24,6 +24,12 @@ from .prefix_attention import attend_with_prefix
 
 def attend_cache_inputs(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.Tensor:
     """``softmax(q . k * scale + bias) . v`` over ``inputs``; ``query [B, H, Tq, D]`` -> ``[B, H, Tq, D]``."""
+    if inputs.tail is not None:  # QUOKA's dense tail: the chunk as the rest says, then the tail's queries again
+        tail, Tq = inputs.tail, query.shape[2]
+        k, v, b = own_keys(inputs, Tq)
+        out = attend_cache_inputs(query, inputs._replace(tail=None), scale)
+        return with_dense_tail(out, query, tail, lambda part, q0: attend_with_prefix(
+            part, k, v, b, tail.prefix, scale, first_query=q0))
     if inputs.prefix is not None:  # a chunk over a whole prompt: the prompt in pieces, then the chunk (causal)
         if not inputs.causal or inputs.attn_mask is not None or inputs.q_offset != 0 \
                 or inputs.keys.shape[2] != query.shape[2]:

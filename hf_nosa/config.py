@@ -28,11 +28,11 @@ class NosaConfig:
     everything (the whole KV on the device), "nosa" applies the decode rule to every token, "quoka" runs the
     chunked QUOKA prefill (chunks of ``prefill_chunk_size`` tokens, each attending to ``prefill_budget_tokens``
     of blocks chosen by ``quoka_queries`` queries per head, plus itself), and "auto" (the default) is "dense"
-    while the sequence fits in ``prefill_budget_tokens`` and "quoka" beyond. Under "quoka", a chunk holding one of the
-    prompt's last ``prefill_dense_tail_tokens`` tokens attends to every earlier token instead (read from the host
-    store a prefill budget at a time, so the device KV stays bounded; the prompt crosses PCIe once more): those
-    queries give the first answer token and the keys decoding reads first. 0: every chunk attends to its QUOKA
-    blocks only.
+    while the sequence fits in ``prefill_budget_tokens`` and "quoka" beyond. Under "quoka", the prompt's last
+    ``prefill_dense_tail_tokens`` tokens attend to every earlier token instead (read from the host store a prefill
+    budget at a time, so the device KV stays bounded; the prompt crosses PCIe once more): those queries give the
+    first answer token and the keys decoding reads first. The other queries of their chunk keep QUOKA's blocks. 0:
+    every chunk attends to its QUOKA blocks only.
 
     ``prefill_batch_tokens`` (default 32768; 0: off) and ``prefill_max_chunk_size`` (default 2048) let a batch take
     longer chunks than ``prefill_chunk_size`` while its chunk step stays under ``prefill_batch_tokens`` tokens: a chunk

@@ -18,11 +18,12 @@ chunk and per KV head:
 So a chunk reads at most ``prefill_budget_tokens + prefill_chunk_size`` KV tokens per (sequence, KV head)
 (``stats()["device_tokens"]``), and the prompt's K/V are never on the device at once.
 
-The exception is the prompt's tail (``prefill_dense_tail_tokens``, default one block): a chunk holding one of a
-row's last tokens attends to every earlier token of that row, read from the host store. Those queries produce the
-first answer token, and their keys and values are what decoding reads first (its local window); on SmolLM2 at 4K
-with a budget of 1/8, QUOKA's budget in that chunk lost pass keys that dense prefill kept, even where the key's
-block was selected (docs/results.md). That chunk reads the prompt once more over PCIe, a prefill budget at a time
+The exception is the prompt's tail (``prefill_dense_tail_tokens``, default one block): a row's last tokens attend
+to every earlier token of that row, read from the host store. Those queries produce the first answer token, and
+their keys and values are what decoding reads first (its local window); on SmolLM2 at 4K with a budget of 1/8,
+QUOKA's budget in that chunk lost pass keys that dense prefill kept, even where the key's block was selected
+(docs/results.md). The chunk holding them attends by QUOKA, and then the tail's queries alone attend again to the
+whole prompt (``prefix_attention.DenseTail``), read once more over PCIe a prefill budget at a time
 (``prefix_attention``), so the device never holds more than a budget of it.
 """
 
@@ -40,7 +41,7 @@ from .kernels.quoka_top import quoka_top_blocks
 from .masks import additive_mask, padding_bias
 from .padding import from_rows
 from .pool_attention import PoolBlocks, fetch_parts
-from .prefix_attention import Prefix
+from .prefix_attention import DenseTail, Prefix
 from .selection import MASK_VALUE, nosa_token_mask, windows_before
 
 _WRITERS: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -146,11 +147,13 @@ class PrefillPaths:
             self.host.set_limits(target - offsets)  # rows end before their padding: a quantized tail stays exact
         if mode == "quoka":
             valid = None if pad is None else pad[:, 0] == 0
-            dense_rows = self._dense_tail_rows(start, end, target)
-            if dense_rows is None:
-                inputs = self._quoka_inputs(k, v, q, b, valid, start)
+            first_tail = self._first_tail_query(start, end, target)
+            if first_tail is not None and not bool(first_tail.any()):  # every query of every row: the prefix only
+                inputs = AttentionInputs(k, v, b, None, 0, causal=True, prefix=self._dense_tail_prefix(start, Tq))
             else:
-                inputs = self._dense_tail_inputs(k, v, q, b, valid, start, dense_rows)
+                inputs = self._quoka_inputs(k, v, q, b, valid, start)
+                if first_tail is not None:
+                    inputs = inputs._replace(tail=DenseTail(self._dense_tail_prefix(start, Tq), first_tail))
             self._store(start, k, v, b)
             self.previous_chunk = (k, v, b, start) if end < target else None
         else:
@@ -243,10 +246,11 @@ class PrefillPaths:
         move_in(self.slot_k, self.slot_v, self.slot_b, self.slot_block, selected, k, v, b, first, n,
                 first * P - previous_start)
 
-    def _dense_tail_rows(self, start: int, end: int, target: int) -> torch.Tensor | None:
-        """``[B]`` CPU bool: the rows for which the chunk ``start .. end`` holds one of their last
-        ``prefill_dense_tail_tokens`` tokens (None when no row does). A row counts from its first real token and
-        ends before its padding (``modeling.chunked`` moves padding last), so it gets the chunks it would alone."""
+    def _first_tail_query(self, start: int, end: int, target: int) -> torch.Tensor | None:
+        """``[B]`` CPU long: per row, the first of the chunk ``start .. end``'s queries among the row's last
+        ``prefill_dense_tail_tokens`` tokens (``end - start`` or more: none), or None when no row has one here. A
+        row counts from its first real token and ends before its padding (``modeling.chunked`` moves padding last),
+        so it gets the tail it would alone."""
         tail = self.cfg.prefill_dense_tail_tokens
         if tail == 0 or start == 0:  # the first chunk has nothing earlier to attend to
             return None
@@ -254,33 +258,17 @@ class PrefillPaths:
         lengths = torch.full((self.batch,), target, dtype=torch.long)
         if offsets is not None and offsets.numel() == self.batch:
             lengths = lengths - offsets
-        rows = end > lengths - tail
-        return rows if bool(rows.any()) else None
+        first = (lengths - tail - start).clamp(min=0)
+        return first if bool((first < end - start).any()) else None
 
-    def _dense_tail_inputs(self, k, v, q, b, valid, start, dense_rows) -> AttentionInputs:
-        """The chunk attends to every earlier token and to itself; rows not in their tail (a padded batch's longer
-        rows) still see only QUOKA's blocks, through the bias. The earlier tokens stay in the host store: the
-        attention reads them a prefill budget at a time (``prefix_attention``; at most ``TAIL_PIECE_ROWS`` rows'
-        budgets a piece, ``tail_piece_tokens``), so the device holds one piece of them, as a QUOKA chunk holds its
-        budget, whatever the prompt's length."""
+    def _dense_tail_prefix(self, start: int, n_queries: int) -> Prefix:
+        """Every token before ``start``, read from the host store a piece at a time (at most ``TAIL_PIECE_ROWS``
+        rows' prefill budgets a piece, ``tail_piece_tokens``), so the device holds one piece of them, as a QUOKA
+        chunk holds its budget, whatever the prompt's length."""
         P = self.cfg.block_size
-        seen = None
-        if not bool(dense_rows.all()):
-            selected = quoka_select(self, q, valid, start)  # [B, Hk, K], blocks before start
-            n = start // P
-            chosen = torch.zeros(*selected.shape[:2], n + 1, dtype=torch.bool, device=selected.device)
-            chosen.scatter_(2, torch.where(selected >= 0, selected, n), True)  # -1 (none) marks the spare column n
-            seen = (chosen[:, :, :n] | dense_rows.to(selected.device)[:, None, None]).repeat_interleave(P, 2)
-
-        def read(lo: int, hi: int):
-            hk, hv, hb = self._read_counted(lo, hi)
-            if seen is not None:
-                hb = torch.where(seen[:, :, lo:hi], hb, MASK_VALUE)
-            return hk, hv, hb
-
         piece = tail_piece_tokens(self.cfg.prefill_budget_blocks * P, self.batch, P)
-        self.peak_device_tokens = max(self.peak_device_tokens, min(start, piece) + k.shape[2])
-        return AttentionInputs(k, v, b, None, 0, causal=True, prefix=Prefix(read, start, piece))
+        self.peak_device_tokens = max(self.peak_device_tokens, min(start, piece) + n_queries)
+        return Prefix(lambda lo, hi: self._read_counted(lo, hi), start, piece)
 
     def _finish_prefill(self, k, v, b, start) -> None:
         """The prompt is in: drop the staging, count each row from its first real token (when the prompt came

@@ -1,7 +1,10 @@
 """Attention over a prefix read in pieces: a prefill chunk that attends to a whole long prompt without holding it.
 
-QUOKA's dense tail (``prefill.PrefillPaths._dense_tail_inputs``) lets the prompt's last chunk see every earlier
-token. Read at once, that prefix is a whole layer's K/V on the device for ``B x prompt`` tokens (5 GB at 38 x 64K
+QUOKA's dense tail (``prefill.PrefillPaths._dense_tail``) lets the prompt's last ``prefill_dense_tail_tokens``
+queries see every earlier token (``DenseTail``): the chunk holding them attends by QUOKA, and then those queries alone
+attend again over the whole prefix, their rows of the output replaced (``attend.with_dense_tail``). Before, every
+query of that chunk read the whole prefix: at 64K and batch 4, 2048 queries where 64 need it, 30% of the prefill's
+attention work (benchmarks/results/prefill_breakdown_64k_b4_cefa7bb.json). Read at once, that prefix is a whole layer's K/V on the device for ``B x prompt`` tokens (5 GB at 38 x 64K
 tokens in the 1B shape, before the attention's own copies), which would make peak device memory grow with the
 prompt. Here it is read ``piece_tokens`` at a time from the host store; each piece's attention returns its
 log-sum-exp, and the pieces and the chunk's own causal part are merged as flash-decoding merges splits:
@@ -42,6 +45,14 @@ class Prefix(NamedTuple):
     read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     length: int
     piece_tokens: int
+
+
+class DenseTail(NamedTuple):
+    """QUOKA's dense tail in a prefill chunk: row b's queries ``first_query[b] ..`` (``[B]`` long, on the host;
+    the chunk's length or more: none of the row's) attend to every token of ``prefix`` and causally to the chunk."""
+
+    prefix: Prefix
+    first_query: torch.Tensor
 
 
 def _fused(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,19 +101,25 @@ def attention_with_lse(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 
 def attend_with_prefix(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-                       prefix: Prefix, scale: float) -> torch.Tensor:
+                       prefix: Prefix, scale: float, *, first_query: int = 0) -> torch.Tensor:
     """The chunk's queries over the prefix (read in pieces, all visible) and then over its own keys (causal).
 
     Args:
-        query: ``[B, H, Tq, D]`` the chunk's queries; keys, values ``[B, Hk, Tq, D]``, bias ``[B, Hk, Tq]``: the
-            chunk's own keys, which follow the prefix.
+        query: ``[B, H, Tq, D]`` the chunk's queries from ``first_query`` on; keys, values ``[B, Hk, T, D]``, bias
+            ``[B, Hk, T]``: the chunk's own keys (``T = first_query + Tq``), which follow the prefix.
 
     Returns:
         ``[B, H, Tq, D]`` in the query's dtype.
     """
-    out, lse = attention_with_lse(query, keys, values, bias, scale, causal=True)
+    q0 = first_query
+    if keys.shape[2] != q0 + query.shape[2]:
+        raise ValueError(f"attend_with_prefix: {keys.shape[2]} keys for queries {q0} .. {q0 + query.shape[2] - 1}")
+    out, lse = attention_with_lse(query, keys[:, :, q0:], values[:, :, q0:], bias[:, :, q0:], scale, causal=True)
     spans = [(lo, min(prefix.length, lo + prefix.piece_tokens)) for lo in range(0, prefix.length, prefix.piece_tokens)]
-    for k, v, b in read_ahead([partial(prefix.read, lo, hi) for lo, hi in spans], query.device):
+    reads = [partial(prefix.read, lo, hi) for lo, hi in spans]
+    if q0:  # the chunk's keys before the first query: one more piece every query sees
+        reads.append(lambda: (keys[:, :, :q0], values[:, :, :q0], bias[:, :, :q0]))
+    for k, v, b in read_ahead(reads, query.device):
         piece_out, piece_lse = attention_with_lse(query, k, v, b, scale, causal=False)
         # Merged in place: out and piece_out are [B, H, Tq, D] fp32 each, and a merge written out would hold three
         # more of them at once.

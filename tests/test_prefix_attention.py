@@ -6,7 +6,8 @@ import torch
 from hf_nosa.attend import AttentionInputs, attend
 from hf_nosa.kernels.backend import HAS_TRITON
 from hf_nosa.cache_attention import attend_cache_inputs
-from hf_nosa.prefix_attention import Prefix, attend_with_prefix, attention_with_lse
+from hf_nosa.pool_attention import PoolBlocks
+from hf_nosa.prefix_attention import DenseTail, Prefix, attend_with_prefix, attention_with_lse
 from hf_nosa.selection import MASK_VALUE
 
 from .utils import assert_close
@@ -85,6 +86,63 @@ def test_cache_inputs_with_a_prefix_route_to_the_pieces():
     assert_close(attend(q, inputs, 0.25), expected, atol=1e-6, rtol=1e-6)  # the reference reads it whole
     with pytest.raises(ValueError, match="prefix goes with a causal chunk"):
         attend_cache_inputs(q, inputs._replace(causal=False), 0.25)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_queries_after_the_first_see_the_chunks_earlier_keys(monkeypatch, dtype, kernel):
+    """Queries 5 .. 11 of a 12-token chunk over a 30-token prefix: the chunk's keys 0 .. 4 are one more piece."""
+    _use(kernel, monkeypatch)
+    q, k, v, b = _tensors(2, 4, 2, 12, 42, 16, dtype, seed=9, extreme=True)
+    prefix = _prefix(k[:, :, :30], v[:, :, :30], b[:, :, :30], 16)
+    out = attend_with_prefix(q[:, :, 5:], k[:, :, 30:], v[:, :, 30:], b[:, :, 30:], prefix, 0.3, first_query=5)
+    ref = attend(q, AttentionInputs(k, v, b, None, 30, causal=True), 0.3)[:, :, 5:]
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert_close(out, ref, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="keys for queries"):
+        attend_with_prefix(q[:, :, 4:], k[:, :, 30:], v[:, :, 30:], b[:, :, 30:], prefix, 0.3, first_query=5)
+
+
+def _tail_reference(q, own, blocks, prefix, first, scale):
+    """Row by row and query by query: a query before its row's first tail query sees the blocks and the chunk up to
+    itself; one from it on sees the whole prefix and the chunk up to itself."""
+    (k, v, b), (bk, bv, bb), (pk, pv, pb) = own, blocks, prefix
+    B, H, Tq, D = q.shape
+    out = torch.empty(B, H, Tq, D)
+    for row in range(B):
+        for i in range(Tq):
+            before = (pk, pv, pb) if i >= first[row] else (bk, bv, bb)
+            keys, values, bias = (torch.cat([x[row : row + 1], y[row : row + 1, :, : i + 1]], 2)
+                                  for x, y in zip(before, (k, v, b)))
+            out[row, :, i] = attend(q[row : row + 1, :, i : i + 1], AttentionInputs(keys, values, bias, None, 0, False),
+                                    scale)[0, :, 0].float()
+    return out
+
+
+@pytest.mark.parametrize("with_blocks", [True, False], ids=["pool", "no-blocks"])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_dense_tail_replaces_only_its_rows_queries(monkeypatch, kernel, with_blocks):
+    """Three rows whose tails start at query 2, 9 and nowhere (12 >= the chunk) of a 12-query chunk that otherwise
+    attends to 20 pool tokens (or only to itself): the tail's queries see the 37-token prefix, the others not."""
+    _use(kernel, monkeypatch)
+    q, k, v, b = _tensors(3, 4, 2, 12, 12 + 20 + 37, 16, torch.float32, seed=11, extreme=True)
+    own = k[:, :, :12], v[:, :, :12], b[:, :, :12]
+    pool = k[:, :, 12:32], v[:, :, 12:32], b[:, :, 12:32]
+    prompt = k[:, :, 32:], v[:, :, 32:], b[:, :, 32:]
+    if not with_blocks:
+        pool = tuple(x[:, :, :0] for x in pool)
+    first = torch.tensor([2, 9, 12])
+    tail = DenseTail(_prefix(*prompt, piece=16), first)
+    blocks = PoolBlocks(lambda b0, b1: tuple(x[b0:b1] for x in pool), parts=2) if with_blocks else None
+    inputs = AttentionInputs(*own, None, 0, True, blocks=blocks, tail=tail)
+    expected = _tail_reference(q, own, pool, prompt, first.tolist(), 0.3)
+    assert_close(attend_cache_inputs(q, inputs, 0.3), expected, atol=1e-5, rtol=1e-5)
+    assert_close(attend(q, inputs, 0.3), expected, atol=1e-5, rtol=1e-5)  # the reference reads everything whole
+    none = DenseTail(tail.prefix, torch.tensor([12, 12, 12]))  # no tail query in this chunk: the chunk's own rule
+    assert_close(attend_cache_inputs(q, inputs._replace(tail=none), 0.3),
+                 attend(q, inputs._replace(tail=None), 0.3), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="dense tail goes with a causal chunk"):
+        attend_cache_inputs(q, inputs._replace(causal=False), 0.3)
 
 
 @pytest.mark.gpu

@@ -385,39 +385,58 @@ def test_quoka_with_interpreted_kernels_equals_the_torch_path(monkeypatch):
 # ----- the prompt's tail attends densely (prefill_dense_tail_tokens) -----
 
 
-def _visible_keys(monkeypatch):
-    """Per prefill chunk, in call order: (queries, keys the chunk can attend to) of the widest row and KV head."""
+def _chunk_inputs(monkeypatch):
+    """Per prefill chunk, in call order: (queries, keys the chunk's own rule lets it see in the widest row and KV
+    head, each row's first dense-tail query or None)."""
     seen = []
     original = attention_module.attend_cache_inputs
 
     def spy(query, inputs, scale):
         if query.shape[2] > 1:
-            whole = with_prefix_read(inputs)  # a tail chunk's prefix, read whole to count it
-            seen.append((query.shape[2], int((whole.key_bias > MASK_VALUE / 2).sum(-1).amax())))
+            whole = with_prefix_read(inputs._replace(tail=None))  # blocks or a prefix, read whole to count them
+            first = None if inputs.tail is None else inputs.tail.first_query.tolist()
+            seen.append((query.shape[2], int((whole.key_bias > MASK_VALUE / 2).sum(-1).amax()), first))
         return original(query, inputs, scale)
 
     monkeypatch.setattr(attention_module, "attend_cache_inputs", spy)
     return seen
 
 
-def test_chunks_holding_the_tail_attend_to_every_earlier_token_and_the_others_to_the_budget(monkeypatch):
+def test_only_the_tails_queries_attend_to_every_earlier_token(monkeypatch):
     model = _model("llama", seed=8)
     cfg = small_nosa_config(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=32,
                             prefill_dense_tail_tokens=40)
-    seen = _visible_keys(monkeypatch)
+    seen = _chunk_inputs(monkeypatch)
     cache = NosaCache(model.config, cfg)
     with torch.no_grad():
         model(_prompt(1, 300, seed=4)[0], past_key_values=cache)
     starts = list(range(0, 300, 32))
     per_layer = [seen[i :: 2] for i in range(2)]  # two layers, chunk by chunk
     for layer in per_layer:
-        for start, (n_queries, visible) in zip(starts, layer):
-            if start + n_queries > 300 - 40:  # chunks 256 and 288 hold the last 40 tokens
-                assert visible == start + n_queries
+        for start, (n_queries, visible, first) in zip(starts, layer):
+            if start == 256:  # holds tokens 260 .. 287 of the tail: QUOKA's budget, then queries 4 .. 31 again
+                assert visible <= 64 + n_queries and first == [4]
+            elif start == 288:  # every query in the tail: the whole prompt, no QUOKA
+                assert visible == start + n_queries and first is None
             else:
-                assert visible <= 64 + n_queries
+                assert visible <= 64 + n_queries and first is None
     # the tail's prefix came a prefill budget (64 tokens) at a time: the device never held more than 64 + 32
     assert cache.stats()["device_tokens"] == 64 + 32
+
+
+def test_the_tail_leaves_earlier_chunks_as_quoka_prefills_them():
+    # Chunks before the one holding the tail are QUOKA's alone; the last 40 tokens see more. (Tokens 256 .. 259
+    # share their chunk's QUOKA selection with the tail's queries, which differ from layer 1 on.)
+    model = _model("llama", seed=8)
+    ids = _prompt(1, 300, seed=4)[0]
+    logits = {}
+    for tail in (0, 40):
+        cfg = small_nosa_config(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=32,
+                                prefill_dense_tail_tokens=tail)
+        with torch.no_grad():
+            logits[tail] = model(ids, past_key_values=NosaCache(model.config, cfg)).logits
+    torch.testing.assert_close(logits[40][:, :256], logits[0][:, :256], atol=1e-5, rtol=1e-5)
+    assert (logits[40][:, 260:] - logits[0][:, 260:]).abs().amax() > 1e-3
 
 
 @pytest.mark.parametrize("left_pad", [(), (0, 45)], ids=["batch1", "leftpad2"])
