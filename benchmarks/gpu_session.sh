@@ -70,6 +70,12 @@ case "${1:-}" in
     timeout 230 python benchmarks/train_step.py --lengths 32768 --backends sparse --repeats 2 --out "$OUT/train_sparse" 2>&1 | tail -30 ;;
   train-step)     # issue 17's retrofit step at 16K, 32K, 64K
     timeout 570 python benchmarks/train_step.py --lengths 16384,32768,65536 --out "$OUT" 2>&1 | tail -30 ;;
+  prefill-tail)   # issue 17: QUOKA's dense tail on its queries only and the kept-query choice in registers: their GPU tests, the 64K prefill by kernel at batches 4 (fetch in 1 and 2 parts) and 1, then TTFT against dense sdpa at 64K, batches 1 and 4, chunks 2048 and 4096 (about 8 minutes)
+    timeout 220 python -m pytest -q -m gpu tests/kernels/test_quoka_choice.py tests/test_prefix_attention.py tests/test_quoka.py tests/test_pool_attention.py -n 8 -p no:cacheprovider --tb=short > "$OUT/gpu_tests_prefill_tail.log" 2>&1
+    tail -3 "$OUT/gpu_tests_prefill_tail.log"
+    timeout 120 python benchmarks/prefill_breakdown.py --context 65536 --batch 4 --fetch-parts 1,2 --out "$OUT/b4" 2>&1 | tail -11
+    timeout 90 python benchmarks/prefill_breakdown.py --context 65536 --batch 1 --fetch-parts 1 --out "$OUT/b1" 2>&1 | tail -11
+    timeout 170 python benchmarks/prefill.py --contexts 65536 --batches 1,4 --chunks 2048,4096 --methods dense,no_attention,quoka --repeat 2 --out "$OUT/prefill" 2>&1 | tail -8 ;;
   *)
     echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-step" >&2; exit 2 ;;
 esac

@@ -166,6 +166,8 @@ def main(argv=None):
     parser.add_argument("--chunks", default="512,2048", help="QUOKA chunk sizes, one method each")
     parser.add_argument("--dense-chunk", type=int, default=512, help="chunk of the dense chunked prefill")
     parser.add_argument("--queries", type=int, default=16, help="QUOKA kept queries per head")
+    parser.add_argument("--methods", default="dense,dense_chunked,no_attention,quoka",
+                        help="comma-separated rows to run (quoka: one per --chunks)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU")
@@ -174,6 +176,10 @@ def main(argv=None):
                         help="also record GPU time by kernel of dense, no_attention and the first quoka chunk size at the "
                         "longest prompt and first batch (torch.profiler, one untimed run each)")
     args = parser.parse_args(argv)
+    methods = args.methods.split(",")
+    unknown = set(methods) - {"dense", "dense_chunked", "no_attention", "quoka"}
+    if unknown:
+        parser.error(f"--methods: unknown {sorted(unknown)}; choose among dense, dense_chunked, no_attention, quoka")
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -236,10 +242,14 @@ def main(argv=None):
     for context in contexts:
         for batch in batches:
             dense_extra = lambda cache: dict(kv_device_bytes=kv_bytes_dense(cache))  # noqa: E731
-            run_method("dense", context, batch, lambda ids: prefill_dense(model, ids), dense_extra)
-            run_method("dense_chunked", context, batch, lambda ids: prefill_dense(model, ids, args.dense_chunk),
-                       dense_extra)
-            run_method("no_attention", context, batch, lambda ids: prefill_without_attention(model, ids), dense_extra)
+            if "dense" in methods:
+                run_method("dense", context, batch, lambda ids: prefill_dense(model, ids), dense_extra)
+            if "dense_chunked" in methods:
+                run_method("dense_chunked", context, batch, lambda ids: prefill_dense(model, ids, args.dense_chunk),
+                           dense_extra)
+            if "no_attention" in methods:
+                run_method("no_attention", context, batch, lambda ids: prefill_without_attention(model, ids),
+                           dense_extra)
     profiles = None
     if args.profile and device.type == "cuda":
         profile_ids = prompts[max(contexts), batches[0]].to(device)
@@ -249,7 +259,7 @@ def main(argv=None):
     to_nosa(model, nosa_configs[chunks[0]])
     for context in contexts:
         for batch in batches:
-            for chunk, cfg in nosa_configs.items():
+            for chunk, cfg in nosa_configs.items() if "quoka" in methods else ():
                 def quoka_extra(cache, cfg=cfg):
                     stats = cache.stats()
                     return dict(device_tokens=stats["device_tokens"],

@@ -33,7 +33,10 @@ def _case(B, H, T, D, dtype, seed, pad=None, device="cpu"):
         (2, 2, 20, 8, 16, torch.float32, (0, 20)),  # a row of padding only
     ],
 )
-def test_kernel_matches_reference(interpret, B, H, T, D, n_keep, dtype, pad):
+@pytest.mark.parametrize("row", ["registers", "memory"])
+def test_kernel_matches_reference(interpret, monkeypatch, B, H, T, D, n_keep, dtype, pad, row):
+    if row == "memory":  # the n passes over the row in memory, BLOCK_T at a time (chunks over REGISTER_ROW)
+        monkeypatch.setattr(choice_module, "REGISTER_ROW", 0)
     query, valid = _case(B, H, T, D, dtype, seed=T + D, pad=pad)
     expected = choice_module.quoka_kept_queries_ref(query, n_keep, valid)
     actual = choice_module.quoka_kept_queries(query, n_keep, valid)
@@ -68,8 +71,9 @@ def test_bad_arguments_are_value_errors():
 
 
 @pytest.mark.gpu
-def test_kernel_matches_reference_gpu():
-    query, valid = _case(4, 32, 512, 64, torch.bfloat16, seed=2, pad=(0, 0, 100, 500), device="cuda")
+@pytest.mark.parametrize("T", [512, 2048, 8192])
+def test_kernel_matches_reference_gpu(T):
+    query, valid = _case(4, 32, T, 64, torch.bfloat16, seed=2, pad=(0, 0, 100, T - 12), device="cuda")
     expected = choice_module.quoka_kept_queries_ref(query, 16, valid)
     actual = choice_module.quoka_kept_queries(query, 16, valid)
     for b in range(4):
