@@ -76,12 +76,12 @@ if HAS_TRITON:
             # The whole row in registers, each cosine and its index packed into one int64 whose order is the
             # cosine's, then the index's: a pass is one reduction, where the loop below reads the row from memory
             # in BLOCK_T pieces with two reductions and a barrier each (117 us a program at 2048 queries, H200).
-            o_t = tl.arange(0, BLOCK_ALL)
-            c = tl.load(cos_row + o_t, mask=o_t < T, other=float("inf"))
-            bits = c.to(tl.int32, bitcast=True)
+            o_all = tl.arange(0, BLOCK_ALL)
+            c_all = tl.load(cos_row + o_all, mask=o_all < T, other=float("inf"))
+            bits = c_all.to(tl.int32, bitcast=True)
             ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # float order as signed integers
-            key = (ordered.to(tl.int64) << 32) | o_t.to(tl.int64)
-            key = tl.where(o_t < T, key, 0x7FFFFFFFFFFFFFFF)
+            key = (ordered.to(tl.int64) << 32) | o_all.to(tl.int64)
+            key = tl.where(o_all < T, key, 0x7FFFFFFFFFFFFFFF)
             for r in range(0, n):
                 best = tl.min(key, axis=0)
                 key = tl.where(key == best, 0x7FFFFFFFFFFFFFFF, key)
