@@ -34,15 +34,15 @@ class NosaConfig:
     first answer token and the keys decoding reads first. The other queries of their chunk keep QUOKA's blocks. 0:
     every chunk attends to its QUOKA blocks only.
 
-    ``prefill_batch_tokens`` (default 32768; 0: off) and ``prefill_max_chunk_size`` (default 2048) let a batch take
+    ``prefill_batch_tokens`` (default 32768; 0: off) and ``prefill_max_chunk_size`` (default 4096) let a batch take
     longer chunks than ``prefill_chunk_size`` while its chunk step stays under ``prefill_batch_tokens`` tokens: a chunk
     is ``max(prefill_chunk_size, min(prefill_max_chunk_size, prefill_batch_tokens // batch))`` tokens (rounded down to
     whole blocks). Every chunk costs the same fixed launches and host work per layer whatever its length, and every
     QUOKA chunk fetches most of its budget again, so fewer, longer chunks reach the first token sooner until the
-    chunk's own causal part grows (``prefill_chunk``): on an H200 a 64K prompt reached its first token in 1.14 s in
-    2048-token chunks against 3.83 s in 512-token ones and 1.98 s in 8192-token ones, and 16 of them in 9.1 against
-    10.2 s. At the defaults chunks are 2048 tokens up to 16 rows and shorter from there (512 from 64 rows), so large
-    batches keep their memory.
+    chunk's own causal part grows (``prefill_chunk``): on an H200 (``benchmarks/prefill.py``) one 64K prompt reached
+    its first token in 1.08 s in 2048-token chunks, 0.63 s in 4096-token ones and 0.62 s in 8192-token ones; four in
+    2.04, 1.98 and 2.10 s. At the defaults chunks are 4096 tokens up to 8 rows and shorter from there (2048 at 16,
+    512 from 64 rows), so large batches keep their memory.
 
     ``host_dtype`` is how the host store keeps K and V: "auto" (the model's dtype), or "float8_e4m3fn" / "int8"
     with one fp32 scale per (block, KV head) (``hf_nosa.host_quant``), which halves the host memory and the bytes
@@ -75,7 +75,7 @@ class NosaConfig:
     host_dtype: str = "auto"
     prefill_dense_tail_tokens: int = 64
     prefill_batch_tokens: int = 32768
-    prefill_max_chunk_size: int = 2048
+    prefill_max_chunk_size: int = 4096
     resident_margin: float = 0.0
 
     def __post_init__(self):

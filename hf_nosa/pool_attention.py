@@ -34,7 +34,7 @@ from .kernels.flash_biased import flash_biased, runs_on_kernel
 from .read_ahead import read_ahead
 
 PARTS_ENV_VAR = "HF_NOSA_PREFILL_FETCH_PARTS"
-MIN_ROWS_PER_PART = 2  # a small batch's prefill waits on kernel launches, not PCIe: more parts would only add launches
+MIN_ROWS_PER_PART = 4  # a small batch's prefill waits on kernel launches, not PCIe: more parts would only add launches
 
 
 class PoolBlocks(NamedTuple):

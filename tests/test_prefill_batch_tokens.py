@@ -14,9 +14,9 @@ def test_the_chunk_grows_at_small_batches_in_whole_blocks():
     cfg = NosaConfig(prefill_chunk_size=512, prefill_batch_tokens=4096, prefill_max_chunk_size=4096)
     assert [cfg.prefill_chunk(b) for b in (1, 2, 3, 4, 8, 9, 64)] == [4096, 2048, 1344, 1024, 512, 512, 512]
     assert NosaConfig(prefill_chunk_size=512, prefill_batch_tokens=0).prefill_chunk(1) == 512  # 0: off
-    # the default: 2048-token chunks up to 16 rows, then shorter, prefill_chunk_size from 64 rows on
-    assert [NosaConfig().prefill_chunk(b) for b in (1, 2, 4, 16, 17, 38, 64, 100)] == [
-        2048, 2048, 2048, 2048, 1920, 832, 512, 512]
+    # the default: 4096-token chunks up to 8 rows, then shorter, prefill_chunk_size from 64 rows on
+    assert [NosaConfig().prefill_chunk(b) for b in (1, 2, 4, 8, 9, 16, 17, 38, 64, 100)] == [
+        4096, 4096, 4096, 4096, 3584, 2048, 1920, 832, 512, 512]
     assert NosaConfig(prefill_chunk_size=512, prefill_batch_tokens=256).prefill_chunk(1) == 512  # never shorter
 
 
@@ -25,7 +25,7 @@ def test_the_chunk_stops_at_its_maximum():
     assert [cfg.prefill_chunk(b) for b in (1, 32, 64, 128, 200)] == [1024, 1024, 1024, 512, 512]
     # a floor above the maximum wins: chunks are never shorter than prefill_chunk_size
     assert NosaConfig(prefill_chunk_size=4096, prefill_max_chunk_size=2048).prefill_chunk(1) == 4096
-    # a configuration saved before the maximum existed keeps its chunks (the default maximum is its batch-1 chunk)
+    # a configuration saved before the maximum existed keeps its chunks (the default maximum is above its batch-1 chunk)
     old = NosaConfig.from_dict({"prefill_chunk_size": 512, "prefill_batch_tokens": 2048})
     assert [old.prefill_chunk(b) for b in (1, 2, 4)] == [2048, 1024, 512]
 
