@@ -32,7 +32,10 @@ from .backend import (HAS_TRITON, fastest_config, interpreting, kernel_path, lau
 LOG2E = 1.4426950408889634
 # Fixed tiles under the interpreter (autotuning there would run every configuration); on a GPU the launcher picks
 # among CONFIGS per (head dim, causal, dtype) on the first call.
-CONFIGS = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4)]
+# A configuration is (BLOCK_M, BLOCK_N, num_warps, num_stages, packed): packed rows hold a tile's queries for every
+# head of a GQA group (when the group is a power of two up to BLOCK_M), so each key tile is read once per group.
+CONFIGS = [(128, 64, 8, 3, False), (128, 64, 4, 3, False), (128, 128, 8, 3, False), (64, 64, 4, 4, False),
+           (128, 32, 4, 4, False), (128, 64, 8, 3, True), (128, 64, 4, 3, True), (128, 128, 8, 3, True)]
 
 if HAS_TRITON:
 
@@ -82,18 +85,23 @@ if HAS_TRITON:
         H, G, Tq, S, S0, q_offset, qk_scale,
         D: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr, FLOOR: tl.constexpr, PREFIX: tl.constexpr,
         LSE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr,
     ):
+        # A program's BLOCK_M rows are BLOCK_M // PACK queries x PACK query heads of one KV head (PACK = 1: one head;
+        # PACK = G: the whole GQA group, which then reads each key tile once instead of G times).
+        QUERIES: tl.constexpr = BLOCK_M // PACK
         i_m, i_bh = tl.program_id(0), tl.program_id(1)
         if CAUSAL:  # the last query tiles see the most keys: start them first, so the last wave is the light tiles
             i_m = tl.num_programs(0) - 1 - i_m
-        i_b, i_h = i_bh // H, i_bh % H
-        i_hk = i_h // G
-        o_m = i_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        i_b, i_hp = i_bh // (H // PACK), i_bh % (H // PACK)
+        i_hk = i_hp * PACK // G
+        o_r = tl.arange(0, BLOCK_M)
+        o_h = (i_hp * PACK + o_r % PACK).to(tl.int64)  # each row's query head
+        o_m = i_m * QUERIES + o_r // PACK  # each row's query
         o_n = tl.arange(0, BLOCK_N)
         o_d = tl.arange(0, D)
         m_m = o_m < Tq
-        p_q = q_ptr + i_b.to(tl.int64) * stride_qb + i_h.to(tl.int64) * stride_qh + o_m[:, None].to(tl.int64) * stride_qt
+        p_q = q_ptr + i_b.to(tl.int64) * stride_qb + o_h[:, None] * stride_qh + o_m[:, None].to(tl.int64) * stride_qt
         b_q = tl.load(p_q + o_d[None, :], mask=m_m[:, None], other=0.0)
         if IEEE:
             b_q = b_q.to(tl.float32)
@@ -118,8 +126,8 @@ if HAS_TRITON:
                                       stride_pvt, S0, True, False, IEEE, FLOOR)
         if CAUSAL:
             # keys every query of the tile sees: j <= q_offset + first query of the tile
-            full = tl.minimum(tl.maximum(i_m * BLOCK_M + q_offset + 1, 0), S) // BLOCK_N * BLOCK_N
-            end = tl.minimum(tl.maximum(i_m * BLOCK_M + BLOCK_M + q_offset, 0), S)
+            full = tl.minimum(tl.maximum(i_m * QUERIES + q_offset + 1, 0), S) // BLOCK_N * BLOCK_N
+            end = tl.minimum(tl.maximum(i_m * QUERIES + QUERIES + q_offset, 0), S)
         else:
             full = S // BLOCK_N * BLOCK_N
             end = S
@@ -131,11 +139,11 @@ if HAS_TRITON:
                                   S, True, CAUSAL, IEEE, FLOOR)
 
         b_o = acc / tl.maximum(l_i, 1e-30)[:, None]
-        p_o = (out_ptr + i_b.to(tl.int64) * stride_ob + i_h.to(tl.int64) * stride_oh
+        p_o = (out_ptr + i_b.to(tl.int64) * stride_ob + o_h[:, None] * stride_oh
                + o_m[:, None].to(tl.int64) * stride_ot + o_d[None, :])
         tl.store(p_o, b_o.to(out_ptr.dtype.element_ty), mask=m_m[:, None])
         if LSE:  # natural log: the running max and sum are in the exp2 domain
-            p_l = lse_ptr + i_b.to(tl.int64) * stride_lb + i_h.to(tl.int64) * stride_lh + o_m
+            p_l = lse_ptr + i_b.to(tl.int64) * stride_lb + o_h * stride_lh + o_m
             tl.store(p_l, (m_i + tl.math.log2(tl.maximum(l_i, 1e-30))) * 0.6931471805599453, mask=m_m)
 
 
@@ -152,8 +160,11 @@ def _launch(query, keys, values, bias, scale, q_offset, causal, out, config=None
     pk, pv, pb = prefix if prefix is not None else (keys, values, bias)  # (unread without a prefix)
     S0 = pk.shape[2] if prefix is not None else 0
 
-    def run(block_m, block_n, warps, stages):
-        grid = (triton.cdiv(Tq, block_m), B * H)
+    G = H // Hk
+
+    def run(block_m, block_n, warps, stages, packed=False):
+        pack = G if packed and G == next_power_of_2(G) and G <= block_m else 1
+        grid = (triton.cdiv(Tq, block_m // pack), B * H // pack)
         with on_device(query):
             launcher(_flash_biased_kernel)[grid](
                 query, keys, values, bias, out, pk, pv, pb, lse_arg,
@@ -162,12 +173,12 @@ def _launch(query, keys, values, bias, scale, q_offset, causal, out, config=None
                 out.stride(0), out.stride(1), out.stride(2),
                 pk.stride(0), pk.stride(1), pk.stride(2), pv.stride(0), pv.stride(1), pv.stride(2),
                 pb.stride(0), pb.stride(1), lse_arg.stride(0), lse_arg.stride(1),
-                H, H // Hk, Tq, S, S0, q_offset, scale * LOG2E,
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common,
+                H, G, Tq, S, S0, q_offset, scale * LOG2E,
+                BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack, num_warps=warps, num_stages=stages, **common,
             )
 
     if config is None and interpreting():
-        config = (32, 32, 4, 1)
+        config = (32, 32, 4, 1, False)
     if config is None:
         # One choice per (head dim, causal, dtype): the prefix and lse variants take the tiles their base variant
         # chose (timing each would compile every configuration again on a user's first generate call).
@@ -236,8 +247,8 @@ def flash_biased(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         out: where to write the result (query's shape and dtype, last dim contiguous); None: a new tensor.
         lse: a ``[B, H, Tq]`` fp32 tensor to receive each query's log-sum-exp of its logits (natural log), for
             merging with attention over other keys (``prefix_attention``); None: not computed.
-        config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)``; None: the fastest of ``CONFIGS``, timed once per
-            (head dim, causal, dtype, device).
+        config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages, packed)``; None: the fastest of ``CONFIGS``, timed
+            once per (head dim, causal, dtype, device).
 
     Returns:
         ``[B, H, Tq, D]`` in the query's dtype (no gradient: inference paths only).

@@ -58,15 +58,26 @@ def test_kernel_matches_attend_interpreted(interpret, case, extreme):
 
 
 @pytest.mark.skipif(not flash_module.HAS_TRITON, reason="needs the triton package")
-def test_each_tile_configuration_is_exact_interpreted(interpret):
+@pytest.mark.parametrize("H, Hk", [(2, 1), (8, 2), (6, 2)], ids=["group2", "group4", "group3-unpacked"])
+def test_each_tile_configuration_is_exact_interpreted(interpret, H, Hk):
     """Tiles of 16 and 32 keys and queries give the same result (the full-tile loop, the diagonal loop and their
-    boundary move with the tile sizes)."""
-    q, k, v, bias = _inputs(1, 2, 1, 48, 80, 16, torch.float32, "cpu", seed=5)
-    outs = [flash_module.flash_biased(q, k, v, bias, 0.25, q_offset=32, config=config)
-            for config in ((16, 16, 4, 1), (32, 16, 4, 1), (16, 32, 4, 1))]
+    boundary move with the tile sizes), with rows of one head or packed over the GQA group (a group that is not a
+    power of two stays unpacked); with a prefix and the log-sum-exp too."""
+    q, k, v, bias = _inputs(2, H, Hk, 45, 77, 16, torch.float32, "cpu", seed=5, extreme=True, hidden=0.2)
+    prefix = _prefix(2, Hk, 21, 16, torch.float32, "cpu", seed=6)
     expected = flash_module.flash_biased_ref(q, k, v, bias, 0.25, q_offset=32)
-    for out in outs:
-        assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    expected_prefix = flash_module.flash_biased_ref(q, k[:, :, -45:], v[:, :, -45:], bias[:, :, -45:], 0.25,
+                                                    prefix=prefix)
+    expected_lse = flash_module.flash_biased_lse_ref(q, k, v, bias, 0.25, q_offset=32)
+    for config in ((16, 16, 4, 1, False), (32, 16, 4, 1, False), (16, 32, 4, 1, False), (16, 16, 4, 1, True),
+                   (32, 16, 4, 1, True), (16, 32, 4, 1, True)):
+        lse = torch.empty(2, H, 45)
+        out = flash_module.flash_biased(q, k, v, bias, 0.25, q_offset=32, config=config, lse=lse)
+        assert_close(out, expected, atol=2e-5, rtol=2e-5, msg=str(config))
+        assert_close(lse, expected_lse, atol=1e-4, rtol=1e-5, msg=str(config))
+        out = flash_module.flash_biased(q, k[:, :, -45:], v[:, :, -45:], bias[:, :, -45:], 0.25, prefix=prefix,
+                                        config=config)
+        assert_close(out, expected_prefix, atol=2e-5, rtol=2e-5, msg=str(config))
 
 
 PREFIX_CASES = [
@@ -173,6 +184,19 @@ def test_prefix_matches_attend_on_gpu(dtype):
         expected = flash_module.flash_biased_ref(q.float(), k.float(), v.float(), bias, D**-0.5,
                                                  prefix=(prefix[0].float(), prefix[1].float(), prefix[2]))
         assert_close(out, expected, atol=2e-2, rtol=2e-2, msg=f"Tq={Tq} S0={S0} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_configuration_on_gpu():
+    """Each of CONFIGS (the autotuner may pick any): a QUOKA chunk over pool blocks and a causal chunk, GQA 4."""
+    q, k, v, bias = _inputs(2, 32, 8, 700, 700, 64, torch.bfloat16, "cuda", seed=8, extreme=True, hidden=0.1)
+    prefix = _prefix(2, 8, 1000, 64, torch.bfloat16, "cuda", seed=9)
+    as_float = (prefix[0].float(), prefix[1].float(), prefix[2])
+    expected = flash_module.flash_biased_ref(q.float(), k.float(), v.float(), bias, 0.125, prefix=as_float)
+    for config in flash_module.CONFIGS:
+        out = flash_module.flash_biased(q, k, v, bias, 0.125, prefix=prefix, config=config)
+        assert_close(out, expected, atol=2e-2, rtol=2e-2, msg=str(config))
 
 
 def test_docstring_example():
