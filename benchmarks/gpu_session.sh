@@ -76,13 +76,12 @@ case "${1:-}" in
     timeout 120 python benchmarks/prefill_breakdown.py --context 65536 --batch 4 --fetch-parts 1,2 --out "$OUT/b4" 2>&1 | tail -11
     timeout 90 python benchmarks/prefill_breakdown.py --context 65536 --batch 1 --fetch-parts 1 --out "$OUT/b1" 2>&1 | tail -11
     timeout 170 python benchmarks/prefill.py --contexts 65536 --batches 1,4 --chunks 2048,4096 --methods dense,no_attention,quoka --repeat 2 --out "$OUT/prefill" 2>&1 | tail -8 ;;
-  prefill-defaults)  # issue 17: the default chunks (4096 up to 8 rows), the compressed keys extended before the host write, flash_biased's GQA-packed rows: GPU tests, a 4096-token QUOKA chunk's attention against cuDNN, TTFT against dense sdpa at 64K (batches 1, 4), generate's first token at 64K (batches 1, 4, 16), 128K QUOKA at batch 1 (about 7 minutes)
-    timeout 150 python -m pytest -q -m gpu tests/kernels/test_flash_biased.py tests/test_quoka.py tests/kernels/test_compress_extend.py tests/test_prefix_attention.py -n 8 -p no:cacheprovider --tb=short > "$OUT/gpu_tests_prefill_defaults.log" 2>&1
+  prefill-defaults)  # issue 17: the default chunks (4096 up to 8 rows), the compressed keys extended before the host write, flash_biased's GQA-packed rows: their GPU tests, TTFT against dense sdpa at 64K (batches 1, 4), generate's first token at 64K (batches 1, 4), a 4096-token QUOKA chunk's attention against cuDNN (about 5 minutes)
+    timeout 120 python -m pytest -q -m gpu tests/kernels/test_flash_biased.py tests/test_quoka.py tests/kernels/test_compress_extend.py -n 8 -p no:cacheprovider --tb=short > "$OUT/gpu_tests_prefill_defaults.log" 2>&1
     tail -3 "$OUT/gpu_tests_prefill_defaults.log"
-    timeout 90 python benchmarks/dense_attention.py --quoka-only --quoka-chunk 4096 --out "$OUT" 2>&1 | grep '"quoka_chunk"' | python -c "import json,sys; [print(r['shape'], r['chunk'], r['run'], round(r.get('tflops', 0), 1), 'TFLOP/s', r.get('error', '')[:80]) for r in map(json.loads, sys.stdin)]"
-    timeout 120 python benchmarks/prefill.py --contexts 65536 --batches 1,4 --chunks 4096 --methods dense,quoka --repeat 3 --out "$OUT/p64" 2>&1 | tail -5
-    timeout 170 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --nosa-batches 1 4 16 --new-tokens 16 --skip-engine --out "$OUT/ttft_defaults.json" 2>&1 | grep -v '^{' | tail -4
-    timeout 60 python benchmarks/prefill.py --contexts 131072 --batches 1 --chunks 4096 --methods quoka --repeat 2 --out "$OUT/p128" 2>&1 | tail -2 ;;
+    timeout 100 python benchmarks/prefill.py --contexts 65536 --batches 1,4 --chunks 4096 --methods dense,quoka --repeat 3 --out "$OUT/p64" 2>&1 | tail -5
+    timeout 100 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --nosa-batches 1 4 --new-tokens 16 --skip-engine --out "$OUT/ttft_defaults.json" 2>&1 | grep -v '^{' | tail -3
+    timeout 70 python benchmarks/dense_attention.py --quoka-only --quoka-chunk 4096 --out "$OUT" 2>&1 | grep '"quoka_chunk"' | python -c "import json,sys; [print(r['shape'], r['chunk'], r['run'], round(r.get('tflops', 0), 1), 'TFLOP/s', r.get('error', '')[:80]) for r in map(json.loads, sys.stdin)]" ;;
   *)
     echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-step" >&2; exit 2 ;;
 esac
