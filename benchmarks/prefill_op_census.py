@@ -54,7 +54,7 @@ PHASES = [  # (phase, file relative to its package, function or None for any): t
 METADATA = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "detach", "alias", "lift_fresh",
             "set_", "resize_", "_reshape_alias", "_unsafe_view"}
 # (file, function, text of the line or None): sites whose tensors are CPU tensors on CUDA too (no launch, no sync)
-HOST_SIDE = [("hf_nosa/prefill.py", "_dense_tail_rows", None), ("hf_nosa/host_store.py", None, None),
+HOST_SIDE = [("hf_nosa/prefill.py", "_first_tail_query", None), ("hf_nosa/host_store.py", None, None),
              ("hf_nosa/selection.py", "window_offsets", None),  # called without a device by quoka_score's launch
              ("hf_nosa/kernels/quoka_score.py", "_launch", "int(offsets[0])")]
 SYNC = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "is_nonzero", "equal"}

@@ -1,13 +1,13 @@
 """Attention over what a NosaCache hands back, on the kernel that fits its shape.
 
-One decode token over the slot pool runs ``kernels.decode_attention``; everything else runs
-``dense_attention.biased_attention``, sdpa's fused kernels with the bias folded into extra head dimensions: a
-prefill chunk over its keys (QUOKA's blocks then the chunk, or the whole prefix) is a lower-right causal call that
-runs FlashAttention on CUDA, and anything carrying an explicit mask (the per-token decode rule, padding) runs the
-masked kernels. On an H200 (benchmarks/dense_attention.py, ``quoka_chunk`` rows: 2048 queries over 4096 + 2048
-keys) that call runs at 141 TFLOP/s for 64-wide heads, where the Triton ``kernels.chunk_attention`` that the chunk
-used to take ran at 119 (191 for 128-wide heads, where the padded FlashAttention call stays at 141); plain sdpa
-without a bias reaches 245-280. All compute the function of ``attend``, the reference their tests hold them to.
+- one decode token over the slot pool: ``kernels.decode_attention``;
+- a QUOKA chunk over its pool blocks and itself: ``pool_attention`` (``kernels.flash_biased`` reading the blocks
+  where they lie), then, where the chunk holds a prompt's dense tail, those queries again over the whole prompt
+  (``prefix_attention``, their output rows replaced);
+- a chunk over a prompt read in pieces: ``prefix_attention``;
+- everything else (a staged prefix, the per-token decode rule, padding masks): ``dense_attention.biased_attention``.
+
+All compute the function of ``attend``, the reference their tests hold them to.
 """
 
 from __future__ import annotations
