@@ -268,7 +268,7 @@ class PrefillPaths:
         P = self.cfg.block_size
         piece = tail_piece_tokens(self.cfg.prefill_budget_blocks * P, self.batch, P)
         self.peak_device_tokens = max(self.peak_device_tokens, min(start, piece) + n_queries)
-        return Prefix(lambda lo, hi: self._read_counted(lo, hi), start, piece)
+        return Prefix(self._read_counted, start, piece)
 
     def _finish_prefill(self, k, v, b, start) -> None:
         """The prompt is in: drop the staging, count each row from its first real token (when the prompt came
