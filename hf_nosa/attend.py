@@ -66,8 +66,7 @@ def own_keys(inputs: AttentionInputs, n_queries: int) -> tuple[torch.Tensor, tor
     if not inputs.causal or inputs.attn_mask is not None or inputs.prefix is not None \
             or inputs.keys.shape[2] != inputs.q_offset + n_queries:
         raise ValueError("AttentionInputs: a dense tail goes with a causal chunk over its own keys (after any blocks)")
-    n = n_queries
-    return inputs.keys[:, :, -n:], inputs.values[:, :, -n:], inputs.key_bias[:, :, -n:]
+    return tuple(x[:, :, -n_queries:] for x in (inputs.keys, inputs.values, inputs.key_bias))
 
 
 def with_dense_tail(out: torch.Tensor, query: torch.Tensor, tail: DenseTail, dense) -> torch.Tensor:

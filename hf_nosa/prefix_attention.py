@@ -7,8 +7,9 @@ query of that chunk read the whole prefix: at 64K and batch 4, 2048 queries wher
 attention work (benchmarks/results/prefill_breakdown_64k_b4_cefa7bb.json).
 
 Read at once, that prefix is a whole layer's K/V on the device for ``B x prompt`` tokens (5 GB at 38 x 64K tokens in
-the 1B shape, before the attention's own copies), which would make peak device memory grow with the prompt. Here it is read ``piece_tokens`` at a time from the host store; each piece's attention returns its
-log-sum-exp, and the pieces and the chunk's own causal part are merged as flash-decoding merges splits:
+the 1B shape, before the attention's own copies), which would make peak device memory grow with the prompt. Here it
+is read ``piece_tokens`` at a time from the host store; each piece's attention returns its log-sum-exp, and the
+pieces and the chunk's own causal part are merged as flash-decoding merges splits:
 
     out = sum_i e^(lse_i - m) out_i / sum_i e^(lse_i - m),  m = max_i lse_i
 

@@ -162,7 +162,7 @@ def _launch(query, keys, values, bias, scale, q_offset, causal, out, config=None
 
     G = H // Hk
 
-    def run(block_m, block_n, warps, stages, packed=False):
+    def run(block_m, block_n, warps, stages, packed):
         pack = G if packed and G == next_power_of_2(G) and G <= block_m else 1
         grid = (triton.cdiv(Tq, block_m // pack), B * H // pack)
         with on_device(query):
