@@ -84,6 +84,12 @@ case "${1:-}" in
     timeout 100 python benchmarks/prefill.py --contexts 65536 --batches 1,4 --chunks 4096 --methods dense,quoka --repeat 3 --out "$OUT/p64" 2>&1 | tail -5
     timeout 100 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --nosa-batches 1 4 --new-tokens 16 --skip-engine --out "$OUT/ttft_defaults.json" 2>&1 | grep -v '^{' | tail -3
     timeout 70 python benchmarks/dense_attention.py --quoka-only --quoka-chunk 4096 --out "$OUT" 2>&1 | grep '"quoka_chunk"' | python -c "import json,sys; [print(r['shape'], r['chunk'], r['run'], round(r.get('tflops', 0), 1), 'TFLOP/s', r.get('error', '')[:80]) for r in map(json.loads, sys.stdin)]" ;;
+  prefill-whole)  # issue 17: a QUOKA prompt through each layer whole (whole_prompt): its GPU tests, TTFT against dense sdpa at 64K (batches 1, 4) chunk by chunk and whole with GPU time by kernel at batch 1, generate's first token at 64K (batches 1, 4), 128K at batch 1 with 4096- and 8192-token chunks (about 8 minutes)
+    timeout 150 python -m pytest -q -m gpu tests/test_whole_prompt.py tests/test_quoka.py tests/test_prefix_attention.py tests/test_pool_attention.py -n 8 -p no:cacheprovider --tb=short > "$OUT/gpu_tests_prefill_whole.log" 2>&1
+    tail -3 "$OUT/gpu_tests_prefill_whole.log"
+    timeout 170 python benchmarks/prefill.py --contexts 65536 --batches 1,4 --chunks 4096 --methods dense,no_attention,quoka,quoka_whole --repeat 3 --profile --out "$OUT/p64" 2>&1 | tail -7
+    timeout 100 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --nosa-batches 1 4 --new-tokens 16 --skip-engine --out "$OUT/ttft_whole.json" 2>&1 | grep -v '^{' | tail -3
+    timeout 150 python benchmarks/prefill.py --contexts 131072 --batches 1 --chunks 4096,8192 --methods dense,quoka_whole --repeat 2 --out "$OUT/p128" 2>&1 | tail -4 ;;
   *)
     echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-step" >&2; exit 2 ;;
 esac

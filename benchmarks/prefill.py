@@ -9,7 +9,10 @@ batch, in one run:
   else in the forward (projections, MLP, norms, logits, cache writes), i.e. the floor of any sparse prefill;
   ``dense / no_attention`` is the largest TTFT speedup that cheaper attention alone can give;
 - ``quoka@C``: the NOSA-converted model (eviction heads at A = 0) prefills it in one forward into a NosaCache
-  with ``prefill="quoka"``: chunks of C tokens, each attending to ``--budget`` tokens of blocks plus itself.
+  with ``prefill="quoka"``: chunks of C tokens through the whole model one at a time, each attending to
+  ``--budget`` tokens of blocks (read back from the host store) plus itself (``prefill_whole_prompt_tokens=0``);
+- ``quoka_whole@C``: the same chunks and blocks with the prompt through each layer whole (``whole_prompt``; the
+  default for a prompt of at most ``prefill_whole_prompt_tokens``, which this row sets to the prompt's size).
 
 TTFT is the wall time from the token ids on the device to the first generated token (last-position logits,
 argmax), after ``--warmup`` untimed runs; the median of ``--repeat`` runs is reported. Peak memory is
@@ -166,7 +169,7 @@ def main(argv=None):
     parser.add_argument("--chunks", default="512,2048", help="QUOKA chunk sizes, one method each")
     parser.add_argument("--dense-chunk", type=int, default=512, help="chunk of the dense chunked prefill")
     parser.add_argument("--queries", type=int, default=16, help="QUOKA kept queries per head")
-    parser.add_argument("--methods", default="dense,dense_chunked,no_attention,quoka",
+    parser.add_argument("--methods", default="dense,dense_chunked,no_attention,quoka,quoka_whole",
                         help="comma-separated rows to run (quoka: one per --chunks)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=3)
@@ -177,9 +180,10 @@ def main(argv=None):
                         "longest prompt and first batch (torch.profiler, one untimed run each)")
     args = parser.parse_args(argv)
     methods = args.methods.split(",")
-    unknown = set(methods) - {"dense", "dense_chunked", "no_attention", "quoka"}
+    known = ("dense", "dense_chunked", "no_attention", "quoka", "quoka_whole")
+    unknown = set(methods) - set(known)
     if unknown:
-        parser.error(f"--methods: unknown {sorted(unknown)}; choose among dense, dense_chunked, no_attention, quoka")
+        parser.error(f"--methods: unknown {sorted(unknown)}; choose among {', '.join(known)}")
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -198,12 +202,14 @@ def main(argv=None):
     with torch.device(device):
         model = LlamaForCausalLM(config).to(dtype).eval()
     nosa_configs = {
-        chunk: NosaConfig(
+        (chunk, whole): NosaConfig(
             block_size=block, budget_tokens=args.budget, query_tokens=args.budget // 4, sink_tokens=block,
             local_tokens=args.budget // 4, compress_kernel=block // 2, compress_stride=block // 4, prefill="quoka",
             prefill_chunk_size=chunk, quoka_queries=args.queries, prefill_batch_tokens=0,  # exactly `chunk` at any batch
+            prefill_whole_prompt_tokens=whole,
         )
         for chunk in chunks
+        for whole in (0, max(contexts) * max(batches))
     }
 
     rows = []
@@ -256,10 +262,14 @@ def main(argv=None):
         profiles = result["profile"] = {"context": max(contexts), "batch": batches[0]}
         profiles["dense"] = kernel_profile(lambda: prefill_dense(model, profile_ids))
         profiles["no_attention"] = kernel_profile(lambda: prefill_without_attention(model, profile_ids))
-    to_nosa(model, nosa_configs[chunks[0]])
+    to_nosa(model, next(iter(nosa_configs.values())))
     for context in contexts:
         for batch in batches:
-            for chunk, cfg in nosa_configs.items() if "quoka" in methods else ():
+            for (chunk, whole), cfg in nosa_configs.items():
+                method = "quoka_whole" if whole else "quoka"
+                if method not in methods:
+                    continue
+
                 def quoka_extra(cache, cfg=cfg):
                     stats = cache.stats()
                     return dict(device_tokens=stats["device_tokens"],
@@ -267,12 +277,13 @@ def main(argv=None):
                                 kv_device_bytes=stats["device_kv_bytes"], host_bytes=stats["host_bytes"],
                                 bytes_to_device=stats["bytes_to_device"])
 
-                run_method(f"quoka@{chunk}", context, batch, lambda ids, cfg=cfg: prefill_quoka(model, ids, cfg),
+                run_method(f"{method}@{chunk}", context, batch, lambda ids, cfg=cfg: prefill_quoka(model, ids, cfg),
                            quoka_extra)
 
     if profiles is not None:
-        chunk, cfg = next(iter(nosa_configs.items()))
-        profiles[f"quoka@{chunk}"] = kernel_profile(lambda: prefill_quoka(model, profile_ids, cfg))
+        for (chunk, whole), cfg in list(nosa_configs.items())[:2]:
+            name = f"{'quoka_whole' if whole else 'quoka'}@{chunk}"
+            profiles[name] = kernel_profile(lambda cfg=cfg: prefill_quoka(model, profile_ids, cfg))
         print(json.dumps(profiles), flush=True)
 
     for context in contexts:

@@ -29,6 +29,9 @@ class AttentionInputs(NamedTuple):
     tail: QUOKA's dense tail (``prefix_attention.DenseTail``): row b's queries from ``tail.first_query[b]`` on
     attend instead to every token before the keys above (``tail.prefix``) and causally to those keys; the
     others as the fields above say. None: none.
+    chunks: QUOKA's chunks of a prompt that came whole (``whole_prompt``): one ``AttentionInputs`` per run of
+    consecutive queries, in order, each a causal chunk over its own keys (with its blocks, prefix or tail); the
+    fields above then hold the whole prompt's keys. None: none.
     """
 
     keys: torch.Tensor
@@ -40,6 +43,16 @@ class AttentionInputs(NamedTuple):
     prefix: Prefix | None = None
     blocks: PoolBlocks | None = None
     tail: DenseTail | None = None
+    chunks: tuple[AttentionInputs, ...] | None = None
+
+
+def chunk_spans(inputs: AttentionInputs) -> list[tuple[int, int]]:
+    """The query range ``(lo, hi)`` of each of ``inputs.chunks``: a chunk's queries are its own keys."""
+    spans, lo = [], 0
+    for chunk in inputs.chunks:
+        spans.append((lo, lo + chunk.keys.shape[2]))
+        lo += chunk.keys.shape[2]
+    return spans
 
 
 def with_prefix_read(inputs: AttentionInputs) -> AttentionInputs:
@@ -97,6 +110,9 @@ def attend(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.
     Returns:
         ``[B, H, Tq, D]`` in the query's dtype; fp32 accumulation.
     """
+    if inputs.chunks is not None:
+        return torch.cat([attend(query[:, :, lo:hi], chunk, scale)
+                          for (lo, hi), chunk in zip(chunk_spans(inputs), inputs.chunks)], 2)
     if inputs.tail is not None:
         tail = inputs.tail
         own = own_keys(inputs, query.shape[2])

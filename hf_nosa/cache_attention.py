@@ -5,6 +5,7 @@
   where they lie), then, where the chunk holds a prompt's dense tail, those queries again over the whole prompt
   (``prefix_attention``, their output rows replaced);
 - a chunk over a prompt read in pieces: ``prefix_attention``;
+- a prompt that came whole (``whole_prompt``): each of its QUOKA chunks as above, in order;
 - everything else (a staged prefix, the per-token decode rule, padding masks): ``dense_attention.biased_attention``.
 
 All compute the function of ``attend``, the reference their tests hold them to.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .attend import AttentionInputs, own_keys, with_dense_tail
+from .attend import AttentionInputs, chunk_spans, own_keys, with_dense_tail
 from .dense_attention import biased_attention
 from .kernels.backend import kernel_path
 from .kernels.decode_attention import decode_attention
@@ -24,6 +25,11 @@ from .prefix_attention import attend_with_prefix
 
 def attend_cache_inputs(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.Tensor:
     """``softmax(q . k * scale + bias) . v`` over ``inputs``; ``query [B, H, Tq, D]`` -> ``[B, H, Tq, D]``."""
+    if inputs.chunks is not None:  # a prompt that came whole: its QUOKA chunks one after another
+        out = torch.empty_like(query)
+        for (lo, hi), chunk in zip(chunk_spans(inputs), inputs.chunks):
+            out[:, :, lo:hi] = attend_cache_inputs(query[:, :, lo:hi], chunk, scale)
+        return out
     if inputs.tail is not None:  # QUOKA's dense tail: the chunk as the rest says, then the tail's queries again
         tail, Tq = inputs.tail, query.shape[2]
         k, v, b = own_keys(inputs, Tq)

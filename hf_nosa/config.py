@@ -44,6 +44,14 @@ class NosaConfig:
     2.04, 1.98 and 2.10 s. At the defaults chunks are 4096 tokens up to 8 rows and shorter from there (2048 at 16,
     512 from 64 rows), so large batches keep their memory.
 
+    ``prefill_whole_prompt_tokens`` (default 262144; 0: never) sends a new QUOKA prompt of at most that many tokens
+    over the batch (rows x length) through each layer whole instead of through the whole model one chunk at a time:
+    the layer cuts it into the same chunks, and each chunk attends to the same QUOKA blocks and dense tail, gathered
+    from the layer's keys on the device instead of read back from the host store (``whole_prompt``). The device then
+    holds one layer's K/V of the prompt and the prompt's activations (about 26 KB a token in the 1b shape, 7 GB at
+    the default) for no PCIe reads, big GEMMs and a few launches per layer; longer prompts and bigger batches keep
+    the chunk-by-chunk path and its bounded memory.
+
     ``host_dtype`` is how the host store keeps K and V: "auto" (the model's dtype), or "float8_e4m3fn" / "int8"
     with one fp32 scale per (block, KV head) (``hf_nosa.host_quant``), which halves the host memory and the bytes
     a block fetch moves against bf16. Eviction scores and compressed keys stay in full precision.
@@ -76,6 +84,7 @@ class NosaConfig:
     prefill_dense_tail_tokens: int = 64
     prefill_batch_tokens: int = 32768
     prefill_max_chunk_size: int = 4096
+    prefill_whole_prompt_tokens: int = 262144
     resident_margin: float = 0.0
 
     def __post_init__(self):
@@ -97,6 +106,7 @@ class NosaConfig:
             "prefill_dense_tail_tokens",
             "prefill_batch_tokens",
             "prefill_max_chunk_size",
+            "prefill_whole_prompt_tokens",
         )
         for name in int_fields:
             value = getattr(self, name)
@@ -115,6 +125,8 @@ class NosaConfig:
             fail("budget_tokens", "it must be at least one block")
         if self.prefill_chunk_size == 0:
             fail("prefill_chunk_size", "it must be at least one block")
+        if self.prefill_whole_prompt_tokens < 0:
+            fail("prefill_whole_prompt_tokens", "it must be 0 (every prompt chunk by chunk) or a positive token count")
         if self.prefill_max_chunk_size <= 0 or self.prefill_max_chunk_size % self.block_size:
             fail("prefill_max_chunk_size", f"it must be a positive multiple of block_size={self.block_size}")
         needed = self.sink_tokens + self.local_tokens + self.query_tokens
@@ -159,6 +171,12 @@ class NosaConfig:
         ``prefill_max_chunk_size``) while the batch's chunk step stays under ``prefill_batch_tokens``."""
         grown = min(self.prefill_max_chunk_size, self.prefill_batch_tokens // max(1, batch))
         return max(self.prefill_chunk_size, grown // self.block_size * self.block_size)
+
+    def prefill_whole(self, batch: int, length: int) -> bool:
+        """Whether a new prompt of ``length`` tokens in ``batch`` rows goes through each layer whole (its QUOKA
+        chunks cut inside the layer, ``whole_prompt``) rather than through the whole model one chunk at a time."""
+        return (self.prefill_mode(length) == "quoka" and length > self.prefill_chunk(batch)
+                and batch * length <= self.prefill_whole_prompt_tokens)
 
     # Blocks, the unit every rule works in.
     @property

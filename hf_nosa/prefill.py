@@ -43,6 +43,7 @@ from .padding import from_rows
 from .pool_attention import PoolBlocks, fetch_parts
 from .prefix_attention import DenseTail, Prefix
 from .selection import MASK_VALUE, nosa_token_mask, windows_before
+from .whole_prompt import quoka_chunks
 
 _WRITERS: dict[torch.device, "torch.cuda.Stream"] = {}
 # A dense-tail piece holds at most this many rows' prefill budgets: pieces are alive two or three at a time (one read
@@ -125,7 +126,8 @@ def _counts(layer, upto: int, device: torch.device) -> torch.Tensor:
 class PrefillPaths:
     """How a ``NosaLayer`` takes several tokens at once (mixed into it; the attributes are the layer's).
 
-    A prompt arrives one chunk per update (``modeling.chunked``); by the layer's prefill mode a chunk attends to
+    A prompt arrives one chunk per update (``modeling.chunked``), or whole under "quoka" when it is small enough
+    (``whole_prompt``: the layer cuts the same chunks); by the layer's prefill mode a chunk attends to
     every earlier token ("dense", "nosa": a device staging of the prompt) or to QUOKA's blocks fetched into the slot
     pool ("quoka"), then to itself. Several tokens after a prompt attend by the decode rule, token by token.
     """
@@ -145,7 +147,11 @@ class PrefillPaths:
         offsets = self.state.prefill_offsets
         if start == 0 and offsets is not None and offsets.numel() == self.batch and self.selector is None:
             self.host.set_limits(target - offsets)  # rows end before their padding: a quantized tail stays exact
-        if mode == "quoka":
+        if mode == "quoka" and start == 0 and Tq > self.cfg.prefill_chunk(self.batch):
+            # a prompt that came whole (modeling.chunked under prefill_whole_prompt_tokens): its chunks cut here
+            inputs = quoka_chunks(self, k, v, q, b, None if pad is None else pad[:, 0] == 0, target)
+            self.previous_chunk = None
+        elif mode == "quoka":
             valid = None if pad is None else pad[:, 0] == 0
             first_tail = self._first_tail_query(start, end, target)
             if first_tail is not None and not bool(first_tail.any()):  # every query of every row: the prefix only

@@ -44,6 +44,7 @@ FIELD_MEANINGS = {
     "prefill_chunk_size": "prompt tokens per chunk in chunked prefill",
     "prefill_batch_tokens": "batches take chunks of up to this many tokens divided by the batch (0: off)",
     "prefill_max_chunk_size": "the longest chunk prefill_batch_tokens grows a chunk to",
+    "prefill_whole_prompt_tokens": "prompts up to this many tokens (rows x length) go through each layer whole",
     "quoka_queries": "queries per head kept by QUOKA to score blocks",
     "prefill_budget_tokens": "KV tokens each prompt chunk attends to (default: budget_tokens)",
     "resident_margin": "decode keeps a block it holds unless a new one scores this much higher (0: off)",

@@ -4,6 +4,8 @@ Prefill: a prompt longer than a chunk (``NosaConfig.prefill_chunk``: ``prefill_c
 batches under ``prefill_batch_tokens``) goes through the whole model one chunk at a time (every layer
 finishes chunk i before any layer sees chunk i + 1), so device memory holds the weights, the cache's working set
 and one chunk's activations whatever the prompt length; logits are computed only where ``logits_to_keep`` asks.
+A new QUOKA prompt of at most ``prefill_whole_prompt_tokens`` (rows x length) goes through each layer whole
+instead, and the layers cut the same chunks (``whole_prompt``).
 
 Decode: a one-token step on CUDA replays a CUDA graph of the model's decode forward (``kernels.cuda_graph``),
 captured once per shapes and buffers; caches built by ``generate(cache_implementation="nosa")`` draw their buffers
@@ -111,8 +113,10 @@ class NosaForward:
         ids_name = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
         inputs = kwargs.pop(ids_name)
         B, T = inputs.shape[:2]
-        C = cache.nosa_config.prefill_chunk(B)
         past = cache.get_seq_length()
+        C = cache.nosa_config.prefill_chunk(B)
+        if past == 0 and not cache.has_selector and cache.nosa_config.prefill_whole(B, T):
+            C = T  # through each layer whole: the layers cut QUOKA's chunks (whole_prompt)
         position_ids = kwargs.pop("position_ids", None)
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=inputs.device).expand(B, T)
