@@ -65,6 +65,7 @@ def small_nosa_config(**overrides) -> NosaConfig:
         compress_kernel=8,
         compress_stride=4,
         prefill_batch_tokens=0,  # chunks of exactly prefill_chunk_size at every batch: the sizes the tests choose
+        prefill_whole_prompt_tokens=0,  # chunk by chunk through the model (tests/test_whole_prompt.py: each layer)
     )
     base.update(overrides)
     return NosaConfig(**base)

@@ -11,6 +11,7 @@ from hf_nosa.whole_prompt import gather_blocks
 from .conftest import padded_batch, small_nosa_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+WHOLE = 1 << 20  # prefill_whole_prompt_tokens above every prompt here (small_nosa_config's 0: chunk by chunk)
 
 
 def _layer_lengths(model):
@@ -28,7 +29,8 @@ def _generate(model, ids, mask, new_tokens=6, **cache_config):
 
 
 def _converted(family="llama", seed=3, **overrides):
-    config = small_nosa_config(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=64, **overrides)
+    config = small_nosa_config(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=64,
+                               prefill_whole_prompt_tokens=WHOLE, **overrides)
     model = to_nosa(tiny_model(family, seed=seed), config)
     randomize_eviction_heads(model, generator=torch.Generator().manual_seed(seed + 1))
     return model
@@ -44,7 +46,7 @@ def test_whole_prompt_gives_the_chunked_tokens_and_logits(family, pads):
     chunked = _generate(model, ids, mask, prefill_whole_prompt_tokens=0)
     assert lengths[0] == 64 and max(lengths) == 64
     lengths.clear()
-    whole = _generate(model, ids, mask)  # the default threshold holds 3 x 400 tokens
+    whole = _generate(model, ids, mask)  # the model's config: whole
     assert lengths[0] == 400 and lengths[1:] == [1] * 5
     assert torch.equal(whole.sequences, chunked.sequences)
     for a, b in zip(whole.logits, chunked.logits):
