@@ -90,6 +90,12 @@ case "${1:-}" in
     timeout 170 python benchmarks/prefill.py --contexts 65536 --batches 1,4 --chunks 4096 --methods dense,no_attention,quoka,quoka_whole --repeat 3 --profile --out "$OUT/p64" 2>&1 | tail -7
     timeout 100 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --nosa-batches 1 4 --new-tokens 16 --skip-engine --out "$OUT/ttft_whole.json" 2>&1 | grep -v '^{' | tail -3
     timeout 150 python benchmarks/prefill.py --contexts 131072 --batches 1 --chunks 4096,8192 --methods dense,quoka_whole --repeat 2 --out "$OUT/p128" 2>&1 | tail -4 ;;
+  prefill-whole-2)  # issue 17: the whole prompt without host syncs in its layers: GPU tests, TTFT against dense sdpa at 64K (batches 1, 4), generate's first token at 64K (batches 1, 4) and 128K (batch 1), median of 3, then the batch-1 prefill by kernel with a host profile (about 8 minutes)
+    timeout 150 python -m pytest -q -m gpu tests/test_whole_prompt.py tests/test_quoka.py tests/test_padding.py -n 8 -p no:cacheprovider --tb=short -rA 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed" | cut -c1-160 | tail -12
+    timeout 120 python benchmarks/prefill.py --contexts 65536 --batches 1,4 --chunks 4096 --methods dense,quoka,quoka_whole --repeat 3 --out "$OUT/p64" 2>&1 | tail -6
+    timeout 100 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --nosa-batches 1 4 --new-tokens 16 --skip-engine --repeats 3 --out "$OUT/ttft_whole_64k.json" 2>&1 | grep -v '^{' | tail -3
+    timeout 60 python benchmarks/generate.py --shape 1b --contexts 131072 --methods nosa --nosa-batches 1 --new-tokens 16 --skip-engine --repeats 3 --out "$OUT/ttft_whole_128k.json" 2>&1 | grep -v '^{' | tail -2
+    timeout 100 python benchmarks/prefill_breakdown.py --context 65536 --batch 1 --fetch-parts 1 --host-profile --out "$OUT/b1" 2>&1 | tail -9 ;;
   *)
     echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-step" >&2; exit 2 ;;
 esac

@@ -95,7 +95,9 @@ def with_dense_tail(out: torch.Tensor, query: torch.Tensor, tail: DenseTail, den
     if bool(rows.all()):
         out[:, :, q0:] = part
     else:
-        out[:, :, q0:] = torch.where(rows.to(out.device)[:, None, :, None], part, out[:, :, q0:])
+        from .kernels.backend import host_to_device  # the kernels import this module
+
+        out[:, :, q0:] = torch.where(host_to_device(rows, out.device)[:, None, :, None], part, out[:, :, q0:])
     return out
 
 

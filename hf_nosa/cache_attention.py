@@ -28,7 +28,10 @@ def attend_cache_inputs(query: torch.Tensor, inputs: AttentionInputs, scale: flo
     if inputs.chunks is not None:  # a prompt that came whole: its QUOKA chunks one after another
         out = torch.empty_like(query)
         for (lo, hi), chunk in zip(chunk_spans(inputs), inputs.chunks):
-            out[:, :, lo:hi] = attend_cache_inputs(query[:, :, lo:hi], chunk, scale)
+            if chunk.blocks is not None and chunk.tail is None:  # the kernel writes the rows where they go
+                attend_with_pool_blocks(query[:, :, lo:hi], chunk, scale, out=out[:, :, lo:hi])
+            else:
+                out[:, :, lo:hi] = attend_cache_inputs(query[:, :, lo:hi], chunk, scale)
         return out
     if inputs.tail is not None:  # QUOKA's dense tail: the chunk as the rest says, then the tail's queries again
         tail, Tq = inputs.tail, query.shape[2]

@@ -26,6 +26,7 @@ import bisect
 import torch
 
 from .host_quant import dequantize_blocks, host_format, quantize_blocks
+from .kernels.backend import host_to_device
 
 GROWTH = 0.1  # a chunk added past the reservation holds at least this share of the tokens already held
 
@@ -175,7 +176,7 @@ class HostStore:
         """``limits`` as ``[B]`` long on ``device`` for a kernel (the int64 maximum where none are set)."""
         if self._limits_on is None or self._limits_on.device != torch.device(device):
             limits = self.limits if self.limits is not None else torch.full((self.batch,), 2**62, dtype=torch.long)
-            self._limits_on = limits.to(device)
+            self._limits_on = host_to_device(limits, device)
         return self._limits_on
 
     def tail_blocks_on(self, device) -> torch.Tensor:
@@ -186,7 +187,7 @@ class HostStore:
         blocks = self.row_lengths() // self.block_size
         key = (device, tuple(blocks.tolist()))
         if self._tail_blocks is None or self._tail_blocks[0] != key:
-            moved = blocks.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else blocks.to(device)
+            moved = host_to_device(blocks, device)
             self._tail_blocks = (key, moved)
         moved = self._tail_blocks[1]
         if device.type == "cuda":  # read on whichever stream asks (the dense tail reads on a side stream)

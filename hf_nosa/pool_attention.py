@@ -65,15 +65,17 @@ def part_bounds(batch: int, parts: int) -> list[tuple[int, int]]:
     return list(zip(edges[:-1], edges[1:]))
 
 
-def attend_with_pool_blocks(query: torch.Tensor, inputs: AttentionInputs, scale: float) -> torch.Tensor:
+def attend_with_pool_blocks(query: torch.Tensor, inputs: AttentionInputs, scale: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """``query [B, H, Tq, D]`` over ``inputs.blocks`` (all visible) and then ``inputs``' own keys, the queries
-    being the last of them (causal), one part of the batch at a time. Returns ``[B, H, Tq, D]``."""
+    being the last of them (causal), one part of the batch at a time. Returns ``[B, H, Tq, D]``, written into
+    ``out`` when given (a view of a whole prompt's output: ``whole_prompt``)."""
     if not inputs.causal or inputs.attn_mask is not None or inputs.q_offset != 0 \
             or inputs.keys.shape[2] != query.shape[2]:
         raise ValueError("attend_with_pool_blocks: pool blocks go with a causal chunk over its own keys only")
     blocks = inputs.blocks
     bounds = part_bounds(query.shape[0], blocks.parts)
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     reads = [partial(blocks.fetch, b0, b1) for b0, b1 in bounds]
     on_kernel = runs_on_kernel(query, "the QUOKA chunk attention")
     dtype = query.dtype

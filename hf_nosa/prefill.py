@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from .attend import AttentionInputs, with_prefix_read
+from .kernels.backend import host_to_device
 from .kernels.fetch import SlotPool, fetch_selection
 from .kernels.host_write import host_write
 from .kernels.move_in import move_in
@@ -186,7 +187,7 @@ class PrefillPaths:
             return padding_bias(attention_mask, start, end - start), attention_mask
         if padding is False:
             return None, None
-        return torch.where(padding[:, start:end].to(self.device), 0.0, MASK_VALUE)[:, None, :], None
+        return torch.where(host_to_device(padding[:, start:end], self.device), 0.0, MASK_VALUE)[:, None, :], None
 
     def _staged(self, k, v, b, start, target):
         """Every key up to this chunk's end, on the device ("dense"/"nosa" keep the prompt's KV there while it
@@ -317,7 +318,7 @@ class PrefillPaths:
             self._wait_writer()
             source = (*self.host.read(lo, int(lengths.max()), self.device), lo)
         k, v, b, lo = source
-        rows = lengths.to(self.device)
+        rows = host_to_device(lengths, self.device)
         self.compressed.set_rings(k, b, lo, rows)
         B, Hk, S, D = k.shape
         n_tail = rows % P
