@@ -226,10 +226,11 @@ def test_generate_parses_fixed_nosa_batches():
 def test_generate_fixed_batch_row_keeps_a_batch_that_does_not_fit(monkeypatch):
     saved, timed = [], []
     model = argparse.Namespace(config=argparse.Namespace(nosa=dict(host_dtype="float8_e4m3fn")))
-    args = gen.parse_args(["--methods", "nosa", "--nosa-batches", "8", "80", "--skip-engine", "--out", "x.json"])
+    args = gen.parse_args(["--methods", "nosa", "--nosa-batches", "8", "80", "--skip-engine", "--repeats", "3",
+                           "--out", "x.json"])
 
-    def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False):
-        timed.append((batch, limit, engine))
+    def timed_row(model, batch, context, new_tokens, method, *, limit, engine=False, repeats=1):
+        timed.append((batch, limit, engine, repeats))
         if batch > 40:
             raise MemoryError(f"batch {batch} needs more than is available")
         return dict(batch=batch, limit=limit)
@@ -238,7 +239,7 @@ def test_generate_fixed_batch_row_keeps_a_batch_that_does_not_fit(monkeypatch):
     monkeypatch.setattr(gen, "release_host_stores", lambda model: None)
     monkeypatch.setattr(gen, "SAVE", saved.append)
     rows = [gen.fixed_nosa_row(model, b, 32768, args) for b in args.nosa_batches]
-    assert timed == [(8, "fixed", False), (80, "fixed", False)]  # no stepping down from a fixed batch
+    assert timed == [(8, "fixed", False, 3), (80, "fixed", False, 3)]  # no stepping down from a fixed batch
     assert rows[0] == dict(batch=8, limit="fixed")
     assert rows[1]["limit"] == "fixed" and rows[1]["batch"] == 80 and rows[1]["error"].startswith("MemoryError")
     assert saved == [rows[1]] and rows[1]["host_dtype"] == "float8_e4m3fn"
