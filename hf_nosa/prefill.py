@@ -148,12 +148,12 @@ class PrefillPaths:
         offsets = self.state.prefill_offsets
         if start == 0 and offsets is not None and offsets.numel() == self.batch and self.selector is None:
             self.host.set_limits(target - offsets)  # rows end before their padding: a quantized tail stays exact
+        valid = None if pad is None or mode != "quoka" else pad[:, 0] == 0  # [B, Tq]: QUOKA's kept queries skip padding
         if mode == "quoka" and start == 0 and Tq > self.cfg.prefill_chunk(self.batch):
             # a prompt that came whole (modeling.chunked under prefill_whole_prompt_tokens): its chunks cut here
-            inputs = quoka_chunks(self, k, v, q, b, None if pad is None else pad[:, 0] == 0, target)
+            inputs = quoka_chunks(self, k, v, q, b, valid, target)
             self.previous_chunk = None
         elif mode == "quoka":
-            valid = None if pad is None else pad[:, 0] == 0
             first_tail = self._first_tail_query(start, end, target)
             if first_tail is not None and not bool(first_tail.any()):  # every query of every row: the prefix only
                 inputs = AttentionInputs(k, v, b, None, 0, causal=True, prefix=self._dense_tail_prefix(start, Tq))
