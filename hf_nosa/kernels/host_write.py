@@ -17,6 +17,8 @@ The reference is ``HostStore.write`` (the torch copy), which every CPU path uses
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..host_store import HostStore
@@ -24,7 +26,22 @@ from .backend import (HAS_TRITON, kernel_path, launcher, log_fallback, next_powe
                       tl, triton)
 from .host_format import store_quantized
 
-BLOCK_T = 32  # tokens per program
+BLOCK_T = 32  # tokens per tile
+WRITE_PROGRAMS_ENV_VAR = "HF_NOSA_WRITE_PROGRAMS"
+
+
+def write_programs() -> int:
+    """Programs of a host write in the model's dtype, all rows together (``HF_NOSA_WRITE_PROGRAMS``, default 32).
+
+    The write is bound by PCIe, not by the SMs; on the side stream beside a layer's compute, one program per tile
+    (16K programs for a 64K prompt at batch 1) took the SMs from the main stream's kernels: at 64K, batch 1, the
+    query choice that runs beside it stretched from 16 to 50 ms (H200, benchmarks/results/
+    prefill_breakdown_64k_b1_whole_593d5b9.json). Each program loops over tiles instead.
+    """
+    value = os.environ.get(WRITE_PROGRAMS_ENV_VAR, "32")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"{WRITE_PROGRAMS_ENV_VAR}={value!r} is invalid: it must be a positive integer (programs)")
+    return int(value)
 
 if HAS_TRITON:
 
@@ -56,13 +73,24 @@ if HAS_TRITON:
         table_stride, start, n_tokens,
         HK: tl.constexpr, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BT: tl.constexpr,
     ):
-        """Program (row, KV head, tile of BT tokens of the update): the tokens as they are."""
+        """Program (row, KV head, every n-th tile of BT tokens of the update, n the grid's second size): the tokens as
+        they are."""
         i_bh = tl.program_id(0)
-        i_t = tl.program_id(1)
         i_b = i_bh // HK
         i_h = i_bh % HK
-        o_t = i_t * BT + tl.arange(0, BT)
         o_d = tl.arange(0, D_PAD)
+        for i_t in range(tl.program_id(1), tl.cdiv(n_tokens, BT), tl.num_programs(1)):
+            _host_write_tile(k_ptr, v_ptr, b_ptr, table_ptr, offset_ptr, stride_k_b, stride_k_h, stride_k_t, stride_v_b,
+                             stride_v_h, stride_v_t, stride_b_b, stride_b_h, stride_b_t, table_stride, start, n_tokens,
+                             i_b, i_h, i_t * BT + tl.arange(0, BT), o_d, HK, P, D)
+
+    @triton.jit
+    def _host_write_tile(
+        k_ptr, v_ptr, b_ptr, table_ptr, offset_ptr,
+        stride_k_b, stride_k_h, stride_k_t, stride_v_b, stride_v_h, stride_v_t, stride_b_b, stride_b_h, stride_b_t,
+        table_stride, start, n_tokens, i_b, i_h, o_t, o_d,
+        HK: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+    ):
         t = start + o_t.to(tl.int64) - tl.load(offset_ptr + i_b)  # row-relative index of each token
         m_t = (o_t < n_tokens) & (t >= 0)  # a token before the row's first real one is padding: not stored
         m_td = m_t[:, None] & (o_d < D)[None, :]
@@ -181,8 +209,10 @@ def host_write(host: HostStore, start: int, k: torch.Tensor, v: torch.Tensor, b:
     host.ensure_capacity(start + T)
     table = host.block_table(k.device)
     fmt = host.format
-    # a quantized store: a program per block touched (an unaligned row start adds one)
-    grid = (B * Hk, triton.cdiv(T, BLOCK_T) if fmt is None else triton.cdiv(T, host.block_size) + 1)
+    if fmt is None:  # at most write_programs() programs, each looping over tiles
+        grid = (B * Hk, min(triton.cdiv(T, BLOCK_T), max(1, write_programs() // (B * Hk))))
+    else:  # a quantized store: a program per block touched (an unaligned row start adds one)
+        grid = (B * Hk, triton.cdiv(T, host.block_size) + 1)
     with on_device(k):
         launcher(_host_write_kernel)[grid](
             k, v, b, table, offsets, host.limits_on(k.device),

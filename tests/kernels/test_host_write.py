@@ -10,7 +10,7 @@ from hf_nosa.host_quant import HOST_FORMATS, dequantize_blocks, quantize_blocks
 from hf_nosa.host_store import HostStore
 from hf_nosa.kernels.backend import launcher
 from hf_nosa.kernels.host_format import cast_rtne, dequantize, quantize_block
-from hf_nosa.kernels.host_write import host_write
+from hf_nosa.kernels.host_write import WRITE_PROGRAMS_ENV_VAR, host_write, write_programs
 
 
 # The checks read stores with ``read_torch`` (the reference of ``kernels.host_read``, tested against it in
@@ -208,6 +208,21 @@ def test_kernel_rounding_equals_torch_interpreted(interpret, name, dtype):
     assert torch.equal(q, ref_q.view(torch.uint8))
     assert torch.equal(s, ref_s)
     assert torch.equal(y, dequantize_blocks(ref_q, ref_s, dtype))
+
+
+@pytest.mark.parametrize("programs", ["1", "8"])
+def test_fewer_programs_than_tiles_each_loop_over_tiles_interpreted(interpret, monkeypatch, programs):
+    # 2 x 2 rows: 1 program per row writes all 5 tiles of the 130-token piece; 8: 2 per row, every other tile each
+    monkeypatch.setenv(WRITE_PROGRAMS_ENV_VAR, programs)
+    assert write_programs() == int(programs)
+    _check(2, 2, 16, 16, torch.float32, torch.device("cpu"), (130, 1, 70), seed=3)
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "many"])
+def test_write_programs_must_be_a_positive_integer(monkeypatch, value):
+    monkeypatch.setenv(WRITE_PROGRAMS_ENV_VAR, value)
+    with pytest.raises(ValueError, match=WRITE_PROGRAMS_ENV_VAR):
+        write_programs()
 
 
 def test_bad_input(interpret):
