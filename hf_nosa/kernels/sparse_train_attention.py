@@ -12,6 +12,12 @@ causal rule. On an H200 at 32K (1b heads, forward + backward) the kernels take a
 rows' selections cover every causal tile (iid inputs) and 1.2x where they cover 73% (smooth ones), against 11x
 with FlexAttention (benchmarks/train_step.py).
 
+Two paths compute it. The default (``SPLIT``, ``split=True``; ``sparse_train_split.py``) splits each tile's keys
+into the blocks every token of the tile selected, visited whole with no bitmap, and each token's extras, visited in
+small tiles, and merges the two by log-sum-exp: at 32K on an H200 it took 46.9 ms forward + backward against the
+union path's 77.8 (iid inputs; dense sdpa 35.8), before its plan moved to Triton. The union path below, one pass
+over the union of a tile's selections, stays for comparison.
+
 Layout: rows are (token, query head of a GQA group) pairs, so one program reads each key block once for its
 group's G heads; key tiles are single NOSA blocks (``BLOCK_N = max(16, P)``, rows of a block past P masked). The
 plan (``sparse_train_plan.py``) lists the blocks each tile of ``tile`` rows visits; a program takes ``BLOCK_M``
@@ -37,9 +43,15 @@ from ..attend import AttentionInputs, attend
 from ..selection import MASK_VALUE
 from .backend import (HAS_TRITON, fastest_config, interpreting, kernel_path, launcher, next_power_of_2, on_device,
                       tl, triton)
-from .sparse_train_plan import TILE_ROWS, SparsePlan, sparse_train_plan
+from .sparse_train_common import LOG2E, _dot, _load_rows, _logits, _row_tile, _rows, _visible
+from .sparse_train_plan import EXTRA_ROWS, TILE_ROWS, SparsePlan, sparse_train_plan
+from .sparse_train_split import SplitTrainAttention
 
-LOG2E = 1.4426950408889634
+# The path the kernels take when ``split`` is not given: True, each tile's keys split in the blocks all its tokens
+# share (whole tiles, no bitmap) and each token's extras (small tiles), merged by log-sum-exp
+# (``sparse_train_split.py``); False, the union of the tile's selections in one pass, kept for comparison
+# (benchmarks/train_step.py times both).
+SPLIT = True
 # (BLOCK_M, num_warps, num_stages) per kernel; on a GPU the launcher picks the fastest per (kernel, head dim, group,
 # block size, tile, dtype) on the first call. Fixed under the interpreter (autotuning there would run them all).
 FWD_CONFIGS = [(128, 8, 3), (128, 4, 3), (128, 8, 2), (64, 4, 3), (64, 4, 2)]
@@ -50,73 +62,6 @@ INTERPRETER_CONFIG = (16, 4, 1)
 _REF_CHUNK_ELEMENTS = 1 << 24
 
 if HAS_TRITON:
-
-    @triton.jit
-    def _dot(a, b, IEEE: tl.constexpr):
-        """``a @ b`` in fp32 (both fp32 under IEEE), else with ``a`` cast to ``b``'s dtype."""
-        if IEEE:
-            c = tl.dot(a, b, input_precision="ieee")
-        else:
-            c = tl.dot(a.to(b.dtype), b)
-        return c
-
-    @triton.jit
-    def _rows(i_t, i_s, i_hk, Tq, q_offset, off, TOKENS: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
-              BLOCK_M: tl.constexpr):
-        """Rows ``i_s * BLOCK_M ..`` of plan tile ``i_t``: token, query head, validity, row-relative position and
-        own block (-1 for a position inside the padding)."""
-        o_r = i_s * BLOCK_M + tl.arange(0, BLOCK_M)
-        o_t = i_t * TOKENS + o_r // G
-        o_h = i_hk * G + o_r % G
-        m_r = (o_r < TOKENS * G) & (o_t < Tq)
-        pos = q_offset + o_t - off
-        own = tl.where(pos >= 0, tl.maximum(pos, 0) // P, -1)
-        return o_t, o_h, m_r, pos, own
-
-    @triton.jit
-    def _visible(p_sel, n, o_s, m_s, m_r, pos, own):
-        """``[BLOCK_M, BLOCK_N]``: which keys ``o_s`` of block ``n`` the rows see. The rows' bits for the block are
-        one ``[BLOCK_M]`` load, broadcast over the keys; the own block adds its causal part."""
-        b_sel = tl.load(p_sel + n, mask=m_r, other=0) != 0
-        m_own = (own == n)[:, None] & (o_s[None, :] <= pos[:, None])
-        return (b_sel[:, None] | m_own) & m_s[None, :] & m_r[:, None]
-
-    @triton.jit
-    def _logits(b_q, p_k, p_b, o_s, m_s, qk_scale, stride_kt, IEEE: tl.constexpr):
-        """The keys of a block and the rows' logits against them (exp2 domain, bias included)."""
-        b_k = tl.load(p_k + o_s[:, None].to(tl.int64) * stride_kt, mask=m_s[:, None], other=0.0)
-        if IEEE:
-            b_k = b_k.to(tl.float32)
-        b_bias = tl.load(p_b + o_s, mask=m_s, other=0.0)
-        b_s = _dot(b_q, tl.trans(b_k), IEEE) * qk_scale + b_bias[None, :] * 1.4426950408889634
-        return b_k, b_s
-
-    @triton.jit
-    def _load_rows(ptr, i_b, o_h, o_t, o_d, m_r, stride_b, stride_h, stride_t, IEEE: tl.constexpr):
-        """``[BLOCK_M, D]`` of a ``[B, H, Tq, D]`` tensor at the rows' (head, token)."""
-        p = (ptr + i_b.to(tl.int64) * stride_b + o_h[:, None].to(tl.int64) * stride_h
-             + o_t[:, None].to(tl.int64) * stride_t + o_d[None, :])
-        b = tl.load(p, mask=m_r[:, None], other=0.0)
-        if IEEE:
-            b = b.to(tl.float32)
-        return b
-
-    @triton.jit
-    def _row_tile(k_ptr, v_ptr, bias_ptr, sel_ptr, count_ptr, block_ptr, i_b, i_hk, i_t, off, o_t, o_d,
-                  stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_bb, stride_bh,
-                  stride_sb, stride_sh, stride_st, Hk, N, n_qt):
-        """What a row tile reads across its blocks: K, V and bias from the row's first real key, the rows'
-        selection bits, and the plan's visited blocks (count and list)."""
-        p_k = k_ptr + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + off.to(tl.int64) * stride_kt \
-            + o_d[None, :]
-        p_v = v_ptr + i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + off.to(tl.int64) * stride_vt \
-            + o_d[None, :]
-        p_b = bias_ptr + i_b.to(tl.int64) * stride_bb + i_hk.to(tl.int64) * stride_bh + off
-        p_sel = sel_ptr + i_b.to(tl.int64) * stride_sb + i_hk.to(tl.int64) * stride_sh + o_t.to(tl.int64) * stride_st
-        i_plan = (i_b * Hk + i_hk) * n_qt + i_t
-        count = tl.load(count_ptr + i_plan)
-        p_blocks = block_ptr + i_plan.to(tl.int64) * N
-        return p_k, p_v, p_b, p_sel, count, p_blocks
 
     @triton.jit
     def _sparse_fwd_kernel(
@@ -418,8 +363,8 @@ def sparse_train_attention_ref(query, key, value, bias, bitmap, scale, *, block_
 
 def sparse_train_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
                            bitmap: torch.Tensor, scale: float, *, block_size: int, q_offset: int = 0,
-                           offsets: torch.Tensor | None = None, tile: int | None = None, config: tuple | None = None
-                           ) -> torch.Tensor:
+                           offsets: torch.Tensor | None = None, tile: int | None = None, config: tuple | None = None,
+                           split: bool | None = None, extra_tile: int | None = None) -> torch.Tensor:
     """NOSA attention of every query token over its selected blocks and its own block, with gradients: Triton where
     the kernels run (CUDA, or the interpreter), the torch reference elsewhere (``backend.kernel_path``).
 
@@ -435,8 +380,12 @@ def sparse_train_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         offsets: ``[B]`` integer left padding of each row, or None: positions and blocks are then row-relative
             (block n of row b holds keys ``offsets[b] + n * P ..``) and keys inside the padding are never seen.
         tile: query rows per tile of the plan (``sparse_train_plan``; default ``TILE_ROWS``).
-        config: ``(BLOCK_M, num_warps, num_stages)`` for every kernel; None: the fastest of each kernel's configs,
-            timed once (fixed under the interpreter).
+        config: ``(BLOCK_M, num_warps, num_stages)`` for every kernel (the split path's extras kernels take the
+            warps and stages, their rows being ``extra_tile``'s); None: the fastest of each kernel's configs, timed
+            once (fixed under the interpreter).
+        split: each tile's keys in the blocks all its tokens share and each token's extras, merged by log-sum-exp
+            (``sparse_train_split.py``), or the union of the tile's selections in one pass (False); None: ``SPLIT``.
+        extra_tile: split path: query rows per extras tile (default ``sparse_train_plan.EXTRA_ROWS``).
 
     Returns:
         ``[B, H, Tq, D]`` in the query's dtype; 0 in rows that see no key (queries inside the padding).
@@ -482,6 +431,8 @@ def sparse_train_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
                          f"{tuple(offsets.shape)}")
     if tile is not None and tile < 1:
         raise ValueError(f"{name}: tile={tile} is invalid: it must be a positive number of rows")
+    if extra_tile is not None and extra_tile < 1:
+        raise ValueError(f"{name}: extra_tile={extra_tile} is invalid: it must be a positive number of rows")
     if config is not None and (len(config) != 3 or config[0] < 16 or config[0] & (config[0] - 1)):
         raise ValueError(f"{name}: config={config} is invalid: it must be (BLOCK_M, num_warps, num_stages) with "
                          "BLOCK_M a power of two >= 16")
@@ -498,6 +449,12 @@ def sparse_train_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     bias, bitmap = bias.contiguous(), bitmap.contiguous()
     offsets = (torch.zeros(B, dtype=torch.int32, device=query.device) if offsets is None
                else offsets.to(device=query.device, dtype=torch.int32))
-    out = _SparseTrainAttention.apply(query, key, value, bias, bitmap, offsets, float(scale), int(block_size),
-                                      int(q_offset), TILE_ROWS if tile is None else int(tile), config)
+    tile = TILE_ROWS if tile is None else int(tile)
+    if SPLIT if split is None else split:
+        out = SplitTrainAttention.apply(query, key, value, bias, bitmap, offsets, float(scale), int(block_size),
+                                        int(q_offset), tile, EXTRA_ROWS if extra_tile is None else int(extra_tile),
+                                        config)
+    else:
+        out = _SparseTrainAttention.apply(query, key, value, bias, bitmap, offsets, float(scale), int(block_size),
+                                          int(q_offset), tile, config)
     return out[..., :D] if width != D else out

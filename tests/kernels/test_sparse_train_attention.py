@@ -5,7 +5,9 @@ CPU cases run the kernels in the Triton interpreter (``TRITON_INTERPRET=1``, set
 of 16 keys (and one of 8), ragged last blocks, query tiles split into several programs, GQA groups of 1, 2, 3 and 4,
 left padding with queries inside it, extreme biases; outputs and the gradients of query, key, value and bias. The
 bitmaps are random over all blocks (past and future ones too): the kernels must follow the rule, not the selection's
-habits. The ``gpu`` cases run the compiled kernels at training-like sizes.
+habits. The ``gpu`` cases run the compiled kernels at training-like sizes. The kernels here are the default path
+(split: shared blocks and extras, ``sparse_train_split.py``); ``test_sparse_train_split.py`` holds it to bitmaps
+shaped like NOSA's selections, where both of its parts have work, and runs the union path too.
 """
 
 import importlib

@@ -1,0 +1,80 @@
+"""Triton helpers both paths of the sparse training attention share (``sparse_train_attention.py``, the union of
+a tile's selections; ``sparse_train_split.py``, shared blocks and extras): the rows of a tile, the per-row
+visibility of a block, the logits, the row loads. Rows are (token, query head of a GQA group) pairs, row ``r`` of a
+tile of ``TOKENS`` tokens being token ``r // G``, head ``r % G`` of the group.
+"""
+
+from __future__ import annotations
+
+from .backend import HAS_TRITON, tl, triton
+
+LOG2E = 1.4426950408889634
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """``a @ b`` in fp32 (both fp32 under IEEE), else with ``a`` cast to ``b``'s dtype."""
+        if IEEE:
+            c = tl.dot(a, b, input_precision="ieee")
+        else:
+            c = tl.dot(a.to(b.dtype), b)
+        return c
+
+    @triton.jit
+    def _rows(i_t, i_s, i_hk, Tq, q_offset, off, TOKENS: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+              BLOCK_M: tl.constexpr):
+        """Rows ``i_s * BLOCK_M ..`` of plan tile ``i_t``: token, query head, validity, row-relative position and
+        own block (-1 for a position inside the padding)."""
+        o_r = i_s * BLOCK_M + tl.arange(0, BLOCK_M)
+        o_t = i_t * TOKENS + o_r // G
+        o_h = i_hk * G + o_r % G
+        m_r = (o_r < TOKENS * G) & (o_t < Tq)
+        pos = q_offset + o_t - off
+        own = tl.where(pos >= 0, tl.maximum(pos, 0) // P, -1)
+        return o_t, o_h, m_r, pos, own
+
+    @triton.jit
+    def _visible(p_sel, n, o_s, m_s, m_r, pos, own):
+        """``[BLOCK_M, BLOCK_N]``: which keys ``o_s`` of block ``n`` the rows see. The rows' bits for the block are
+        one ``[BLOCK_M]`` load, broadcast over the keys; the own block adds its causal part."""
+        b_sel = tl.load(p_sel + n, mask=m_r, other=0) != 0
+        m_own = (own == n)[:, None] & (o_s[None, :] <= pos[:, None])
+        return (b_sel[:, None] | m_own) & m_s[None, :] & m_r[:, None]
+
+    @triton.jit
+    def _logits(b_q, p_k, p_b, o_s, m_s, qk_scale, stride_kt, IEEE: tl.constexpr):
+        """The keys of a block and the rows' logits against them (exp2 domain, bias included)."""
+        b_k = tl.load(p_k + o_s[:, None].to(tl.int64) * stride_kt, mask=m_s[:, None], other=0.0)
+        if IEEE:
+            b_k = b_k.to(tl.float32)
+        b_bias = tl.load(p_b + o_s, mask=m_s, other=0.0)
+        b_s = _dot(b_q, tl.trans(b_k), IEEE) * qk_scale + b_bias[None, :] * 1.4426950408889634
+        return b_k, b_s
+
+    @triton.jit
+    def _load_rows(ptr, i_b, o_h, o_t, o_d, m_r, stride_b, stride_h, stride_t, IEEE: tl.constexpr):
+        """``[BLOCK_M, D]`` of a ``[B, H, Tq, D]`` tensor at the rows' (head, token)."""
+        p = (ptr + i_b.to(tl.int64) * stride_b + o_h[:, None].to(tl.int64) * stride_h
+             + o_t[:, None].to(tl.int64) * stride_t + o_d[None, :])
+        b = tl.load(p, mask=m_r[:, None], other=0.0)
+        if IEEE:
+            b = b.to(tl.float32)
+        return b
+
+    @triton.jit
+    def _row_tile(k_ptr, v_ptr, bias_ptr, sel_ptr, count_ptr, block_ptr, i_b, i_hk, i_t, off, o_t, o_d,
+                  stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt, stride_bb, stride_bh,
+                  stride_sb, stride_sh, stride_st, Hk, N, n_qt):
+        """What a row tile reads across its blocks: K, V and bias from the row's first real key, the rows'
+        selection bits, and the plan's visited blocks (count and list)."""
+        p_k = k_ptr + i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh + off.to(tl.int64) * stride_kt \
+            + o_d[None, :]
+        p_v = v_ptr + i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh + off.to(tl.int64) * stride_vt \
+            + o_d[None, :]
+        p_b = bias_ptr + i_b.to(tl.int64) * stride_bb + i_hk.to(tl.int64) * stride_bh + off
+        p_sel = sel_ptr + i_b.to(tl.int64) * stride_sb + i_hk.to(tl.int64) * stride_sh + o_t.to(tl.int64) * stride_st
+        i_plan = (i_b * Hk + i_hk) * n_qt + i_t
+        count = tl.load(count_ptr + i_plan)
+        p_blocks = block_ptr + i_plan.to(tl.int64) * N
+        return p_k, p_v, p_b, p_sel, count, p_blocks
