@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import math
 import os
@@ -36,6 +37,7 @@ from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 from hf_nosa import training  # noqa: E402
+from hf_nosa.kernels.sparse_train_plan import split_plan, split_work  # noqa: E402
 from hf_nosa.retrofit import load_recipe, lora_config  # noqa: E402
 from hf_nosa.training import (  # noqa: E402
     FLEX_TILE,
@@ -44,6 +46,8 @@ from hf_nosa.training import (  # noqa: E402
     nosa_training_attention,
     selected_blocks,
 )
+
+sparse_module = importlib.import_module("hf_nosa.kernels.sparse_train_attention")  # its SPLIT switch
 
 SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072)
@@ -210,10 +214,16 @@ def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
         runs = [(dict(mode="dense"), dense)]
         kv_tiles = [None] if backend != "flex" or cfg.block_size >= FLEX_TILE else [None, cfg.block_size]
         if "sparse" in backends:
-            def sparse():
-                nosa_training_attention(q, k, v, bias, cfg, scale, backend="sparse").backward(grad)
+            # the split path (the default) and the union of each tile's selections in one pass, beside it
+            for split in (True, False):
+                def sparse(split=split):
+                    sparse_module.SPLIT = split
+                    try:
+                        nosa_training_attention(q, k, v, bias, cfg, scale, backend="sparse").backward(grad)
+                    finally:
+                        sparse_module.SPLIT = True
 
-            runs.append((dict(mode="nosa", backend="sparse"), sparse))
+                runs.append((dict(mode="nosa", backend="sparse", path="split" if split else "union"), sparse))
         for fold in folds if backend == "flex" or device.type != "cuda" else []:
             for kv_tile in kv_tiles if fold == folds[-1] else [None]:
                 def nosa(fold=fold, kv_tile=kv_tile):
@@ -260,6 +270,10 @@ def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
                     add(dict(kind="attention_part", inputs=kind, part="block_table", fold=fold, seq_len=seq_len,
                              seconds=_timed(lambda: flex_block_mask(bitmap, cfg, heads=H, tile=FLEX_TILE, fold=fold),
                                             device, args.repeats)))
+            if "sparse" in backends and device.type == "cuda":  # the split path's work, per part
+                work = split_work(split_plan(bitmap, heads=H, block_size=cfg.block_size), heads=H,
+                                  block_size=cfg.block_size, queries=seq_len)
+                add(dict(kind="split_work", inputs=kind, seq_len=seq_len, **work))
             per_query = float(bitmap.sum(-1).float().mean())
             for fold in sorted({1, flex_fold(H, Hk, limit=8)}):
                 for kv_tile in sorted({max(FLEX_TILE, cfg.block_size), cfg.block_size}, reverse=True):
@@ -286,7 +300,7 @@ def _targets(results: list[dict], shape: str, lengths: list[int]) -> dict:
         attn = [r for r in mine if r["kind"] == "attention" and "fwd_bwd_s" in r]
         dense = {r["inputs"]: r["fwd_bwd_s"] for r in attn if r["mode"] == "dense"}
         row["attention_time_nosa_over_dense"] = {
-            (f"{r['inputs']}, sparse" if r.get("backend") == "sparse" else
+            (f"{r['inputs']}, sparse {r.get('path', 'union')}" if r.get("backend") == "sparse" else
              f"{r['inputs']}, fold {r['fold']}, key tile {r['kv_tile']}"): r["fwd_bwd_s"] / dense[r["inputs"]]
             for r in attn if r["mode"] == "nosa" and r["inputs"] in dense
         }
