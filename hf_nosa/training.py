@@ -48,20 +48,12 @@ import torch.nn.functional as F
 from .attend import AttentionInputs, attend
 from .config import NosaConfig
 from .dense_attention import biased_attention
+from .kernels.backend import kernel_path
 from .kernels.sparse_train_attention import sparse_train_attention
-from .kernels.window_probs import window_probs
+from .kernels.train_select import index_dtype, train_block_scores, train_select_blocks, train_select_blocks_ref
 from .masks import additive_mask, padding_bias
 from .padding import from_rows, leading_padding, to_rows
-from .selection import (
-    MASK_VALUE,
-    PADDING_WINDOW_BIAS,
-    compress_keys,
-    eviction_block_scores,
-    pool_windows_to_blocks,
-    query_block_scores,
-    select_blocks,
-    windows_available,
-)
+from .selection import MASK_VALUE, compress_keys, query_block_scores
 
 BACKENDS = ("flex", "sparse", "explicit", "reference")
 # The backend CUDA tensors take when none is named. On an H200 at 32K (1b shape) a retrofit step took 3.67 s with
@@ -69,7 +61,8 @@ BACKENDS = ("flex", "sparse", "explicit", "reference")
 CUDA_BACKEND = "sparse"
 
 # Most fp32 elements one query chunk may hold in its largest intermediate (256 MiB): the selection scores
-# [B, H, chunk, W] and the explicit path's logits [B, H, chunk, T] stay bounded however long the sequence is.
+# ([B, H, chunk, W] in torch, [B, Hk, chunk, N] through the kernels) and the explicit path's logits [B, H, chunk, T]
+# stay bounded however long the sequence is.
 _CHUNK_ELEMENTS = 1 << 26
 
 # FlexAttention tile (query and key tokens). 128 is the tile every GPU kernel configuration of FlexAttention
@@ -82,10 +75,12 @@ FLEX_KV_TILE: int | None = None
 # until benchmarks/train_step.py, which times fold 1 against the folded layout, has run on a GPU: raise it to 8 then
 # if the folded layout is faster.
 FLEX_FOLD = 1
-# The query-aware scores of the selection through the Triton window-probability kernel (kernels/window_probs.py;
-# Triton on CUDA, its torch reference elsewhere) instead of selection.query_block_scores. None: on CUDA tensors only.
-# On an H200 at 32K it takes 45 against 95 ms a layer and step, and 1 to 4 of 32,768 tokens select differently (the
-# summation order moves near-ties; benchmarks/results/train_step.json).
+# The selection through the kernels of kernels/train_select.py (block scores, then the choice; Triton on CUDA, their
+# torch references elsewhere) instead of the torch rule of selection.py. None: on CUDA tensors only. The choice is
+# exact given the block scores; the scores' summation order differs from torch's, so a near-tie may resolve
+# differently in a few tokens (1 of 32,768 at 32K, 7 of 65,536 at 64K, 1b shape). On an H200 it took 9.1 ms a layer
+# and step at 32K and 25.7 ms at 64K (torch: 98 and 373 ms) with the choice's earlier tiles; the tiles now set
+# (kernels/train_select.py) ran the choice 2.7x faster in a sweep, not yet timed end to end.
 SELECTION_KERNEL: bool | None = None
 
 _compiled_flex = None
@@ -109,7 +104,9 @@ def selected_block_indices(
 ) -> torch.Tensor:
     """For every query token, the blocks the decode rule selects (its own block excluded), as indices.
 
-    Computed chunk by chunk over the queries so that the window scores never exceed a fixed size.
+    Computed chunk by chunk over the queries so that the scores never exceed a fixed size. Through the kernels
+    (``SELECTION_KERNEL``) a chunk's block scores ``[B, Hk, chunk, N]`` are the largest intermediate; in torch the
+    window logits ``[B, H, chunk, W]``.
 
     Args:
         query: ``[B, H, Tq, D]`` post-RoPE queries at positions ``q_offset .. q_offset + Tq - 1``.
@@ -121,8 +118,8 @@ def selected_block_indices(
             row-relative: block n of row b holds keys ``offsets[b] + n * P ..``.
 
     Returns:
-        ``[B, Hk, Tq, K]`` int16 (int32 past 32767 blocks) block indices, ``N = ceil(T / P)`` where fewer than K
-        blocks exist.
+        ``[B, Hk, Tq, K]`` int16 (int32 past 32767 blocks) block indices in ascending order, ``N = ceil(T / P)``
+        after them where fewer than K blocks exist. Consumers use the set (``_bitmap``).
     """
     B, H, Tq, _ = query.shape
     Hk, T = keys.shape[1], keys.shape[2]
@@ -133,13 +130,12 @@ def selected_block_indices(
     compressed_keys = compress_keys(keys, cfg)  # [B, Hk, W, D]
     compressed_bias = compress_keys(bias, cfg)  # [B, Hk, W]
     W = compressed_keys.shape[2]
-    # The reference holds [B, H, chunk, W] fp32 scores, the kernel [B, Hk, chunk, W].
     use_kernel = query.is_cuda if SELECTION_KERNEL is None else SELECTION_KERNEL
-    chunk = chunk_size or _query_chunk(B * (Hk if use_kernel else H) * max(W, N, 1))
-    if use_kernel:
-        padding = compressed_bias.float() < PADDING_WINDOW_BIAS  # [B, Hk, W], as query_block_scores marks them
-    out = torch.empty(B, Hk, Tq, cfg.budget_blocks, dtype=torch.int16 if N < 2**15 - 1 else torch.int32,
-                      device=query.device)
+    # the chunk as the path that runs holds it: the kernels' block scores, or the torch logits (also where the
+    # kernels' functions fall back to their references, on CPU tensors)
+    on_chip = use_kernel and kernel_path("train_block_scores", query) == "triton"
+    chunk = chunk_size or _query_chunk(B * Hk * max(N, 1) if on_chip else B * H * max(W, N, 1))
+    out = torch.empty(B, Hk, Tq, cfg.budget_blocks, dtype=index_dtype(N), device=query.device)
     # The scores in fp32 like the decode path, even under bf16 autocast: the same blocks must win near-ties.
     no_autocast = torch.autocast(query.device.type, enabled=False)
     for lo in range(0, Tq, chunk):
@@ -147,16 +143,16 @@ def selected_block_indices(
         positions = _positions(q_offset + lo, q_offset + hi, offsets, query.device)
         with no_autocast:
             if use_kernel:
-                probs = window_probs(query[:, :, lo:hi], compressed_keys, windows_available(positions, cfg), scale,
-                                     padding=padding)
-                qs = pool_windows_to_blocks(probs, N, cfg, fill=0.0)
+                # only the blocks some query of the chunk can select: the choice's work grows with the blocks scored
+                scored = max(1, min(N, (q_offset + hi - 1) // P))
+                qs = train_block_scores(query[:, :, lo:hi], compressed_keys, positions, scored, cfg, scale,
+                                        compressed_bias=compressed_bias)
+                out[:, :, lo:hi] = train_select_blocks(qs, compressed_bias, positions, cfg, n_blocks=N)
             else:
                 qs = query_block_scores(
                     query[:, :, lo:hi], compressed_keys, positions, N, cfg, scale, compressed_bias=compressed_bias
                 )
-            es = eviction_block_scores(compressed_bias, positions, N, cfg)
-            chosen = select_blocks(qs, es, positions.div(P, rounding_mode="floor"), cfg)  # [B, Hk, chunk, K]
-        out[:, :, lo:hi] = torch.where(chosen < 0, N, chosen)
+                out[:, :, lo:hi] = train_select_blocks_ref(qs, compressed_bias, positions, cfg, cfg.budget_blocks)
     return out
 
 

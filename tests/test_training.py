@@ -488,8 +488,8 @@ def test_key_tiles_of_one_block_equal_explicit(monkeypatch):
 
 
 @pytest.mark.parametrize("padded", [False, True])
-def test_selection_through_the_window_kernel_equals_the_reference(padded, monkeypatch):
-    """SELECTION_KERNEL: the query-aware scores from kernels/window_probs (interpreted here) pick the same blocks."""
+def test_selection_through_the_kernels_equals_the_reference(padded, monkeypatch):
+    """SELECTION_KERNEL: the selection through kernels/train_select (interpreted here) picks the same blocks."""
     import hf_nosa.training as training
 
     cfg = small_nosa_config(**SPARSE)
@@ -506,8 +506,8 @@ def test_selection_through_the_window_kernel_equals_the_reference(padded, monkey
 
 @pytest.mark.gpu
 def test_selection_kernel_on_gpu_picks_the_reference_blocks(monkeypatch):
-    """SELECTION_KERNEL on CUDA at a training shape: the compiled window kernel changes the summation order only,
-    so at most a near-tie in a handful of tokens may resolve differently."""
+    """SELECTION_KERNEL on CUDA at a training shape: the compiled block-score kernel changes the summation order
+    only, so at most a near-tie in a handful of tokens may resolve differently."""
     import hf_nosa.training as training
 
     cfg = small_nosa_config(block_size=64, budget_tokens=512, query_tokens=128, sink_tokens=64, local_tokens=128,

@@ -14,6 +14,7 @@ from .rms_norm import rms_norm
 from .rotary import apply_rotary
 from .silu_mul import silu_mul
 from .sparse_train_attention import sparse_train_attention
+from .train_select import train_block_scores, train_select_blocks
 from .window_probs import window_probs
 
 __all__ = [
@@ -35,5 +36,7 @@ __all__ = [
     "rms_norm",
     "silu_mul",
     "sparse_train_attention",
+    "train_block_scores",
+    "train_select_blocks",
     "window_probs",
 ]
