@@ -1,14 +1,15 @@
-"""One retrofit step of a 1B- (or 8B-) shaped Llama: NOSA training attention (FlexAttention) against dense sdpa.
+"""One retrofit step of a 1B- (or 8B-) shaped Llama: NOSA training attention against dense sdpa.
 
 A step is what ``hf-nosa retrofit`` runs: forward + backward + AdamW on LoRA (llama-3.2-1b recipe) and the
 eviction heads, bf16 autocast, gradient checkpointing, batch 1. "dense" is the stock model with the same LoRA
 and sdpa attention; "nosa" is the converted model training with ``hf_nosa.training`` (random nonzero eviction
-heads, so the selection is not trivial). Also times the attention of one layer alone (forward + backward) in each
-FlexAttention layout (``fold`` 1, the default: one query head per row tile; the folded layout puts a GQA group's
-heads in the rows, and also runs with key tiles of one NOSA block), its parts (selection with and without the
-window kernel, block table), and the tile coverage per length: the share of the tiles causal
-attention computes that the selection makes FlexAttention visit, for 128x128 tiles and, as a what-if, 64-key
-tiles. Weights are random: nothing is downloaded. Every length and shape runs in one command; a run that does not
+heads, so the selection is not trivial). Also times the attention of one layer alone (forward + backward): with
+``--backends sparse`` the split path (the default) and the union path beside it, with the split path's work per part
+(``split_work``); with flex, each FlexAttention layout (``fold`` 1, the default: one query head per row tile; the
+folded layout puts a GQA group's heads in the rows, and also runs with key tiles of one NOSA block). Then its parts
+(the selection through the torch rule and through the kernels of ``kernels/train_select.py``, flex's block table),
+and the tile coverage per length: the share of the tiles causal attention computes that a union of each tile's
+selections visits, for 128x128 tiles and, as a what-if, 64-key tiles. Weights are random: nothing is downloaded. Every length and shape runs in one command; a run that does not
 fit the device is recorded as ``oom``, one that fails as ``error``.
 
     PYTHONPATH=. python benchmarks/train_step.py --out benchmarks/results            # 1b at 16K, 32K, 64K
@@ -251,7 +252,8 @@ def attention_only(seq_len, args, shape, cfg, device, dtype) -> list[dict]:
             b = bias.detach()
             bitmap = selected_blocks(q, k, b, cfg, scale)
             # Once per layer and step (the checkpointed recompute finds it). With SELECTION_KERNEL the query-aware
-            # scores come from the Triton window kernel: timed too, with the tokens whose selection differs.
+            # selection runs through the kernels of kernels/train_select.py: timed too, with the tokens whose selection
+            # differs.
             for kernel in [False, True] if device.type == "cuda" else [False]:
                 row = dict(kind="attention_part", inputs=kind, part="selection", seq_len=seq_len,
                            selection_kernel=kernel, calls_per_layer_step=1)

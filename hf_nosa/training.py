@@ -15,12 +15,15 @@ Four backends compute the same thing:
   union of its tokens' selections, which decides the tiles visited, is over fewer tokens.
 - ``"sparse"``: Triton block-sparse kernels with the rule inside, forward and backward
   (``kernels/sparse_train_attention.py``). Rows are (token, query head of the group) pairs, so a key block is read
-  once per GQA group; a tile of rows visits the blocks any of its tokens selected and its tokens' own blocks (the
-  plan, built once from the bitmap and kept for the backward), and inside a visited block the mask is the rows'
-  bits for that block, read once and broadcast over its keys, plus the own-block causal rule. The bias gradient
-  comes from the backward kernel. On CPU tensors it runs the torch reference unless ``HF_NOSA_KERNELS=triton`` and
-  ``TRITON_INTERPRET=1`` (``kernels/backend.py``). The CUDA default (``CUDA_BACKEND``): a 32K retrofit step
-  of the 1b shape took 3.67 s against flex's 9.59 s on an H200.
+  once per GQA group. By default each tile of rows splits its keys in two (``kernels/sparse_train_split.py``): the
+  blocks every token of the tile selected, visited as whole tiles with no per-token mask, and each token's other
+  blocks (its extras), visited by small tiles with one bit per token; the two are merged by log-sum-exp, and the
+  backward runs each part with the global log-sum-exp. The plan is built once from the bitmap and kept for the
+  backward. The bias gradient comes from the backward kernels. On CPU tensors it runs the torch reference unless
+  ``HF_NOSA_KERNELS=triton`` and ``TRITON_INTERPRET=1`` (``kernels/backend.py``). The CUDA default
+  (``CUDA_BACKEND``). A 32K retrofit step of the 1b shape on an H200: 3.67 s with flex-like unions per tile at first,
+  2.87 s with the window kernel (dense sdpa 1.42 s; ``benchmarks/results/train_step_sparse_32k.json``); the split
+  path and the selection kernels are not yet timed in a whole step.
 - ``"explicit"`` (CPU): an additive mask per chunk of queries on sdpa (``dense_attention.biased_attention``).
 - ``"reference"``: the same masks through the einsum attention of ``attend.py`` (the per-token reference).
 
@@ -57,7 +60,8 @@ from .selection import MASK_VALUE, compress_keys, query_block_scores
 
 BACKENDS = ("flex", "sparse", "explicit", "reference")
 # The backend CUDA tensors take when none is named. On an H200 at 32K (1b shape) a retrofit step took 3.67 s with
-# "sparse" against 9.59 s with "flex" (dense sdpa: 1.41 s); benchmarks/train_step.py times each.
+# the first "sparse" kernels and 2.87 s with the window kernel, against 9.59 s with "flex" (dense sdpa: 1.42 s);
+# benchmarks/train_step.py times each.
 CUDA_BACKEND = "sparse"
 
 # Most fp32 elements one query chunk may hold in its largest intermediate (256 MiB): the selection scores
