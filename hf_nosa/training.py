@@ -192,12 +192,51 @@ def selected_blocks(
 
 
 class _Selection:
-    """One layer's selection of one step, kept by the autograd graph (``_Hold``) until its backward has run."""
+    """One layer's selection of one step, kept by the autograd graph (``_Hold``) until its backward has run.
 
-    __slots__ = ("indices", "__weakref__")
+    On CUDA it waits in pinned host memory: every layer's selection is held from its forward to its backward, which
+    at the step's peak (the loss, after the last layer) is all of them, 0.5 GB at 32K in the 1b shape (16 layers x
+    8 KV heads x 32K tokens x 64 int16 indices): about what a step's peak took above dense sdpa's (52.6 against
+    52.1 GB, ``benchmarks/results/train_step_sparse_32k.json``). The copy out runs on a side stream; the recomputed
+    forward copies it back (0.03 GB at 32K per layer).
+    """
+
+    __slots__ = ("_indices", "_host", "_copied", "__weakref__")
 
     def __init__(self, indices: torch.Tensor):
-        self.indices = indices
+        self._indices, self._host, self._copied = indices, None, None
+        if indices.is_cuda:
+            current = torch.cuda.current_stream(indices.device)
+            side = _offload_stream(indices.device)
+            side.wait_stream(current)
+            self._host = torch.empty(indices.shape, dtype=indices.dtype, pin_memory=True)
+            with torch.cuda.stream(side):
+                self._host.copy_(indices, non_blocking=True)
+                self._copied = torch.cuda.Event()
+                self._copied.record(side)
+            indices.record_stream(side)  # the device copy may be freed only once the side stream has read it
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """The indices on ``device``: the first call hands over the device tensor (the forward that selected), later
+        ones copy them back from the host (the forward recomputed under gradient checkpointing)."""
+        if self._indices is not None:
+            indices = self._indices
+            if self._host is not None:
+                self._indices = None  # the host holds them from now on
+            return indices
+        torch.cuda.current_stream(device).wait_event(self._copied)
+        return self._host.to(device, non_blocking=True)
+
+
+_offload_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _offload_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per GPU for the selections' copies to the host."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _offload_streams:
+        _offload_streams[index] = torch.cuda.Stream(device=index)
+    return _offload_streams[index]
 
 
 # Selections of the forwards whose backward has not run yet, by input fingerprint. Weak: an entry lives exactly as
@@ -505,7 +544,7 @@ def nosa_training_attention(
                                                           offsets=offsets))
             _selections[fingerprint] = selection
         query = _Hold.apply(query, selection)
-        bitmap = _bitmap(selection.indices, N)
+        bitmap = _bitmap(selection.take(query.device), N)
     else:
         bitmap = _bitmap(selected_block_indices(query, key, bias, cfg, scale, q_offset=q_offset, offsets=offsets), N)
     if backend == "flex":

@@ -436,6 +436,41 @@ def test_checkpointed_backward_reuses_the_forward_selection(monkeypatch):
     assert len(training._selections) == 0  # nothing outlives the step
 
 
+@pytest.mark.gpu
+def test_checkpointed_selection_waits_on_the_host_on_gpu(monkeypatch):
+    """On CUDA a held selection waits in pinned host memory between the forward and its recompute (it would hold
+    device memory at the step's peak otherwise), and the recompute gets the same blocks back: the same gradients as
+    without checkpointing."""
+    import gc
+
+    import hf_nosa.training as training
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = small_nosa_config(**SPARSE)
+    calls = _counting_selection(monkeypatch)
+    layers = [[t.cuda() for t in _inputs(40 + i, T=300)] for i in range(2)]
+    grads = {}
+    for checkpointed in (False, True):
+        calls.clear()
+        leaves = [[t.clone().requires_grad_() for t in layer] for layer in layers]
+
+        def layer_forward(q, k, v, bias):
+            return nosa_training_attention(q.clone(), k, v, bias, cfg, 0.25, backend="sparse")
+
+        outs = [checkpoint(layer_forward, *x, use_reentrant=False) if checkpointed else layer_forward(*x)
+                for x in leaves]
+        held = list(training._selections.values())
+        assert len(held) == 2 and all(h._indices is None and h._host.is_pinned() for h in held)
+        sum((o * torch.linspace(-1, 1, 16, device="cuda")).sum() for o in outs).backward()
+        assert len(calls) == 2, "the recomputed forward selected again"
+        grads[checkpointed] = [t.grad for x in leaves for t in x]
+        del outs, held
+    for a, b in zip(grads[True], grads[False]):
+        assert_close(a, b, atol=1e-5, rtol=1e-5)
+    gc.collect()
+    assert len(training._selections) == 0
+
+
 def test_selection_is_not_kept_without_gradients(monkeypatch):
     import hf_nosa.training as training
 
