@@ -43,7 +43,7 @@ from ..attend import AttentionInputs, attend
 from ..selection import MASK_VALUE
 from .backend import (HAS_TRITON, fastest_config, interpreting, kernel_path, launcher, next_power_of_2, on_device,
                       tl, triton)
-from .sparse_train_common import LOG2E, _dot, _load_rows, _logits, _row_tile, _rows, _visible
+from .sparse_train_common import LOG2E, _dot, _key_block, _load_rows, _logits, _row_tile, _rows, _visible
 from .sparse_train_plan import EXTRA_ROWS, TILE_ROWS, SparsePlan, sparse_train_plan
 from .sparse_train_split import SplitTrainAttention
 
@@ -127,19 +127,9 @@ if HAS_TRITON:
         i_b, i_hk = i_bh // Hk, i_bh % Hk
         off = tl.load(off_ptr + i_b)
         L = T - off
-        o_n, o_d = tl.arange(0, BLOCK_N), tl.arange(0, D)
-        o_s = i_n * P + o_n
-        m_s = (o_n < P) & (o_s < L)
-        row_k = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh \
-            + (off + o_s)[:, None].to(tl.int64) * stride_kt + o_d[None, :]
-        row_v = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh \
-            + (off + o_s)[:, None].to(tl.int64) * stride_vt + o_d[None, :]
-        b_k = tl.load(k_ptr + row_k, mask=m_s[:, None], other=0.0)
-        b_v = tl.load(v_ptr + row_v, mask=m_s[:, None], other=0.0)
-        if IEEE:
-            b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
-        o_bias = i_b.to(tl.int64) * stride_bb + i_hk.to(tl.int64) * stride_bh + off + o_s  # dbias: bias's strides
-        b_bias = tl.load(bias_ptr + o_bias, mask=m_s, other=0.0) * 1.4426950408889634
+        o_n, o_d, o_s, m_s, row_k, row_v, b_k, b_v, o_bias, b_bias = _key_block(
+            k_ptr, v_ptr, bias_ptr, i_b, i_hk, i_n, off, L, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh,
+            stride_vt, stride_bb, stride_bh, D, P, IEEE, BLOCK_N)
         p_sel0 = sel_ptr + i_b.to(tl.int64) * stride_sb + i_hk.to(tl.int64) * stride_sh
         i_plan = (i_b * Hk + i_hk) * N + i_n
         count = tl.load(count_ptr + i_plan)

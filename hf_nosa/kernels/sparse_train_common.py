@@ -78,3 +78,24 @@ if HAS_TRITON:
         count = tl.load(count_ptr + i_plan)
         p_blocks = block_ptr + i_plan.to(tl.int64) * N
         return p_k, p_v, p_b, p_sel, count, p_blocks
+
+    @triton.jit
+    def _key_block(k_ptr, v_ptr, bias_ptr, i_b, i_hk, i_n, off, L, stride_kb, stride_kh, stride_kt, stride_vb,
+                   stride_vh, stride_vt, stride_bb, stride_bh, D: tl.constexpr, P: tl.constexpr, IEEE: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+        """What a dK/dV program holds of its key block ``i_n``: the block's keys (row-relative ``o_s``, valid
+        ``m_s``), K, V, the bias in the exp2 domain, and the bias's offsets (dbias shares the bias's strides)."""
+        o_n, o_d = tl.arange(0, BLOCK_N), tl.arange(0, D)
+        o_s = i_n * P + o_n
+        m_s = (o_n < P) & (o_s < L)
+        row_k = i_b.to(tl.int64) * stride_kb + i_hk.to(tl.int64) * stride_kh \
+            + (off + o_s)[:, None].to(tl.int64) * stride_kt + o_d[None, :]
+        row_v = i_b.to(tl.int64) * stride_vb + i_hk.to(tl.int64) * stride_vh \
+            + (off + o_s)[:, None].to(tl.int64) * stride_vt + o_d[None, :]
+        b_k = tl.load(k_ptr + row_k, mask=m_s[:, None], other=0.0)
+        b_v = tl.load(v_ptr + row_v, mask=m_s[:, None], other=0.0)
+        if IEEE:
+            b_k, b_v = b_k.to(tl.float32), b_v.to(tl.float32)
+        o_bias = i_b.to(tl.int64) * stride_bb + i_hk.to(tl.int64) * stride_bh + off + o_s
+        b_bias = tl.load(bias_ptr + o_bias, mask=m_s, other=0.0) * 1.4426950408889634
+        return o_n, o_d, o_s, m_s, row_k, row_v, b_k, b_v, o_bias, b_bias
