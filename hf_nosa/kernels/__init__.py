@@ -15,7 +15,6 @@ from .rotary import apply_rotary
 from .silu_mul import silu_mul
 from .sparse_train_attention import sparse_train_attention
 from .train_select import train_block_scores, train_select_blocks
-from .window_probs import window_probs
 
 __all__ = [
     "FetchPlan",
@@ -38,5 +37,4 @@ __all__ = [
     "sparse_train_attention",
     "train_block_scores",
     "train_select_blocks",
-    "window_probs",
 ]
