@@ -109,6 +109,12 @@ case "${1:-}" in
     timeout 240 python -m pytest -q -m gpu tests/kernels/test_sparse_train_split.py tests/kernels/test_sparse_train_attention.py tests/kernels/test_train_select.py tests/test_training.py -n 8 -p no:cacheprovider --tb=short > "$OUT/gpu_tests_train_split.log" 2>&1
     tail -4 "$OUT/gpu_tests_train_split.log"
     timeout 330 python benchmarks/train_step.py --lengths 32768 --backends sparse --repeats 2 --out "$OUT/train_split" 2>&1 | grep -v '^{' | tail -30 ;;
+  write-programs)  # issue 17: the host write on 8, 16 and 32 programs (HF_NOSA_WRITE_PROGRAMS) beside the whole prompt's layers: dense sdpa, then generate's first token at 64K, batch 1, median of 3 each, and the query choice's time by kernel at 8 (about 4 minutes)
+    timeout 60 python benchmarks/prefill.py --contexts 65536 --batches 1 --chunks 4096 --methods dense --repeat 3 --out "$OUT/p64" 2>&1 | tail -1
+    for n in 8 16 32; do
+      HF_NOSA_WRITE_PROGRAMS=$n timeout 60 python benchmarks/generate.py --shape 1b --contexts 65536 --methods nosa --nosa-batches 1 --new-tokens 16 --skip-engine --repeats 3 --out "$OUT/ttft_64k_b1_w$n.json" 2>&1 | grep -v '^{' | tail -1
+    done
+    HF_NOSA_WRITE_PROGRAMS=8 timeout 80 python benchmarks/prefill_breakdown.py --context 65536 --batch 1 --fetch-parts 1 --out "$OUT/b1_w8" 2>&1 | tail -9 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-sparse-64k|train-split|train-step|prefill-whole|prefill-whole-2|prefill-whole-3" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-sparse-64k|train-split|train-step|prefill-whole|prefill-whole-2|prefill-whole-3|write-programs" >&2; exit 2 ;;
 esac
