@@ -60,10 +60,14 @@ def interpret(monkeypatch):
 
 
 def test_kernel_path_equals_torch_path_interpreted(interpret, monkeypatch):
+    # 78 tokens, 4 decode steps (each costs the interpreter about a second): the first fetches every selected block,
+    # the second (token 79) completes a compressed window and block 4, the third opens block 5, and the fourth
+    # fetches blocks the new selection adds (its locality is below 1; a longer decode repeats these steps).
     model = nosa_model(num_hidden_layers=1)
-    ids = torch.randint(3, 97, (2, 70), generator=torch.Generator().manual_seed(0))  # decode crosses block 80
-    seq_t, scores_t, stats_t = generate(model, ids, "torch", monkeypatch, 12)
-    seq_k, scores_k, stats_k = generate(model, ids, "triton", monkeypatch, 12)
+    ids = torch.randint(3, 97, (2, 78), generator=torch.Generator().manual_seed(0))
+    seq_t, scores_t, stats_t = generate(model, ids, "torch", monkeypatch, 5)
+    seq_k, scores_k, stats_k = generate(model, ids, "triton", monkeypatch, 5)
+    assert stats_t["locality"] < 1
     assert torch.equal(seq_k, seq_t)
     assert_close(scores_k, scores_t, atol=1e-4, rtol=1e-4)
     for key in STAT_KEYS:
@@ -73,27 +77,33 @@ def test_kernel_path_equals_torch_path_interpreted(interpret, monkeypatch):
 
 def test_resident_margin_kernel_path_equals_torch_path_interpreted(interpret, monkeypatch):
     """``resident_margin`` on both decode paths: the same tokens and traffic, and more blocks kept than without."""
+    # 113 tokens (7 complete blocks against a budget of 6) and 3 decode steps: with the margin a step after the first
+    # still fetches a block, without it the steps fetch more (28 blocks against 26); the last completes a window.
     model = nosa_model(num_hidden_layers=1, budget=96, seed=2)
-    ids = torch.randint(3, 97, (2, 130), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(3, 97, (2, 113), generator=torch.Generator().manual_seed(4))
     cfg = NosaConfig.from_dict(model.config.nosa, resident_margin=1.0)
-    seq_t, scores_t, stats_t = generate(model, ids, "torch", monkeypatch, 12, nosa_config=cfg)
-    seq_k, scores_k, stats_k = generate(model, ids, "triton", monkeypatch, 12, nosa_config=cfg)
+    seq_t, scores_t, stats_t = generate(model, ids, "torch", monkeypatch, 4, nosa_config=cfg)
+    seq_k, scores_k, stats_k = generate(model, ids, "triton", monkeypatch, 4, nosa_config=cfg)
     assert torch.equal(seq_k, seq_t)
     assert_close(scores_k, scores_t, atol=1e-4, rtol=1e-4)
     for key in STAT_KEYS:
         assert stats_k[key] == stats_t[key], key
-    *_, stats_0 = generate(model, ids, "torch", monkeypatch, 12, nosa_config=cfg.replace(resident_margin=0.0))
+    assert stats_t["locality"] < 1  # the margin did not freeze the selection
+    *_, stats_0 = generate(model, ids, "torch", monkeypatch, 4, nosa_config=cfg.replace(resident_margin=0.0))
     assert stats_0["locality"] < stats_t["locality"], (stats_0["locality"], stats_t["locality"])
     assert stats_0["blocks_loaded"] > stats_t["blocks_loaded"]
 
 
 def test_kernel_path_with_a_selector_interpreted(interpret, monkeypatch):
+    # 79 tokens and 4 decode steps: a window and block 4 complete, block 5 opens, and the selection changes in the
+    # last two steps (fetching 2 blocks, then 2 more).
     model = nosa_model(num_hidden_layers=1, seed=3)
-    ids = torch.randint(3, 97, (1, 90), generator=torch.Generator().manual_seed(1))
-    seq_t, scores_t, _ = generate(model, ids, "torch", monkeypatch, 6, selector=KernelQueryOnly())
-    seq_k, scores_k, _ = generate(model, ids, "triton", monkeypatch, 6, selector=KernelQueryOnly())
+    ids = torch.randint(3, 97, (1, 79), generator=torch.Generator().manual_seed(1))
+    seq_t, scores_t, stats_t = generate(model, ids, "torch", monkeypatch, 5, selector=KernelQueryOnly())
+    seq_k, scores_k, stats_k = generate(model, ids, "triton", monkeypatch, 5, selector=KernelQueryOnly())
     assert torch.equal(seq_k, seq_t)
     assert_close(scores_k, scores_t, atol=1e-4, rtol=1e-4)
+    assert stats_k["blocks_loaded"] == stats_t["blocks_loaded"] and stats_t["locality"] < 1
 
 
 def test_cpu_default_is_the_torch_path(monkeypatch):
