@@ -3,6 +3,8 @@ same class, tokens, special tokens and chat template."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -20,11 +22,25 @@ def test_the_cached_tokenizer_equals_the_one_rebuilt_from_the_file(tmp_path, mon
     except DownloadError as error:  # no network and no cached copy
         pytest.skip(f"SmolLM2 GGUF unavailable: {error}")
     monkeypatch.setattr(loading, "gguf_tokenizer_dir", lambda: tmp_path / "tokenizers")
-    rebuilt = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)  # what transformers gives
-    first = load_tokenizer(path)  # rebuilt too, and saved
+    # The reference is what transformers gives for the file: the rebuild load_tokenizer runs itself, recorded (a
+    # copy, taken before load_tokenizer saves or touches it) instead of a second ~10 s rebuild of the same call.
+    original, rebuilds = AutoTokenizer.from_pretrained, []
+
+    def recording(*args, **kwargs):
+        tok = original(*args, **kwargs)
+        if "gguf_file" in kwargs:
+            rebuilds.append((args, kwargs, copy.deepcopy(tok)))
+        return tok
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", recording)
+    first = load_tokenizer(path)  # rebuilt from the file, and saved
+    assert len(rebuilds) == 1
+    args, kwargs, rebuilt = rebuilds[0]
+    assert args == (str(path.parent),) and kwargs == {"gguf_file": path.name}  # transformers' rebuild, as it is
     saved = list((tmp_path / "tokenizers").iterdir())
     assert len(saved) == 1 and (saved[0] / "tokenizer_config.json").is_file()
     cached = load_tokenizer(path)  # read back from the cache
+    assert len(rebuilds) == 1  # not rebuilt again
     chat = [{"role": "user", "content": "What is the pass key?"}]
     for tok in (first, cached):
         assert type(tok) is type(rebuilt)
