@@ -274,13 +274,25 @@ def test_device_kernels_equal_the_torch_path_interpreted(monkeypatch):
     steps."""
     cfg = small_nosa_config(**SMALL, prefill="dense", host_dtype="float8_e4m3fn")
     model = _model("llama", cfg, num_hidden_layers=1)  # one layer keeps the interpreter fast
-    ids = torch.randint(3, 97, (2, 75), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(3, 97, (2, 79), generator=torch.Generator().manual_seed(6))
     mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # rows of 75 and 72 tokens: their blocks complete at new tokens 5 and 8
-    tokens, logits, _ = _generate(model, cfg, ids, mask, new_tokens=8)
+    # Rows of 79 and 77 tokens and 3 decode steps (about a second each in the interpreter): row 0 completes block 4
+    # in the first step and opens block 5 in the second; in the third row 1 completes its block 4 and a new
+    # selection fetches a block. (The 75- and 72-token rows and 7 steps this replaced completed row 0's block only.)
+    mask[1, :2] = 0
+    tokens, logits, ref_cache = _generate(model, cfg, ids, mask, new_tokens=4)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-    k_tokens, k_logits, cache = _generate(model, cfg, ids, mask, new_tokens=8)
+    k_tokens, k_logits, cache = _generate(model, cfg, ids, mask, new_tokens=4)
     assert torch.equal(k_tokens, tokens)
     torch.testing.assert_close(k_logits, logits, atol=1e-4, rtol=1e-4)
-    assert cache.layers[0].host.k_chunks[0].dtype == torch.float8_e4m3fn
+    host = cache.layers[0].host
+    assert host.k_chunks[0].dtype == torch.float8_e4m3fn
+    # The blocks the decode steps completed stay in the local window, so no logit reads them back: compare the
+    # stores (read on the torch path), each row up to its length.
+    assert host.row_lengths().tolist() == [82, 80]  # each row completed a block while decoding
+    monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
+    stored, expected = host.read(0, 82, "cpu"), ref_cache.layers[0].host.read(0, 82, "cpu")
+    for row, n in enumerate(host.row_lengths().tolist()):
+        for got, want in zip(stored, expected):
+            torch.testing.assert_close(got[row, :, :n], want[row, :, :n], atol=1e-5, rtol=1e-5)  # GEMM rounding
