@@ -31,15 +31,17 @@ row b's token at step t is ``t - offsets[b]`` for its block, tail position and h
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ..host_store import HostStore
 from ..selection import MASK_VALUE
 from .backend import (HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, shared_zeros,
                       tl, triton)
 from .host_format import store_quantized
+
+if TYPE_CHECKING:  # annotations only: host_store imports kernels.backend, so kernels/__init__ runs first
+    from ..host_store import HostStore
 
 
 class FetchPlan(NamedTuple):

@@ -18,13 +18,16 @@ The reference is ``HostStore.write`` (the torch copy), which every CPU path uses
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..host_store import HostStore
 from .backend import (HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, shared_zeros,
                       tl, triton)
 from .host_format import store_quantized
+
+if TYPE_CHECKING:  # annotations only: host_store imports kernels.backend, so kernels/__init__ runs first
+    from ..host_store import HostStore
 
 BLOCK_T = 32  # tokens per tile
 WRITE_PROGRAMS_ENV_VAR = "HF_NOSA_WRITE_PROGRAMS"
