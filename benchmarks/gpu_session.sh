@@ -109,6 +109,10 @@ case "${1:-}" in
     timeout 240 python -m pytest -q -m gpu tests/kernels/test_sparse_train_split.py tests/kernels/test_sparse_train_attention.py tests/kernels/test_train_select.py tests/test_training.py -n 8 -p no:cacheprovider --tb=short > "$OUT/gpu_tests_train_split.log" 2>&1
     tail -4 "$OUT/gpu_tests_train_split.log"
     timeout 330 python benchmarks/train_step.py --lengths 32768 --backends sparse --repeats 2 --out "$OUT/train_split" 2>&1 | grep -v '^{' | tail -30 ;;
+  train-breakdown)  # issue 17: what a 32K retrofit step pays beyond dense: the training kernels' GPU tests (flex's left out, first failure shown), then GPU time by kernel and the peak's live allocations per mode, and one layer's sparse attention by kernel per tile size (about 8 minutes)
+    timeout 170 python -m pytest -v -x -m gpu -k "not flex" tests/kernels/test_sparse_train_split.py tests/kernels/test_sparse_train_attention.py tests/kernels/test_train_select.py tests/test_training.py -n 8 -p no:cacheprovider --tb=short > "$OUT/gpu_tests_train.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/gpu_tests_train.log" | tail -40
+    timeout 400 python benchmarks/train_step_breakdown.py --lengths 32768 --out "$OUT" 2>&1 | tail -12 ;;
   write-programs)  # issue 17: the host write on 8, 16 and 32 programs (HF_NOSA_WRITE_PROGRAMS) beside the whole prompt's layers: dense sdpa, then generate's first token at 64K, batch 1, median of 3 each, and the query choice's time by kernel at 8 (about 4 minutes)
     timeout 60 python benchmarks/prefill.py --contexts 65536 --batches 1 --chunks 4096 --methods dense --repeat 3 --out "$OUT/p64" 2>&1 | tail -1
     for n in 8 16 32; do
