@@ -100,14 +100,14 @@ def test_head_dims_the_kernel_does_not_take_run_the_sdpa_route(monkeypatch, capl
     assert_close(out, attend(q, with_prefix_read(inputs), 0.3), atol=1e-5, rtol=1e-5)
 
 
-def _prefill_in_parts(monkeypatch, parts, left_pad=(0, 31, 0, 64, 7), length=300, layers=2, **env):
+def _prefill_in_parts(monkeypatch, parts, left_pad=(0, 31, 0, 64, 7), length=300, layers=2, config=None, **env):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(prefill_module, "fetch_parts", lambda device, batch: min(parts, batch))
     model = _model("qwen3", seed=21, num_hidden_layers=layers)
     ids, mask = _prompt(len(left_pad), length, seed=22, left_pad=left_pad)
-    cache = NosaCache(model.config, small_nosa_config(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=32,
-                                                      budget_tokens=96, query_tokens=16))
+    cfg = dict(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=32, budget_tokens=96, query_tokens=16)
+    cache = NosaCache(model.config, small_nosa_config(**{**cfg, **(config or {})}))
     with torch.no_grad():
         logits = model(ids, attention_mask=mask, past_key_values=cache).logits
     return logits[mask.bool()], cache.stats()
@@ -125,10 +125,18 @@ def test_quoka_prefill_in_parts_equals_one_part(monkeypatch):
 @pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
 def test_quoka_prefill_in_parts_with_the_interpreted_fetch_kernel(monkeypatch):
     """The fetch kernel's row offset (``row0``) in the Triton interpreter against the torch path in one part (one
-    layer: each layer fetches alike, and every kernel of the layer runs interpreted)."""
-    small = dict(left_pad=(0, 31, 0), length=170, layers=1)
+    layer: each layer fetches alike, and every kernel of the layer runs interpreted).
+
+    Two rows in two parts, the second (row0 = 1) left-padded by 21; 112 tokens in 32-token chunks, a budget of 3
+    blocks (sink, local, one chosen) and a 32-token dense tail, so the interpreter runs each kind of chunk once: the
+    first (no blocks); one whose 2 earlier blocks all fit, fetched from the host store while the padded row's tail
+    starts inside it (at its 28th query); one choosing 3 of 4 blocks, fetching some and moving the previous chunk's
+    last one in, where the padded row's tail starts at its first query and the other's at its 17th; a last partial
+    chunk (16) of tail queries over the prefix alone."""
+    small = dict(left_pad=(0, 21), length=112, layers=1,
+                 config=dict(prefill_budget_tokens=48, local_tokens=16, prefill_dense_tail_tokens=32))
     expected, expected_stats = _prefill_in_parts(monkeypatch, 1, HF_NOSA_KERNELS="torch", **small)
-    actual, actual_stats = _prefill_in_parts(monkeypatch, 3, HF_NOSA_KERNELS="triton", TRITON_INTERPRET="1", **small)
+    actual, actual_stats = _prefill_in_parts(monkeypatch, 2, HF_NOSA_KERNELS="triton", TRITON_INTERPRET="1", **small)
     assert_close(actual, expected, atol=1e-4, rtol=1e-4)
     assert actual_stats["blocks_loaded"] == expected_stats["blocks_loaded"] > 0
 
