@@ -22,16 +22,16 @@ def _layer_lengths(model):
     return seen
 
 
-def _generate(model, ids, mask, new_tokens=6, **cache_config):
+def _generate(model, ids, mask, new_tokens=6, hidden_states=False, **cache_config):
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                           output_logits=True, return_dict_in_generate=True, cache_implementation="nosa",
-                          cache_config=cache_config)
+                          cache_config=cache_config, output_hidden_states=hidden_states)
 
 
-def _converted(family="llama", seed=3, **overrides):
+def _converted(family="llama", seed=3, layers=2, **overrides):
     config = small_nosa_config(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=64,
                                prefill_whole_prompt_tokens=WHOLE, **overrides)
-    model = to_nosa(tiny_model(family, seed=seed), config)
+    model = to_nosa(tiny_model(family, seed=seed, num_hidden_layers=layers), config)
     randomize_eviction_heads(model, generator=torch.Generator().manual_seed(seed + 1))
     return model
 
@@ -98,14 +98,27 @@ def test_whole_prompt_reads_nothing_back_and_holds_the_prompt():
 
 def test_whole_prompt_on_the_kernels(interpret, monkeypatch):
     """The Triton path (interpreted): selection kernels, flash_biased over the gathered blocks and the tail's
-    prefix on the device, against chunk by chunk on the torch path."""
-    model = _converted(seed=11)
-    ids, mask = padded_batch(112, (0, 13), seed=12)
+    prefix on the device, against chunk by chunk on the torch path.
+
+    One layer: the interpreter runs the rotary kernel once per token and layer, most of this test's time, and every
+    layer runs the same kernels (two layers through a whole prompt, against chunk by chunk, are the torch-path tests
+    above). 100 tokens in 32-token chunks, a budget of 3 blocks and a 16-token dense tail: a chunk with nothing
+    before it, one whose 2 earlier blocks all fit the budget, one choosing 3 of 4 blocks while the rows' tails start
+    inside it (at its 21st query, and at its 8th in the row padded by 13), and a last one of tail queries alone.
+    With one layer the last position's logits come from the dense tail alone, so the layer's output at every real
+    position of the prompt is compared too: there each chunk's own blocks and tail show."""
+    model = _converted(seed=11, layers=1)
+    ids, mask = padded_batch(100, (0, 13), seed=12)
     config = dict(prefill_chunk_size=32, prefill_budget_tokens=48, prefill_dense_tail_tokens=16, local_tokens=16)
-    whole = _generate(model, ids, mask, new_tokens=1, **config)
+    lengths = _layer_lengths(model)
+    whole = _generate(model, ids, mask, new_tokens=1, hidden_states=True, **config)
+    assert lengths == [100]
     monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
-    chunked = _generate(model, ids, mask, new_tokens=1, prefill_whole_prompt_tokens=0, **config)
+    chunked = _generate(model, ids, mask, new_tokens=1, hidden_states=True, prefill_whole_prompt_tokens=0, **config)
     torch.testing.assert_close(whole.logits[0], chunked.logits[0], atol=1e-4, rtol=1e-4)
+    real = mask.bool()
+    for a, b in zip(whole.hidden_states[0], chunked.hidden_states[0]):  # the embeddings, then the layer (normed)
+        torch.testing.assert_close(a[real], b[real], atol=1e-4, rtol=1e-4)
 
 
 def test_gather_blocks_against_a_loop():
