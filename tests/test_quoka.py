@@ -362,16 +362,26 @@ def test_quoka_with_interpreted_kernels_equals_the_torch_path(monkeypatch):
     """Both chunk-attention call sites (one forward; a continuing call that reads earlier blocks from the host store)
     through the Triton kernels in the interpreter, against the torch references, with a budget smaller than the
     prompt (so selected blocks come first in every chunk's key list). One layer: every kernel runs once a chunk."""
+    # The interpreter takes about 30 ms per token of a forward (a rotary program each), so the prompt is short: 72
+    # tokens in 32-token chunks with a 32-token dense tail (the first chunk; one attending to its selected blocks
+    # with row 0's tail from its 9th query and the padded row's from its first; tail queries over the prefix alone),
+    # then 24 tokens by the decode rule over the host store, whose budget of 4 blocks makes row 0's tokens from its
+    # 9th on (position 80) attend sparsely, as the decode-rule continuation did in the longer prompt this replaced.
+    # One decode step after it reads back what the continuation wrote to the store (the padded row's tokens at its
+    # row-relative places); the longer prompt wrote past the store's blocks instead, which only showed by chance.
     model = _model("llama", seed=5, num_hidden_layers=1)
-    ids, mask = _prompt(2, 150, seed=6, left_pad=(0, 21))
-    config = small_nosa_config(prefill="quoka", prefill_budget_tokens=48, prefill_chunk_size=32)
+    ids, mask = _prompt(2, 96, seed=6, left_pad=(0, 21))
+    mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    config = small_nosa_config(prefill="quoka", prefill_budget_tokens=48, prefill_chunk_size=32,
+                               prefill_dense_tail_tokens=32, budget_tokens=64, query_tokens=16)
 
     def run():
         cache = NosaCache(model.config, config)
         with torch.no_grad():
-            first = model(ids[:, :97], attention_mask=mask[:, :97], past_key_values=cache).logits
-            second = model(ids[:, 97:], attention_mask=mask, past_key_values=cache).logits
-        return torch.cat([first, second], 1)
+            first = model(ids[:, :72], attention_mask=mask[:, :72], past_key_values=cache).logits
+            second = model(ids[:, 72:], attention_mask=mask[:, :96], past_key_values=cache).logits
+            step = model(ids[:, :1], attention_mask=mask, past_key_values=cache).logits
+        return torch.cat([first, second, step], 1)
 
     monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
     expected = run()
