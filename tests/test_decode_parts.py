@@ -40,13 +40,31 @@ def model_forward(model):
     return forward
 
 
-def decode(model, ids, mask, steps, parts):
-    """Prefill ``ids``, then ``steps`` greedy decode steps on the device-kernel path, by ``parts`` of the batch."""
+def prefilled(model, ids, monkeypatch, mask=None):
+    """A NosaCache holding the prompt ``ids``, prefilled on the torch path; the kernel path is back on after.
+
+    The prompt is not what these tests look at, and the interpreter would take seconds over it (the prefill
+    kernels are tests/test_padding.py's and tests/test_host_dtype.py's subject)."""
     cache = NosaCache(model.config)
+    monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
     with torch.no_grad():
-        token = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+        logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+    return cache, logits
+
+
+def decode(model, ids, mask, steps, parts, monkeypatch):
+    """Prefill ``ids``, then ``steps`` greedy decode steps on the device-kernel path, by ``parts`` of the batch.
+
+    The prompt goes in on the torch path (``prefilled``): both runs start from the same cache, and the prefill
+    kernels are other tests' subject (tests/test_host_dtype.py and tests/test_padding.py run them on this store and
+    on padded rows); interpreted, this batch's prompt took about 12 s per run."""
+    cache, prompt_logits = prefilled(model, ids, monkeypatch, mask)
+    token = prompt_logits[:, -1].argmax(-1, keepdim=True)
+    with torch.no_grad():
         forward = model_forward(model)
         logits = []
+        loaded = []
         for _ in range(steps):
             t = cache.get_seq_length()
             pos = torch.full_like(token, t)
@@ -56,21 +74,31 @@ def decode(model, ids, mask, steps, parts):
             assert cache.get_seq_length() == t + 1
             assert all(int(layer.step) == layer.seen == t + 1 for layer in cache.layers)
             logits.append(out)
+            loaded.append(cache.stats()["blocks_loaded"])
             token = out.argmax(-1, keepdim=True)
-    return torch.stack(logits), cache.stats(), cache
+    return torch.stack(logits), cache.stats(), cache, loaded
 
 
-def test_parts_equal_the_whole_batch_interpreted(interpret):
+def test_parts_equal_the_whole_batch_interpreted(interpret, monkeypatch):
     # The quantized store: its fetch reads scales and writes the tail by row too (the GPU test covers both stores).
+    # Parts of rows 0 | 1 | 2-3: a first, a middle (neither starts nor ends the layer's step) and a last part of two
+    # rows at row offset 2. Two decode steps of an 80-token prompt hold every event of a longer decode: row 0's
+    # prompt ends on a block boundary (its pool holds no partial block, and its first step opens block 5), row 2
+    # (pad 1) completes block 4 in step 1 and opens block 5 in step 2, a mid-decode tail move; step 1 fetches every
+    # selection from the store, step 2 some blocks into slots freed among kept ones (the loads are asserted below).
+    # Rows 1 and 3 are left-padded (9 and 70 tokens): the rows' offsets differ between parts.
     parts = 3
     model = nosa_model(num_hidden_layers=1, host_dtype="float8_e4m3fn")
     gen = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, 97, (4, 78), generator=gen)  # decode crosses the block boundary at 80
+    ids = torch.randint(3, 97, (4, 80), generator=gen)
     mask = torch.ones_like(ids)
-    mask[1, :9] = 0  # left padding: the rows' offsets differ between parts
+    mask[1, :9] = 0
+    mask[2, :1] = 0
     mask[3, :70] = 0
-    whole, whole_stats, whole_cache = decode(model, ids, mask, 4, 1)
-    split, split_stats, split_cache = decode(model, ids, mask, 4, parts)
+    whole, whole_stats, whole_cache, whole_loaded = decode(model, ids, mask, 2, 1, monkeypatch)
+    split, split_stats, split_cache, split_loaded = decode(model, ids, mask, 2, parts, monkeypatch)
+    assert 0 < whole_loaded[0] < whole_loaded[1]  # the steps above: a first fetch, then a partial one
+    assert split_loaded == whole_loaded
     assert_close(split, whole, atol=1e-5, rtol=1e-5)
     assert torch.equal(split.argmax(-1), whole.argmax(-1))
     for key in STAT_KEYS:
@@ -79,15 +107,14 @@ def test_parts_equal_the_whole_batch_interpreted(interpret):
     for a, b in zip(split_cache.layers, whole_cache.layers):
         assert int(a.step) == int(b.step) == a.seen  # advanced once per step, not once per part
         assert torch.equal(a.slot_block, b.slot_block)
+        assert torch.equal(a.tail_slot, b.tail_slot)
         # the keys come out of GEMMs over fewer rows: equal up to their rounding
         assert_close(a.compressed.keys, b.compressed.keys, atol=1e-5, rtol=1e-5)
 
 
-def test_cache_rows_view_the_layers(interpret):
+def test_cache_rows_view_the_layers(interpret, monkeypatch):
     model = nosa_model(num_hidden_layers=1)
-    cache = NosaCache(model.config)
-    with torch.no_grad():
-        model(torch.randint(3, 97, (4, 40)), past_key_values=cache)
+    cache, _ = prefilled(model, torch.randint(3, 97, (4, 40)), monkeypatch)
     rows = CacheRows(cache, 1, 3)
     assert isinstance(rows, NosaCache) and rows.get_seq_length() == cache.get_seq_length() == 40
     assert rows.layers[0].layer is cache.layers[0] and (rows.layers[0].b0, rows.layers[0].b1) == (1, 3)
@@ -121,9 +148,7 @@ def test_decode_parts_setting(monkeypatch):
 
 def test_fetch_step_rejects_a_bad_part(interpret, monkeypatch):
     model = nosa_model(num_hidden_layers=1)
-    cache = NosaCache(model.config)
-    with torch.no_grad():
-        model(torch.randint(3, 97, (4, 40)), past_key_values=cache)
+    cache, _ = prefilled(model, torch.randint(3, 97, (4, 40)), monkeypatch)
     layer = cache.layers[0]
     rows = slice(2, 4)
     pool = SlotPool(layer.slot_k[rows], layer.slot_v[rows], layer.slot_b[rows], layer.slot_block[rows],
@@ -176,15 +201,13 @@ def test_graph_by_parts_equals_eager_parts_gpu(monkeypatch, host_dtype, stagger)
     assert graphs[1].captures == 1 and graphs[1].replays >= 37 and not graphs[1].recaptures
 
 
-def test_graph_key_changes_are_named(interpret):
+def test_graph_key_changes_are_named(interpret, monkeypatch):
     """DecodeGraph records why it recaptured (benchmarks report it): each key entry has its name."""
     from hf_nosa.cache import NosaLayer
     from hf_nosa.kernels.cuda_graph import _key_change
 
     model = nosa_model(num_hidden_layers=2)
-    cache = NosaCache(model.config)
-    with torch.no_grad():
-        model(torch.randint(3, 97, (2, 40)), past_key_values=cache)
+    cache, _ = prefilled(model, torch.randint(3, 97, (2, 40)), monkeypatch)
     layer_keys = tuple(layer.fused_graph_key() for layer in cache.layers)
     assert all(len(k) == len(NosaLayer.FUSED_GRAPH_KEY_NAMES) for k in layer_keys)
     old = ((2, 1), layer_keys, 1, False)
