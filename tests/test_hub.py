@@ -33,6 +33,8 @@ EXPECTED_FILES = {
 }
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
+
 
 def nosa_model(family, seed=0):
     model = hf_nosa.to_nosa(tiny_model(family, seed=seed), hf_nosa.NosaConfig(**NOSA))
@@ -389,12 +391,30 @@ def test_verify_rejects_nosa_in_generation_config(exports, tmp_path):
         verify_folder(folder)
 
 
-# --------------------------------------------------------------------------- a fresh Python loads the export
+# --------------------------------------------------------------------------- a fresh Python: load, export, push
+#
+# One fresh interpreter runs three phases in turn (starting one costs seconds of imports), each reporting on its own:
+# it loads the exports through remote code before anything imported hf_nosa, exports from a copy of the package,
+# then pushes over a loopback Hub. Its hf_nosa is that copy (first on PYTHONPATH, and the working directory is not
+# the repository), so the remote code and the push commands run from the copy too.
+
+FRESH = r"""
+import json, sys, traceback
+args, phases, results = json.loads(sys.argv[1]), json.loads(sys.argv[2]), {}
+for name, code in phases:
+    scope = {"__name__": name, "args": args[name]}
+    try:
+        exec(compile(code, f"<{name} phase>", "exec"), scope)
+        results[name] = scope["result"]
+    except BaseException:
+        results[name] = {"error": traceback.format_exc()}
+print(json.dumps(results))
+"""
 
 LOAD = r"""
 import importlib.abc, json, sys, torch
 from pathlib import Path
-root = Path(sys.argv[1]); ref = torch.load(root / "reference.pt"); ids = ref["ids"]
+root = Path(args["root"]); ref = torch.load(root / "reference.pt"); ids = ref["ids"]
 result = {"hf_nosa_preloaded": "hf_nosa" in sys.modules}
 
 class Block(importlib.abc.MetaPathFinder):  # a user without hf_nosa installed
@@ -429,24 +449,14 @@ custom = str(root / "llama")
 result["stock_plain"] = torch.equal(greedy(stock, custom_generate=custom, trust_remote_code=True), ref["stock_plain"])
 nosa = greedy(stock, custom_generate=custom, trust_remote_code=True, cache_implementation="nosa", cache_config=%s)
 result["stock_nosa"] = torch.equal(nosa, ref["stock_nosa"])
-print(json.dumps(result))
 """ % (NEW, repr(NOSA))
 
-
-def test_fresh_process_loads_with_trust_remote_code(exports, tmp_path):
-    result = run_python(LOAD, [str(exports["root"])], fresh_env(tmp_path))
-    assert not result["hf_nosa_preloaded"]
-    assert "hf_nosa" in result["without_hf_nosa"] and "pip install" in result["without_hf_nosa"]
-    assert "hf-nosa>=99.0" in result["too_old_hf_nosa"] and "pip install" in result["too_old_hf_nosa"]
-    for family in ("llama", "qwen2", "qwen3"):
-        loaded = result[family]
-        assert loaded["module"].startswith("transformers_modules.") and loaded["class"].startswith("Nosa")
-        assert loaded["same_tokens"], family
-        assert loaded["logits_diff"] < 1e-5, family
-    assert result["stock_plain"] and result["stock_nosa"]
-
-
-# --------------------------------------------------------------------------- push over loopback
+COPY = r"""
+import hf_nosa; from hf_nosa.hub import export
+from tests.conftest import small_nosa_config, tiny_model
+result = {"hf_nosa": hf_nosa.__file__}
+export(hf_nosa.to_nosa(tiny_model('llama'), small_nosa_config()), args["out"])
+"""
 
 PUSH = r"""
 import contextlib, io, json, os, sys
@@ -454,8 +464,8 @@ from huggingface_hub import constants
 import hf_nosa.cli as cli
 
 cli.COMMANDS = {k: v for k, v in cli.COMMANDS.items() if k in ("export", "push")}
-results = []
-for scenario in json.loads(sys.argv[1]):
+result = []
+for scenario in args["scenarios"]:
     for key, value in scenario["env"].items():
         if value is None:
             os.environ.pop(key, None)
@@ -465,35 +475,50 @@ for scenario in json.loads(sys.argv[1]):
     err, out = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
         code = cli.main(scenario["argv"])
-    results.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
-print(json.dumps(results))
+    result.append({"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()})
 """
 
 
-def test_push_end_to_end_over_loopback(exports, tmp_path):
-    folder = exports["root"] / "llama"
-    exported = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+def _push_folders(folder, tmp):
+    """Folders to push beside the export: one with extra files, one with a symbolic link out, one with edited remote
+    code, one without weights."""
     # a crafted folder: a tokenizer file export may write, plus files it never writes (a secret, notes, bytecode)
-    with_extra = tmp_path / "with_extra"
+    with_extra = tmp / "with_extra"
     shutil.copytree(folder, with_extra)
     (with_extra / "tokenizer.json").write_text("{}")
     (with_extra / ".env").write_text("HF_TOKEN=hf_secret\n")
     (with_extra / "notes.txt").write_text("stale")
     (with_extra / "__pycache__").mkdir()
     (with_extra / "__pycache__" / "modeling.cpython-311.pyc").write_bytes(b"\0")
-    left_out = [".env", "__pycache__/modeling.cpython-311.pyc", "notes.txt"]
-    linked = tmp_path / "linked"
+    linked = tmp / "linked"
     shutil.copytree(folder, linked)
-    (tmp_path / "outside.txt").write_text("linked-secret-7f3a")
-    (linked / "notes.txt").symlink_to(tmp_path / "outside.txt")
-    tampered = tmp_path / "tampered"
+    (tmp / "outside.txt").write_text("linked-secret-7f3a")
+    (linked / "notes.txt").symlink_to(tmp / "outside.txt")
+    tampered = tmp / "tampered"
     shutil.copytree(folder, tampered)
-    marker = tmp_path / "code_ran"
+    marker = tmp / "code_ran"
     with open(tampered / "modeling_nosa_llama.py", "a") as handle:
         handle.write(f"\nopen({str(marker)!r}, 'w').close()\n")
-    broken = tmp_path / "broken"
+    broken = tmp / "broken"
     shutil.copytree(folder, broken)
     (broken / "model.safetensors").unlink()
+    return with_extra, linked, tampered, marker, broken
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started_fresh_python(request, tmp_path_factory):
+    """The fresh interpreter starts as soon as the exports exist when one of the tests reading it is selected, and
+    runs beside the in-process tests before them: it spends most of its time importing, on a core of its own, while
+    this process works on one thread. ``(process, loopback Hub, paths the tests check)``, or None."""
+    if not any(getattr(item, "module", None) is request.module and "fresh_python" in item.fixturenames
+               for item in request.session.items):
+        yield None
+        return
+    exports = request.getfixturevalue("exports")
+    tmp = tmp_path_factory.mktemp("fresh")
+    shutil.copytree(Path(hf_nosa.__file__).parent, tmp / "pkg" / "hf_nosa", symlinks=True)
+    folder = exports["root"] / "llama"
+    with_extra, linked, tampered, marker, broken = _push_folders(folder, tmp)
     online, token = {"HF_HUB_OFFLINE": None}, {"HF_TOKEN": "hf_loopback"}
 
     def push(folder, repo, *extra, env=None):
@@ -513,13 +538,69 @@ def test_push_end_to_end_over_loopback(exports, tmp_path):
         push(linked, "me/linked", "--dry-run"),
         push(tampered, "me/tampered", "--dry-run", "--load-check"),
         push(folder, "me/tiny", "--dry-run", "--load-check"),
-        {"argv": ["export", str(folder), str(tmp_path / "re_export"), "--nosa", "budget_tokens=96"], "env": {}},
+        {"argv": ["export", str(folder), str(tmp / "re_export"), "--nosa", "budget_tokens=96"], "env": {}},
     ]
-    with LoopbackHub(lifetime=200) as hub:
-        env = {**fresh_env(tmp_path), "HF_ENDPOINT": hub.url}
-        (broken_r, offline, anonymous, dry, refused, first, again, extra, overwrite, link, link_dry, tamper,
-         load_checked, re_export) = run_python(PUSH, [json.dumps(scenarios)], env)
-        requests_before_push = hub.requests[: hub.requests.index(("POST", "/api/repos/create"))]
+    args = {"load": {"root": str(exports["root"])}, "copy": {"out": str(tmp / "copy_out")},
+            "push": {"scenarios": scenarios}}
+    phases = [("load", LOAD), ("copy", COPY), ("push", PUSH)]
+    with LoopbackHub(lifetime=300) as hub:
+        env = {**fresh_env(tmp), "HF_ENDPOINT": hub.url, "OMP_NUM_THREADS": "1"}  # tiny models: one thread
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp / "pkg"), env["PYTHONPATH"]])
+        with open(tmp / "stdout.txt", "w") as stdout, open(tmp / "stderr.txt", "w") as stderr:
+            proc = subprocess.Popen([sys.executable, "-c", FRESH, json.dumps(args), json.dumps(phases)], env=env,
+                                    cwd=tmp, stdout=stdout, stderr=stderr, text=True)
+        try:
+            yield proc, hub, dict(tmp=tmp, folder=folder, marker=marker)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def fresh_python(started_fresh_python):
+    """The three phases' results, with the loopback Hub (its records) and the paths the tests check."""
+    proc, hub, paths = started_fresh_python
+    proc.wait(timeout=240)
+    assert proc.returncode == 0, (paths["tmp"] / "stderr.txt").read_text()[-4000:]
+    results = json.loads((paths["tmp"] / "stdout.txt").read_text().strip().splitlines()[-1])
+    return dict(results=results, hub=hub, **paths)
+
+
+def _phase(fresh_python, name):
+    result = fresh_python["results"][name]
+    assert not (isinstance(result, dict) and "error" in result), result["error"]
+    return result
+
+
+def test_fresh_process_loads_with_trust_remote_code(fresh_python):
+    result = _phase(fresh_python, "load")
+    assert not result["hf_nosa_preloaded"]
+    assert "hf_nosa" in result["without_hf_nosa"] and "pip install" in result["without_hf_nosa"]
+    assert "hf-nosa>=99.0" in result["too_old_hf_nosa"] and "pip install" in result["too_old_hf_nosa"]
+    for family in ("llama", "qwen2", "qwen3"):
+        loaded = result[family]
+        assert loaded["module"].startswith("transformers_modules.") and loaded["class"].startswith("Nosa")
+        assert loaded["same_tokens"], family
+        assert loaded["logits_diff"] < 1e-5, family
+    assert result["stock_plain"] and result["stock_nosa"]
+
+
+def test_export_works_from_a_copy_of_the_package(fresh_python):
+    """Templates are package data: export must not depend on files outside hf_nosa/ (a symbolic link to the
+    repository broke exports run from a copied tree)."""
+    result = _phase(fresh_python, "copy")
+    assert result["hf_nosa"].startswith(str(fresh_python["tmp"] / "pkg"))
+    assert (fresh_python["tmp"] / "copy_out" / "README.md").is_file()
+
+
+def test_push_end_to_end_over_loopback(fresh_python):
+    hub, tmp, folder, marker = fresh_python["hub"], fresh_python["tmp"], fresh_python["folder"], fresh_python["marker"]
+    exported = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    left_out = [".env", "__pycache__/modeling.cpython-311.pyc", "notes.txt"]  # the files with_extra adds
+    (broken_r, offline, anonymous, dry, refused, first, again, extra, overwrite, link, link_dry, tamper,
+     load_checked, re_export) = _phase(fresh_python, "push")
+    requests_before_push = hub.requests[: hub.requests.index(("POST", "/api/repos/create"))]
     assert broken_r["code"] == 2 and "no weights" in broken_r["stderr"]
     assert offline["code"] == 1 and "HF_HUB_OFFLINE" in offline["stderr"]
     assert anonymous["code"] == 1 and "hf auth login" in anonymous["stderr"]
@@ -555,7 +636,7 @@ def test_push_end_to_end_over_loopback(exports, tmp_path):
     assert b"hf_secret" not in uploaded and b"linked-secret-7f3a" not in uploaded
 
     assert re_export["code"] == 0, re_export["stderr"]
-    config = json.loads((tmp_path / "re_export" / "config.json").read_text())
+    config = json.loads((tmp / "re_export" / "config.json").read_text())
     assert config["nosa"] == {**json.loads((folder / "config.json").read_text())["nosa"], "budget_tokens": 96}
 
 
@@ -590,19 +671,3 @@ def test_gpu_bf16_export_loads_and_decodes_identically(tmp_path, family):
     result = run_python(GPU_LOAD, [str(out), str(tmp_path / "ref.pt")], fresh_env(tmp_path))
     assert result["dtype"] == "torch.bfloat16" and result["device"].startswith("cuda")
     assert result["same_tokens"]
-
-
-
-def test_export_works_from_a_copy_of_the_package(tmp_path):
-    """Templates are package data: export must not depend on files outside hf_nosa/ (a symbolic link to the
-    repository broke exports run from a copied tree)."""
-    shutil.copytree(Path(hf_nosa.__file__).parent, tmp_path / "pkg" / "hf_nosa", symlinks=True)
-    script = (
-        "import hf_nosa; from hf_nosa.hub import export\n"
-        "from tests.conftest import small_nosa_config, tiny_model\n"
-        f"assert hf_nosa.__file__.startswith({str(tmp_path)!r})\n"
-        f"export(hf_nosa.to_nosa(tiny_model('llama'), small_nosa_config()), {str(tmp_path / 'out')!r})\n"
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "pkg"), str(Path(__file__).parent.parent)])}
-    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=tmp_path, timeout=300)
-    assert (tmp_path / "out" / "README.md").is_file()
