@@ -17,18 +17,67 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = ROOT / "experiments" / "quality" / "run.py"
 
 
-def run_experiment(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, str(RUN), *args], capture_output=True, text=True, env=env, timeout=600)
+SMOKE = ["--smoke", "--selection-loss", "0.05", "--eviction-loss", "0.1", "--minutes", "600", "--max-steps", "10"]
+# Steps, not seconds, bound the training, and the time budget is far above what the toy run needs: the work is the
+# same however loaded the machine, and no row is skipped for time. 10 steps: the fine-tunes log every 10th step, their
+# auxiliary (alignment) loss included.
+
+BAD_SETTINGS = [
+    (["--query-tokens", "32"], "the evaluation at 384 tokens has a budget of 48 tokens"),
+    (["--windows", "4x2"], "--windows='4x2' is invalid"),
+    (["--selection-loss", "-1"], "--selection-loss=-1.0 is invalid"),
+    (["--rope-factor", "0.5"], "--rope-factor=0.5 is invalid"),
+]
+
+# One fresh interpreter for the whole file (starting one costs seconds of imports): first every bad setting through
+# run.py's main() (the exit code and stderr of each call, and whether its --out folder exists afterwards), then the
+# smoke run through run.py as a script (its ``__main__`` block, as ``python run.py`` runs it). One thread: the toy
+# model's matrices are tiny, and a second thread only slows the run on a busy 2-core machine.
+RUN_ALL = """
+import contextlib, importlib.util, io, json, runpy, sys, traceback
+from pathlib import Path
+path, root, bad, smoke = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+spec = importlib.util.spec_from_file_location("quality_run", path)
+run = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(run)
+results = {"bad": []}
+for i, flags in enumerate(bad):
+    out = root / f"run{i}"
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            code = run.main(["--smoke", "--out", str(out), *flags])
+        except SystemExit as exit:
+            code = exit.code
+    results["bad"].append(dict(code=code, stderr=stderr.getvalue(), out_exists=out.exists()))
+sys.argv = [path, "--out", str(root / "run"), *smoke]
+try:
+    runpy.run_path(path, run_name="__main__")
+    results["smoke"] = dict(code=None, error="run.py returned without sys.exit")
+except SystemExit as exit:
+    results["smoke"] = dict(code=exit.code, error="")
+except BaseException:
+    results["smoke"] = dict(code=None, error=traceback.format_exc())
+print(json.dumps(results))
+"""
 
 
-def test_smoke_run_trains_evaluates_and_exports(tmp_path):
-    out = tmp_path / "run"
-    # Steps, not seconds, bound the training, and the time budget is far above what the toy run needs: the work
-    # is the same however loaded the machine, and no row is skipped for time.
-    done = run_experiment("--smoke", "--out", str(out), "--selection-loss", "0.05", "--eviction-loss", "0.1",
-                          "--minutes", "600", "--max-steps", "10")
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quality")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    bad = json.dumps([flags for flags, _ in BAD_SETTINGS])
+    done = subprocess.run([sys.executable, "-c", RUN_ALL, str(RUN), str(root), bad, json.dumps(SMOKE)],
+                          capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    bad_runs = {" ".join(flags): result for (flags, _), result in zip(BAD_SETTINGS, results["bad"])}
+    return dict(out=root / "run", smoke=results["smoke"], stderr=done.stderr, bad=bad_runs)
+
+
+def test_smoke_run_trains_evaluates_and_exports(experiment):
+    out, smoke = experiment["out"], experiment["smoke"]
+    assert smoke["code"] == 0, smoke["error"] or experiment["stderr"][-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["finished"]
     assert results["stages"]["retrofit"]["steps"] > 0
@@ -53,50 +102,9 @@ def test_smoke_run_trains_evaluates_and_exports(tmp_path):
     assert model.config.nosa["compress_kernel"] == results["settings"]["nosa"]["compress_kernel"]
 
 
-BAD_SETTINGS = [
-    (["--query-tokens", "32"], "the evaluation at 384 tokens has a budget of 48 tokens"),
-    (["--windows", "4x2"], "--windows='4x2' is invalid"),
-    (["--selection-loss", "-1"], "--selection-loss=-1.0 is invalid"),
-    (["--rope-factor", "0.5"], "--rope-factor=0.5 is invalid"),
-]
-
-# Every bad setting through run.py's main() in one fresh interpreter (starting one costs seconds of imports): the
-# exit code and stderr of each call, and whether its --out folder exists afterwards.
-CHECK_ALL = """
-import contextlib, importlib.util, io, json, sys
-from pathlib import Path
-spec = importlib.util.spec_from_file_location("quality_run", sys.argv[1])
-run = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(run)
-results = []
-for i, flags in enumerate(json.loads(sys.argv[3])):
-    out = Path(sys.argv[2]) / f"run{i}"
-    stderr = io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        try:
-            code = run.main(["--smoke", "--out", str(out), *flags])
-        except SystemExit as exit:
-            code = exit.code
-    results.append(dict(code=code, stderr=stderr.getvalue(), out_exists=out.exists()))
-print(json.dumps(results))
-"""
-
-
-@pytest.fixture(scope="module")
-def bad_settings_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bad_settings")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    flags = json.dumps([flags for flags, _ in BAD_SETTINGS])
-    done = subprocess.run([sys.executable, "-c", CHECK_ALL, str(RUN), str(root), flags], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    return {" ".join(flags): result for (flags, _), result in zip(BAD_SETTINGS, results)}
-
-
 @pytest.mark.parametrize(("flags", "message"), BAD_SETTINGS)
-def test_bad_settings_fail_before_any_work(bad_settings_runs, flags, message):
-    done = bad_settings_runs[" ".join(flags)]
+def test_bad_settings_fail_before_any_work(experiment, flags, message):
+    done = experiment["bad"][" ".join(flags)]
     assert done["code"] == 2
     assert message in done["stderr"]
     assert not done["out_exists"]
