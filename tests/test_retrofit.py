@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -206,32 +207,89 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launch(args, tmp_path, extra_env):
+def _launch(args, cwd: Path, extra_env) -> subprocess.Popen:
+    """``accelerate launch`` in its own process group, its output in ``cwd``/stdout.txt and stderr.txt."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
     env.update(OMP_NUM_THREADS="1", **extra_env)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *args]
-    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    with open(cwd / "stdout.txt", "w") as stdout, open(cwd / "stderr.txt", "w") as stderr:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:  # the launcher and the workers it started
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# The launched runs: the tiny recipe cut to LAUNCH_STEPS steps, a checkpoint every LAUNCH_SAVE_EVERY, so that the
+# run ends where its schedule does. What a launch adds to the in-process runs above (the launcher, the process group,
+# gradients synchronised at the last micro-step of each step, checkpoints saved by every process, the adapter written
+# by the main one) is all there after two checkpointed steps; the recipe's 30 steps repeat them (and 26 more steps
+# cost seconds in every launched process). The training itself is checked in process (tiny_run).
+LAUNCH_STEPS, LAUNCH_SAVE_EVERY = 4, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started_launches(request, data, tmp_path_factory):
+    """Both launches start with the module when one of its launch tests is selected, and run beside the in-process
+    tests before those: their processes spend most of their time importing, a core each, while this process trains
+    on one thread (``one_thread``). ``{mode: (process, folder, output folder, world size)}``."""
+    import yaml
+
+    wanted = any(getattr(item, "module", None) is request.module and "launches" in item.fixturenames
+                 for item in request.session.items)
+    started = {}
+    if wanted:
+        root = tmp_path_factory.mktemp("launch")
+        recipe = root / "tiny.yaml"
+        recipe.write_text(yaml.safe_dump({**yaml.safe_load((RECIPES / "tiny.yaml").read_text()),
+                                          "steps": LAUNCH_STEPS, "save_every": LAUNCH_SAVE_EVERY}))
+        for mode in ("cpu", "ddp"):
+            folder = root / mode
+            folder.mkdir()
+            out = folder / "launched"
+            tool = ["-m", "hf_nosa.cli", "retrofit", "--recipe", str(recipe), "--data", str(data), "--output", str(out)]
+            if mode == "cpu":  # the documented command: accelerate's simple launcher, one CPU process
+                proc = _launch(["--cpu", "--num_processes", "2", *tool], folder, {})
+                world = 1
+            else:  # two processes over gloo: torchrun through accelerate, told to stay on the CPU
+                port = str(_free_port())
+                proc = _launch(["--multi_gpu", "--num_processes", "2", "--main_process_port", port, *tool], folder,
+                               {"ACCELERATE_USE_CPU": "1"})
+                world = 2
+            started[mode] = (proc, folder, out, world)
+    yield started
+    for proc, *_ in started.values():
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def launches(started_launches):
+    """The finished launches: ``{mode: (returncode, stdout, stderr, output folder, world size)}``."""
+    results = {}
+    for mode, (proc, folder, out, world) in started_launches.items():
+        try:
+            proc.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            raise
+        results[mode] = (proc.returncode, (folder / "stdout.txt").read_text(), (folder / "stderr.txt").read_text(),
+                         out, world)
+    return results
 
 
 @pytest.mark.parametrize("mode", ["cpu", "ddp"])
-def test_accelerate_launch_runs_the_tiny_recipe_to_the_end(data, tmp_path, mode):
-    out = tmp_path / "launched"
-    tool = ["-m", "hf_nosa.cli", "retrofit", "--recipe", str(RECIPES / "tiny.yaml"), "--data", str(data),
-            "--output", str(out)]
-    if mode == "cpu":  # the documented command: accelerate's simple launcher, one CPU process
-        proc = _launch(["--cpu", "--num_processes", "2", *tool], tmp_path, {})
-        world = 1
-    else:  # two processes over gloo: torchrun through accelerate, told to stay on the CPU
-        port = str(_free_port())
-        proc = _launch(["--multi_gpu", "--num_processes", "2", "--main_process_port", port, *tool], tmp_path,
-                       {"ACCELERATE_USE_CPU": "1"})
-        world = 2
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "retrofit: 30 steps" in proc.stdout
+def test_accelerate_launch_runs_the_tiny_recipe_to_the_end(launches, mode):
+    returncode, stdout, stderr, out, world = launches[mode]
+    assert returncode == 0, stderr[-3000:]
+    assert f"retrofit: {LAUNCH_STEPS} steps" in stdout
     run = read_run(out)
-    assert run["steps"] == 30 and (out / "adapter_model.safetensors").is_file()
-    state = json.loads((out / "checkpoints" / "step-0000030" / "trainer_state.json").read_text())
-    assert state["world_size"] == world and state["tokens"] == 30 * 2 * 2 * 128 * world
+    assert run["steps"] == LAUNCH_STEPS and (out / "adapter_model.safetensors").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        f"step-{step:07d}" for step in range(LAUNCH_SAVE_EVERY, LAUNCH_STEPS + 1, LAUNCH_SAVE_EVERY)]
+    state = json.loads((out / "checkpoints" / f"step-{LAUNCH_STEPS:07d}" / "trainer_state.json").read_text())
+    assert state["world_size"] == world and state["tokens"] == LAUNCH_STEPS * 2 * 2 * 128 * world
 
 
 def test_bad_input_fails_before_training(tmp_path, data):
