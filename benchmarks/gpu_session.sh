@@ -113,6 +113,11 @@ case "${1:-}" in
     timeout 170 python -m pytest -v -x -m gpu -k "not flex" tests/kernels/test_sparse_train_split.py tests/kernels/test_sparse_train_attention.py tests/kernels/test_train_select.py tests/test_training.py -n 8 -p no:cacheprovider --tb=short > "$OUT/gpu_tests_train.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/gpu_tests_train.log" | tail -40
     timeout 400 python benchmarks/train_step_breakdown.py --lengths 32768 --out "$OUT" 2>&1 | tail -12 ;;
+  train-held)     # issue 17: the retrofit step with the attention output held for the checkpointed rerun (no forward kernels in the rerun, copied back from pinned memory, the layer below prefetched) and the RMSNorm backward keeping its input instead of float32 rows: the training GPU tests (flex's left out), the step at 32K and 64K against dense, then the 32K step by kernel (about 9 minutes)
+    timeout 150 python -m pytest -v -m gpu -k "not flex" tests/kernels/test_sparse_train_split.py tests/kernels/test_train_select.py tests/test_training.py tests/kernels/test_rms_norm.py -n 8 -p no:cacheprovider --tb=short > "$OUT/gpu_tests_train_held.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/gpu_tests_train_held.log" | tail -30
+    timeout 300 python benchmarks/train_step.py --lengths 32768,65536 --backends sparse --steps-only --out "$OUT/train_held" 2>&1 | grep -v '^{' | tail -24
+    timeout 120 python benchmarks/train_step_breakdown.py --lengths 32768 --tiles "" --out "$OUT" 2>&1 | tail -4 ;;
   write-programs)  # issue 17: the host write on 8, 16 and 32 programs (HF_NOSA_WRITE_PROGRAMS) beside the whole prompt's layers: dense sdpa, then generate's first token at 64K, batch 1, median of 3 each, and the query choice's time by kernel at 8 (about 4 minutes)
     timeout 60 python benchmarks/prefill.py --contexts 65536 --batches 1 --chunks 4096 --methods dense --repeat 3 --out "$OUT/p64" 2>&1 | tail -1
     for n in 8 16 32; do

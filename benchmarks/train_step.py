@@ -320,6 +320,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed model steps (FlexAttention compiles here)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats of the attention-only runs")
     parser.add_argument("--attention-only", action="store_true", help="skip the whole-model steps")
+    parser.add_argument("--steps-only", action="store_true", help="skip the one-layer attention runs")
     parser.add_argument("--backends", default="flex,sparse",
                         help="NOSA training backends timed on CUDA, model steps and attention (flex, sparse)")
     args = parser.parse_args()
@@ -366,7 +367,8 @@ def main() -> int:
                     print(json.dumps(dict({k: v for k, v in row.items() if k != "step_times_s"}, shape=name)),
                           flush=True)
             try:
-                rows += attention_only(seq_len, args, shape, cfg, device, dtype)
+                if not args.steps_only:
+                    rows += attention_only(seq_len, args, shape, cfg, device, dtype)
             except torch.OutOfMemoryError:
                 rows.append(dict(kind="attention", seq_len=seq_len, oom=True))
                 _reset_peak(device)

@@ -28,8 +28,9 @@ Four backends compute the same thing:
 - ``"reference"``: the same masks through the einsum attention of ``attend.py`` (the per-token reference).
 
 In training the selection is computed once per layer and step: under gradient checkpointing the backward reruns
-the layer's forward, which finds the first forward's selection (kept by the autograd graph until the backward has
-passed, looked up by a fingerprint of the inputs) instead of selecting again.
+the layer's forward, which finds the first forward's selection (and, on the sparse backend, its attention output)
+instead of computing them again (``held_forward.py``: held in pinned host memory on CUDA, found by a fingerprint of
+the inputs).
 
 Left padding (``attention_mask`` with leading zeros): every row is selected as if alone, its blocks, windows, sink
 and local window counted from its first real token (``hf_nosa.padding``): the selection runs on each row's tokens
@@ -43,11 +44,11 @@ Shapes: B batch, H query heads, Hk KV heads, G = H / Hk, Tq queries, T keys, D h
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 import torch.nn.functional as F
 
+from . import held_forward
 from .attend import AttentionInputs, attend
 from .config import NosaConfig
 from .dense_attention import biased_attention
@@ -189,88 +190,6 @@ def selected_blocks(
     indices = selected_block_indices(query, keys, bias, cfg, scale, q_offset=q_offset, chunk_size=chunk_size,
                                      offsets=offsets)
     return _bitmap(indices, (keys.shape[2] + cfg.block_size - 1) // cfg.block_size)
-
-
-class _Selection:
-    """One layer's selection of one step, kept by the autograd graph (``_Hold``) until its backward has run.
-
-    On CUDA it waits in pinned host memory: every layer's selection is held from its forward to its backward, which
-    at the step's peak (the loss, after the last layer) is all of them, 0.5 GB at 32K in the 1b shape (16 layers x
-    8 KV heads x 32K tokens x 64 int16 indices): about what a step's peak took above dense sdpa's (52.6 against
-    52.1 GB, ``benchmarks/results/train_step_sparse_32k.json``). The copy out runs on a side stream; the recomputed
-    forward copies it back (0.03 GB at 32K per layer).
-    """
-
-    __slots__ = ("_indices", "_host", "_copied", "__weakref__")
-
-    def __init__(self, indices: torch.Tensor):
-        self._indices, self._host, self._copied = indices, None, None
-        if indices.is_cuda:
-            current = torch.cuda.current_stream(indices.device)
-            side = _offload_stream(indices.device)
-            side.wait_stream(current)
-            self._host = torch.empty(indices.shape, dtype=indices.dtype, pin_memory=True)
-            with torch.cuda.stream(side):
-                self._host.copy_(indices, non_blocking=True)
-                self._copied = torch.cuda.Event()
-                self._copied.record(side)
-            indices.record_stream(side)  # the device copy may be freed only once the side stream has read it
-
-    def take(self, device: torch.device) -> torch.Tensor:
-        """The indices on ``device``: the first call hands over the device tensor (the forward that selected), later
-        ones copy them back from the host (the forward recomputed under gradient checkpointing)."""
-        if self._indices is not None:
-            indices = self._indices
-            if self._host is not None:
-                self._indices = None  # the host holds them from now on
-            return indices
-        torch.cuda.current_stream(device).wait_event(self._copied)
-        return self._host.to(device, non_blocking=True)
-
-
-_offload_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _offload_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per GPU for the selections' copies to the host."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _offload_streams:
-        _offload_streams[index] = torch.cuda.Stream(device=index)
-    return _offload_streams[index]
-
-
-# Selections of the forwards whose backward has not run yet, by input fingerprint. Weak: an entry lives exactly as
-# long as the graph node that holds it, so nothing outlives its step.
-_selections: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-class _Hold(torch.autograd.Function):
-    """Identity on the queries whose graph node keeps a ``_Selection`` alive until the backward passes it."""
-
-    @staticmethod
-    def forward(ctx, query, selection):
-        ctx.selection = selection
-        return query.view_as(query)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-@torch.no_grad()
-def _fingerprint(query, key, bias, cfg, scale, q_offset) -> tuple:
-    """What the selection is a function of, summarised: shapes, settings, sums and a strided sample of the values.
-
-    A recomputed forward (gradient checkpointing) sees bitwise the same inputs, so it finds its selection; a
-    different layer, step or batch differs in these numbers. One host sync.
-    """
-    real = bias > MASK_VALUE / 2
-    stats = [query.float().sum(), query.float().abs().sum(), key.float().sum(), key.float().abs().sum(),
-             torch.where(real, bias, 0.0).sum(), real.sum()]
-    samples = [t.reshape(-1)[:: max(1, t.numel() // 61)][:64].float() for t in (query, key, bias)]
-    numbers = torch.cat([torch.stack(stats).double(), *(x.double() for x in samples)]).tolist()
-    return (str(query.device), tuple(query.shape), tuple(key.shape), q_offset, scale,
-            tuple(sorted(cfg.to_dict().items())), *numbers)
 
 
 def _token_mask(bitmap: torch.Tensor, positions: torch.Tensor, T: int, P: int, offsets=None) -> torch.Tensor:
@@ -465,11 +384,11 @@ def _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold, offsets=N
     return _unfold_rows(out, fold)
 
 
-def _sparse(query, key, value, bias, bitmap, cfg, scale, q_offset, offsets=None) -> torch.Tensor:
+def _sparse(query, key, value, bias, bitmap, cfg, scale, q_offset, offsets=None, held=None) -> torch.Tensor:
     # As for flex: autocast off, q/k/v in one dtype, the bias in fp32 (its gradient comes back in fp32).
     with torch.autocast(query.device.type, enabled=False):
         return sparse_train_attention(query, key.to(query.dtype), value.to(query.dtype), bias, bitmap, scale,
-                                      block_size=cfg.block_size, q_offset=q_offset, offsets=offsets)
+                                      block_size=cfg.block_size, q_offset=q_offset, offsets=offsets, held=held)
 
 
 def nosa_training_attention(
@@ -534,22 +453,25 @@ def nosa_training_attention(
         if attention_mask.dim() == 4 and attention_mask.shape[0] == 1 and query.shape[0] > 1:
             offsets = offsets.expand(query.shape[0])
     N = (T + cfg.block_size - 1) // cfg.block_size
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, bias)):
-        # Training: the step's backward recomputes this forward under gradient checkpointing; the selection (no
-        # gradient) is computed once and found again then.
-        fingerprint = _fingerprint(query, key, bias, cfg, scale, q_offset)
-        selection = _selections.get(fingerprint)
-        if selection is None:
-            selection = _Selection(selected_block_indices(query, key, bias, cfg, scale, q_offset=q_offset,
-                                                          offsets=offsets))
-            _selections[fingerprint] = selection
-        query = _Hold.apply(query, selection)
-        bitmap = _bitmap(selection.take(query.device), N)
+    held = None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, bias)) and (
+            held_forward.in_backward() or held_forward.rerun_expected()):
+        # Gradient checkpointing: the backward reruns this forward with bitwise the same inputs. The first forward
+        # holds its selection (and the sparse backend its output), the rerun finds them (held_forward.py).
+        meta, numbers = held_forward.fingerprint(query, key, bias, (q_offset, scale, *sorted(cfg.to_dict().items())))
+        if held_forward.in_backward():
+            held = held_forward.find(meta, numbers)
+        else:
+            indices = selected_block_indices(query, key, bias, cfg, scale, q_offset=q_offset, offsets=offsets)
+            held = held_forward.HeldForward(indices, meta, numbers)
+            query = held_forward.Hold.apply(query, held)
+    if held is not None:
+        bitmap = _bitmap(held.take_indices(query.device), N)
     else:
         bitmap = _bitmap(selected_block_indices(query, key, bias, cfg, scale, q_offset=q_offset, offsets=offsets), N)
     if backend == "flex":
         return _flex(query, key, value, bias, bitmap, cfg, scale, q_offset, fold, offsets)
     if backend == "sparse":
-        return _sparse(query, key, value, bias, bitmap, cfg, scale, q_offset, offsets)
+        return _sparse(query, key, value, bias, bitmap, cfg, scale, q_offset, offsets, held)
     attention = biased_attention if backend == "explicit" else attend
     return _explicit(query, key, value, bias, bitmap, cfg, scale, attention_mask, q_offset, attention, offsets)

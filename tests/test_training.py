@@ -406,11 +406,12 @@ def _counting_selection(monkeypatch):
 
 def test_checkpointed_backward_reuses_the_forward_selection(monkeypatch):
     """Under gradient checkpointing the recomputed forward finds its selection: one selection per layer and step,
-    and the same gradients as without checkpointing."""
+    and the same gradients as without checkpointing. Without checkpointing nothing is held."""
     import gc
 
-    import hf_nosa.training as training
     from torch.utils.checkpoint import checkpoint
+
+    from hf_nosa import held_forward
 
     cfg = small_nosa_config(**SPARSE)
     calls = _counting_selection(monkeypatch)
@@ -426,6 +427,7 @@ def test_checkpointed_backward_reuses_the_forward_selection(monkeypatch):
         outs = [checkpoint(layer_forward, *x, use_reentrant=False) if checkpointed else layer_forward(*x)
                 for x in leaves]
         assert len(calls) == 2
+        assert len(held_forward.live()) == (2 if checkpointed else 0)
         sum((o * torch.linspace(-1, 1, 16)).sum() for o in outs).backward()
         assert len(calls) == 2, "the recomputed forward selected again"
         grads[checkpointed] = [t.grad for x in leaves for t in x]
@@ -433,46 +435,149 @@ def test_checkpointed_backward_reuses_the_forward_selection(monkeypatch):
     for a, b in zip(grads[True], grads[False]):
         assert_close(a, b, atol=1e-6, rtol=1e-6)
     gc.collect()
-    assert len(training._selections) == 0  # nothing outlives the step
+    assert held_forward.live() == []  # nothing outlives the step
 
 
-@pytest.mark.gpu
-def test_checkpointed_selection_waits_on_the_host_on_gpu(monkeypatch):
-    """On CUDA a held selection waits in pinned host memory between the forward and its recompute (it would hold
-    device memory at the step's peak otherwise), and the recompute gets the same blocks back: the same gradients as
-    without checkpointing."""
-    import gc
-
-    import hf_nosa.training as training
+def test_reentrant_checkpointing_selects_in_its_rerun(monkeypatch):
+    """Reentrant checkpointing runs its first forward without gradients: nothing is held, and the rerun (inside the
+    backward) finds nothing and selects anew, with the same gradients."""
     from torch.utils.checkpoint import checkpoint
+
+    from hf_nosa import held_forward
 
     cfg = small_nosa_config(**SPARSE)
     calls = _counting_selection(monkeypatch)
-    layers = [[t.cuda() for t in _inputs(40 + i, T=300)] for i in range(2)]
+    q, k, v, bias = _inputs(21, T=130)
     grads = {}
     for checkpointed in (False, True):
         calls.clear()
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+
+        def layer_forward(q, k, v, bias):
+            return nosa_training_attention(q, k, v, bias, cfg, 0.25, backend="explicit")
+
+        out = checkpoint(layer_forward, *leaves, use_reentrant=True) if checkpointed else layer_forward(*leaves)
+        assert held_forward.live() == []
+        (out * torch.linspace(-1, 1, 16)).sum().backward()
+        assert len(calls) == (2 if checkpointed else 1)
+        grads[checkpointed] = [t.grad for t in leaves]
+    for a, b in zip(grads[True], grads[False]):
+        assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_checkpointed_sparse_attention_reuses_the_forward_output_interpreted(interpret, monkeypatch):
+    """The sparse kernels under gradient checkpointing: the rerun takes the first forward's output and log-sum-exp
+    instead of running the forward kernels again (counted), and the gradients equal those without checkpointing
+    (left padding included)."""
+    import gc
+
+    from torch.utils.checkpoint import checkpoint
+
+    from hf_nosa import held_forward
+    from hf_nosa.kernels import sparse_train_split
+
+    cfg = small_nosa_config(**SPARSE)
+    forwards = []
+    original = sparse_train_split._forward
+    monkeypatch.setattr(sparse_train_split, "_forward", lambda *a: forwards.append(1) or original(*a))
+    layers = [_inputs(50 + i, T=100) for i in range(2)]
+    mask = torch.ones(2, 100, dtype=torch.long)
+    mask[1, :7] = 0
+    attention_mask = mask[:, None, None, :].bool() & torch.ones(100, 100, dtype=torch.bool).tril()
+    grads = {}
+    for checkpointed in (False, True):
+        forwards.clear()
         leaves = [[t.clone().requires_grad_() for t in layer] for layer in layers]
 
         def layer_forward(q, k, v, bias):
-            return nosa_training_attention(q.clone(), k, v, bias, cfg, 0.25, backend="sparse")
+            return nosa_training_attention(q * 1.0, k, v, bias, cfg, 0.25, backend="sparse",
+                                           attention_mask=attention_mask)
 
         outs = [checkpoint(layer_forward, *x, use_reentrant=False) if checkpointed else layer_forward(*x)
                 for x in leaves]
-        held = list(training._selections.values())
-        assert len(held) == 2 and all(h._indices is None and h._host.is_pinned() for h in held)
-        sum((o * torch.linspace(-1, 1, 16, device="cuda")).sum() for o in outs).backward()
-        assert len(calls) == 2, "the recomputed forward selected again"
+        assert len(forwards) == 2
+        sum((o[1:] * torch.linspace(-1, 1, 16)).sum() + (o[0] ** 2).sum() for o in outs).backward()
+        assert len(forwards) == 2, "the rerun ran the forward kernels again"
         grads[checkpointed] = [t.grad for x in leaves for t in x]
-        del outs, held
+        del outs
     for a, b in zip(grads[True], grads[False]):
-        assert_close(a, b, atol=1e-5, rtol=1e-5)
+        assert torch.equal(a, b)  # the same kernels on the same inputs: bitwise
     gc.collect()
-    assert len(training._selections) == 0
+    assert held_forward.live() == []
+
+
+def test_a_fingerprint_tells_layers_and_steps_apart():
+    """Different inputs (another layer, a step later) give another fingerprint; the same inputs in the same layout
+    (a rerun's) the same one, also through a transposed view (the query as attention gets it)."""
+    from hf_nosa import held_forward
+
+    q, k, _, bias = _inputs(60, T=90)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    meta, numbers = held_forward.fingerprint(q, k, bias, (0, 0.25))
+    again = held_forward.fingerprint(q.transpose(1, 2).clone().transpose(1, 2), k.clone(), bias.clone(), (0, 0.25))
+    assert again[0] == meta and torch.equal(again[1], numbers)
+    step = q.clone()
+    step[1, 3, 77, 5] += 1e-3  # one value changed: the sums see it
+    assert not torch.equal(held_forward.fingerprint(step, k, bias, (0, 0.25))[1], numbers)
+    assert held_forward.fingerprint(q, k, bias, (1, 0.25))[0] != meta
+
+
+@pytest.mark.gpu
+def test_checkpointed_forward_waits_on_the_host_on_gpu(monkeypatch):
+    """On CUDA a held forward (selection, output, log-sum-exp) waits in pinned host memory between the forward and
+    its rerun (it would hold device memory at the step's peak otherwise); the rerun gets them back, the earlier
+    layer's prefetched, with the same gradients as without checkpointing."""
+    import gc
+
+    from torch.utils.checkpoint import checkpoint
+
+    from hf_nosa import held_forward
+    from hf_nosa.kernels import sparse_train_split
+
+    cfg = small_nosa_config(**SPARSE)
+    calls = _counting_selection(monkeypatch)
+    forwards = []
+    original = sparse_train_split._forward
+    monkeypatch.setattr(sparse_train_split, "_forward", lambda *a: forwards.append(1) or original(*a))
+    uploads = []  # per copy back: on the upload stream (prefetched) or the current one
+    to_device = held_forward._to_device
+    monkeypatch.setattr(held_forward, "_to_device",
+                        lambda *a, **kw: uploads.append(len(a) > 3 or "stream" in kw) or to_device(*a, **kw))
+    layers = [[t.cuda() for t in _inputs(40 + i, T=300)] for i in range(3)]
+    grads = {}
+    for checkpointed in (False, True):
+        calls.clear()
+        forwards.clear()
+        uploads.clear()
+        leaves = [[t.clone().requires_grad_() for t in layer] for layer in layers]
+
+        def layer_forward(q, k, v, bias):
+            return nosa_training_attention(q * 1.0, k, v, bias, cfg, 0.25, backend="sparse")
+
+        x = leaves[0][0]
+        for layer in leaves:  # a chain of layers, as in a model: the backward reruns them last to first
+            x = checkpoint(layer_forward, x, *layer[1:], use_reentrant=False) if checkpointed else \
+                layer_forward(x, *layer[1:])
+        held = held_forward.live()
+        if checkpointed:
+            assert len(held) == 3 and all(h._indices is None and len(h._host) == 3 for h in held)
+            assert all(t.is_pinned() for h in held for t in h._host)
+        else:
+            assert held == []
+        (x * torch.linspace(-1, 1, 16, device="cuda")).sum().backward()
+        assert len(calls) == 3 and len(forwards) == 3, "the rerun selected or attended again"
+        if checkpointed:  # layer 2 copied back on the current stream; 1 and 0 on the upload stream, prefetched
+            assert uploads == [False, True, True], uploads
+        grads[checkpointed] = [t.grad for x in leaves for t in x if t.grad is not None]
+        del x, held
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.equal(a, b)
+    gc.collect()
+    assert held_forward.live() == []
 
 
 def test_selection_is_not_kept_without_gradients(monkeypatch):
-    import hf_nosa.training as training
+    from hf_nosa import held_forward
 
     cfg = small_nosa_config(**SPARSE)
     calls = _counting_selection(monkeypatch)
@@ -480,7 +585,7 @@ def test_selection_is_not_kept_without_gradients(monkeypatch):
     with torch.no_grad():
         first = nosa_training_attention(q, k, v, bias, cfg, 0.25)
         second = nosa_training_attention(q, k, v, bias, cfg, 0.25)
-    assert len(calls) == 2 and len(training._selections) == 0
+    assert len(calls) == 2 and held_forward.live() == []
     assert torch.equal(first, second)
 
 

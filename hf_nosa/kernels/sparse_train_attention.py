@@ -43,7 +43,7 @@ from ..attend import AttentionInputs, attend
 from ..selection import MASK_VALUE
 from .backend import (HAS_TRITON, fastest_config, interpreting, kernel_path, launcher, next_power_of_2, on_device,
                       tl, triton)
-from .sparse_train_common import LOG2E, _dot, _key_block, _load_rows, _logits, _row_tile, _rows, _visible
+from .sparse_train_common import LOG2E, _dot, _key_block, _load_rows, _logits, _row_tile, _rows, _visible, held_result
 from .sparse_train_plan import EXTRA_ROWS, TILE_ROWS, SparsePlan, sparse_train_plan
 from .sparse_train_split import SplitTrainAttention
 
@@ -294,11 +294,12 @@ class _SparseTrainAttention(torch.autograd.Function):
     """The kernels with their backward; the plan is built in the forward and kept for the backward."""
 
     @staticmethod
-    def forward(ctx, query, key, value, bias, bitmap, offsets, scale, block_size, q_offset, tile, config):
+    def forward(ctx, query, key, value, bias, bitmap, offsets, scale, block_size, q_offset, tile, config, held):
         plan = sparse_train_plan(bitmap, heads=query.shape[1], block_size=block_size, q_offset=q_offset,
                                  offsets=offsets, tile=tile)
         bits = bitmap.view(torch.uint8)
-        out, lse = _forward(query, key, value, bias, bits, offsets, plan, scale, q_offset, block_size, config)
+        out, lse = held_result(held, query, lambda: _forward(query, key, value, bias, bits, offsets, plan, scale,
+                                                             q_offset, block_size, config))
         ctx.save_for_backward(query, key, value, bias, bits, offsets, out, lse, *plan[1:])
         ctx.settings = (plan.tokens, scale, q_offset, block_size, config)
         return out
@@ -312,7 +313,7 @@ class _SparseTrainAttention(torch.autograd.Function):
         plan = SparsePlan(tokens, *lists)
         dq, dk, dv, dbias = _backward(grad, query, key, value, bias, bits, offsets, out, lse, plan, scale, q_offset,
                                       block_size, config, ctx.needs_input_grad[:4])
-        return dq, dk, dv, dbias, None, None, None, None, None, None, None
+        return dq, dk, dv, dbias, None, None, None, None, None, None, None, None
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -354,7 +355,7 @@ def sparse_train_attention_ref(query, key, value, bias, bitmap, scale, *, block_
 def sparse_train_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
                            bitmap: torch.Tensor, scale: float, *, block_size: int, q_offset: int = 0,
                            offsets: torch.Tensor | None = None, tile: int | None = None, config: tuple | None = None,
-                           split: bool | None = None, extra_tile: int | None = None) -> torch.Tensor:
+                           split: bool | None = None, extra_tile: int | None = None, held=None) -> torch.Tensor:
     """NOSA attention of every query token over its selected blocks and its own block, with gradients: Triton where
     the kernels run (CUDA, or the interpreter), the torch reference elsewhere (``backend.kernel_path``).
 
@@ -376,6 +377,9 @@ def sparse_train_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         split: each tile's keys in the blocks all its tokens share and each token's extras, merged by log-sum-exp
             (``sparse_train_split.py``), or the union of the tile's selections in one pass (False); None: ``SPLIT``.
         extra_tile: split path: query rows per extras tile (default ``sparse_train_plan.EXTRA_ROWS``).
+        held: the output of this very forward computed before, for gradient checkpointing's rerun
+            (``held_forward.HeldForward``): ``held.output(device)`` gives ``(out, lse)`` or None, and a forward that
+            computes them hands them to ``held.keep_output(out, lse)``. The kernels' path only; None: compute.
 
     Returns:
         ``[B, H, Tq, D]`` in the query's dtype; 0 in rows that see no key (queries inside the padding).
@@ -443,8 +447,8 @@ def sparse_train_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     if SPLIT if split is None else split:
         out = SplitTrainAttention.apply(query, key, value, bias, bitmap, offsets, float(scale), int(block_size),
                                         int(q_offset), tile, EXTRA_ROWS if extra_tile is None else int(extra_tile),
-                                        config)
+                                        config, held)
     else:
         out = _SparseTrainAttention.apply(query, key, value, bias, bitmap, offsets, float(scale), int(block_size),
-                                          int(q_offset), tile, config)
+                                          int(q_offset), tile, config, held)
     return out[..., :D] if width != D else out

@@ -10,6 +10,17 @@ from .backend import HAS_TRITON, tl, triton
 
 LOG2E = 1.4426950408889634
 
+
+def held_result(held, query, compute):
+    """The forward's ``(out, lse)``: ``held``'s (gradient checkpointing's rerun, ``held_forward.HeldForward``), or
+    ``compute()``'s, handed to ``held`` to keep when there is one."""
+    result = held.output(query.device) if held is not None else None
+    if result is None:
+        result = compute()
+        if held is not None:
+            held.keep_output(*result)
+    return result
+
 if HAS_TRITON:
 
     @triton.jit

@@ -103,6 +103,44 @@ def test_kernel_only_where_no_gradient_is_wanted(interpret, monkeypatch):
     _check_close(fused, out.detach())
 
 
+@pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_gradient_path_equals_the_reference_with_gradients(dtype, weight_dtype, weight_grad):
+    """With a gradient, ``RMSNormSavingInput``: the reference's output bitwise, and the gradients autograd takes
+    through the reference (float32 to a few ulps; low precision within its rounding of the normalised row)."""
+    x, weight = _inputs((3, 5, 96), dtype, weight_dtype, seed=7)
+    grad = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(8)).to(torch.promote_types(dtype,
+                                                                                                    weight_dtype))
+    results = []
+    for fn in (norm_module.rms_norm, norm_module.rms_norm_ref):
+        xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_(weight_grad)
+        out = fn(xi, wi, 1e-6)
+        out.backward(grad)
+        results.append((out.detach(), xi.grad, wi.grad))
+    (out, gx, gw), (ref, ref_gx, ref_gw) = results
+    assert torch.equal(out, ref)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(gx, ref_gx, **tol)
+    assert (gw is None) == (not weight_grad)
+    if weight_grad:
+        torch.testing.assert_close(gw, ref_gw, **tol)
+
+
+def test_gradient_path_keeps_the_input_not_a_float32_copy():
+    """What the backward holds: the input and one float32 scale per row, not the float32 rows (the step's peak)."""
+    x, weight = _inputs((4, 64, 256), torch.bfloat16, seed=9)
+    x.requires_grad_()
+    held = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+        norm_module.rms_norm(x, weight, 1e-6)
+    assert sum(t.numel() * t.element_size() for t in held) == x.numel() * 2 + 4 * 64 * 4 + 256 * 2
+    held.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(t) or t, lambda t: t):
+        norm_module.rms_norm_ref(x, weight, 1e-6)
+    assert sum(t.numel() * t.element_size() for t in held) >= x.numel() * 6  # the reference's, for comparison
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_to_nosa_swaps_every_norm(family):
     """Every RMSNorm (the decoder's, the final one, Qwen3's q_norm/k_norm) becomes the fused class, and the state dict
