@@ -118,6 +118,11 @@ case "${1:-}" in
     grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/gpu_tests_train_held.log" | tail -30
     timeout 300 python benchmarks/train_step.py --lengths 32768,65536 --backends sparse --steps-only --out "$OUT/train_held" 2>&1 | grep -v '^{' | tail -24
     timeout 120 python benchmarks/train_step_breakdown.py --lengths 32768 --tiles "" --out "$OUT" 2>&1 | tail -4 ;;
+  train-final)    # issue 17: train-held plus the split dK/dV programs launched block by block (every head of a block together): the split kernels' and the held forward's GPU tests, the step at 32K and 64K against dense, then the 64K step by kernel (about 8 minutes)
+    timeout 100 python -m pytest -v -m gpu tests/kernels/test_sparse_train_split.py tests/test_training.py -k "split or waits_on_the_host" -n 3 -p no:cacheprovider --tb=short > "$OUT/gpu_tests_train_final.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/gpu_tests_train_final.log" | tail -12
+    timeout 230 python benchmarks/train_step.py --lengths 32768,65536 --backends sparse --steps-only --out "$OUT/train_final" 2>&1 | grep -v '^{' | tail -20
+    timeout 140 python benchmarks/train_step_breakdown.py --lengths 65536 --tiles "" --out "$OUT" 2>&1 | tail -3 ;;
   write-programs)  # issue 17: the host write on 8, 16 and 32 programs (HF_NOSA_WRITE_PROGRAMS) beside the whole prompt's layers: dense sdpa, then generate's first token at 64K, batch 1, median of 3 each, and the query choice's time by kernel at 8 (about 4 minutes)
     timeout 60 python benchmarks/prefill.py --contexts 65536 --batches 1 --chunks 4096 --methods dense --repeat 3 --out "$OUT/p64" 2>&1 | tail -1
     for n in 8 16 32; do

@@ -211,14 +211,18 @@ if HAS_TRITON:
         do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, db_ptr,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
         stride_bb, stride_bh, stride_sb, stride_sh, stride_st, stride_ob, stride_oh, stride_ot, stride_lb, stride_lh,
-        Hk, Tq, T, N, n_qt, n_et, n_sub, q_offset, qk_scale, scale,
+        Hk, Tq, T, N, n_qt, n_et, n_sub, q_offset, qk_scale, scale, B_HK,
         D: tl.constexpr, P: tl.constexpr, G: tl.constexpr, TOKENS: tl.constexpr, ETOKENS: tl.constexpr,
         IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr,
         BLOCK_N: tl.constexpr,
     ):
         """dK, dV and the bias gradient of key block ``i_n`` over both parts (dK, dV, dbias share the strides of K, V
         and the bias; dO takes the ``stride_o*`` slots, delta shares the log-sum-exp's)."""
-        i_n, i_bh = tl.program_id(0), tl.program_id(1)
+        # Programs go block by block, every (sequence, KV head) of a block together: an early block is in more
+        # tiles (more tokens come after it; the sink and the eviction head's favourites are in nearly all), so the
+        # longest programs start first and the short ones fill in after (launched head by head, the last head's
+        # long programs started last and left the GPU to a few of them: about 1.2x the balanced time at 32K).
+        i_bh, i_n = tl.program_id(0) % B_HK, tl.program_id(0) // B_HK
         i_b, i_hk = i_bh // Hk, i_bh % Hk
         off = tl.load(off_ptr + i_b)
         L = T - off
@@ -458,10 +462,11 @@ def _backward(grad, query, key, value, bias, bitmap, offsets, out, lse, plan, sc
 
         def run_dkdv(block_m, warps, stages):
             with on_device(query):
-                launcher(_split_dkdv_kernel)[(sizes[3], B * sizes[0])](
+                launcher(_split_dkdv_kernel)[(sizes[3] * B * sizes[0],)](
                     query, key, value, bias, bitmap, offsets, plan.tile_counts, plan.tiles, plan.extra_tile_counts,
                     plan.extra_tiles, plan.extra_tile_bits, grad, lse, delta, dk, dv, dbias, *strides, *tail, *sizes,
-                    n_qt, n_et, triton.cdiv(rows, block_m), q_offset, scale * LOG2E, scale, TOKENS=plan.tokens,
+                    n_qt, n_et, triton.cdiv(rows, block_m), q_offset, scale * LOG2E, scale, B * sizes[0],
+                    TOKENS=plan.tokens,
                     ETOKENS=plan.extra_tokens, BLOCK_M=block_m, BLOCK_E=block_e, BLOCK_X=max(block_m, block_e),
                     num_warps=warps, num_stages=stages, **cx)
 
