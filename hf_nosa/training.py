@@ -21,9 +21,9 @@ Four backends compute the same thing:
   backward runs each part with the global log-sum-exp. The plan is built once from the bitmap and kept for the
   backward. The bias gradient comes from the backward kernels. On CPU tensors it runs the torch reference unless
   ``HF_NOSA_KERNELS=triton`` and ``TRITON_INTERPRET=1`` (``kernels/backend.py``). The CUDA default
-  (``CUDA_BACKEND``). A 32K retrofit step of the 1b shape on an H200: 3.67 s with flex-like unions per tile at first,
-  2.87 s with the window kernel (dense sdpa 1.42 s; ``benchmarks/results/train_step_sparse_32k.json``); the split
-  path and the selection kernels are not yet timed in a whole step.
+  (``CUDA_BACKEND``). A retrofit step of the 1b shape on an H200, split path, selection kernels and held rerun:
+  1.418 s at 32K and 3.139 s at 64K against dense sdpa's 1.422 and 4.290 s
+  (``benchmarks/results/train_step_5c79eea.json``; the tile-union path took 2.87 s at 32K).
 - ``"explicit"`` (CPU): an additive mask per chunk of queries on sdpa (``dense_attention.biased_attention``).
 - ``"reference"``: the same masks through the einsum attention of ``attend.py`` (the per-token reference).
 
@@ -60,9 +60,9 @@ from .padding import from_rows, leading_padding, to_rows
 from .selection import MASK_VALUE, compress_keys, query_block_scores
 
 BACKENDS = ("flex", "sparse", "explicit", "reference")
-# The backend CUDA tensors take when none is named. On an H200 at 32K (1b shape) a retrofit step took 3.67 s with
-# the first "sparse" kernels and 2.87 s with the window kernel, against 9.59 s with "flex" (dense sdpa: 1.42 s);
-# benchmarks/train_step.py times each.
+# The backend CUDA tensors take when none is named. On an H200 at 32K (1b shape) a retrofit step takes 1.42 s with
+# "sparse" (its first kernels: 3.67 s) against 9.59 s with "flex" (dense sdpa: 1.42 s); benchmarks/train_step.py
+# times each.
 CUDA_BACKEND = "sparse"
 
 # Most fp32 elements one query chunk may hold in its largest intermediate (256 MiB): the selection scores
@@ -83,9 +83,8 @@ FLEX_FOLD = 1
 # The selection through the kernels of kernels/train_select.py (block scores, then the choice; Triton on CUDA, their
 # torch references elsewhere) instead of the torch rule of selection.py. None: on CUDA tensors only. The choice is
 # exact given the block scores; the scores' summation order differs from torch's, so a near-tie may resolve
-# differently in a few tokens (1 of 32,768 at 32K, 7 of 65,536 at 64K, 1b shape). On an H200 it took 9.1 ms a layer
-# and step at 32K and 25.7 ms at 64K (torch: 98 and 373 ms) with the choice's earlier tiles; the tiles now set
-# (kernels/train_select.py) ran the choice 2.7x faster in a sweep, not yet timed end to end.
+# differently in a few tokens (1 of 32,768 at 32K, 7 of 65,536 at 64K, 1b shape). On an H200 it takes 4.4 ms a layer
+# and step at 32K and 18 ms at 64K in the retrofit step (torch: 98 and 373 ms; benchmarks/train_step_breakdown.py).
 SELECTION_KERNEL: bool | None = None
 
 _compiled_flex = None
