@@ -123,6 +123,8 @@ case "${1:-}" in
     grep -E "PASSED|FAILED|ERROR|Error|assert|passed|failed" "$OUT/gpu_tests_train_final.log" | tail -12
     timeout 230 python benchmarks/train_step.py --lengths 32768,65536 --backends sparse --steps-only --out "$OUT/train_final" 2>&1 | grep -v '^{' | tail -20
     timeout 140 python benchmarks/train_step_breakdown.py --lengths 65536 --tiles "" --out "$OUT" 2>&1 | tail -3 ;;
+  train-tiles)    # issue 17, next: the retrofit step at 32K and 64K with 64-row shared tiles (16 tokens) beside the default 128 (one layer at 32K: 36.6 against 37.1 ms, dK/dV 13.6 against 15.8); then the default's 64K step by kernel (about 8 minutes)
+    for rows in 64 128; do timeout 200 python benchmarks/train_step.py --lengths 32768,65536 --backends sparse --steps-only --tile-rows $rows --out "$OUT/tiles_$rows" 2>&1 | grep -E '"step_time|"peak_memory' ; done ;;
   write-programs)  # issue 17: the host write on 8, 16 and 32 programs (HF_NOSA_WRITE_PROGRAMS) beside the whole prompt's layers: dense sdpa, then generate's first token at 64K, batch 1, median of 3 each, and the query choice's time by kernel at 8 (about 4 minutes)
     timeout 60 python benchmarks/prefill.py --contexts 65536 --batches 1 --chunks 4096 --methods dense --repeat 3 --out "$OUT/p64" 2>&1 | tail -1
     for n in 8 16 32; do

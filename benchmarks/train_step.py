@@ -321,6 +321,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats of the attention-only runs")
     parser.add_argument("--attention-only", action="store_true", help="skip the whole-model steps")
     parser.add_argument("--steps-only", action="store_true", help="skip the one-layer attention runs")
+    parser.add_argument("--tile-rows", type=int, default=None,
+                        help="query rows per shared tile of the sparse backend (default: TILE_ROWS, 128)")
     parser.add_argument("--backends", default="flex,sparse",
                         help="NOSA training backends timed on CUDA, model steps and attention (flex, sparse)")
     args = parser.parse_args()
@@ -341,7 +343,12 @@ def main() -> int:
     backends = args.backends.split(",")
     if not backends or any(b not in ("flex", "sparse") for b in backends):
         parser.error(f"--backends {args.backends!r} is not supported; allowed values are flex, sparse")
-    report = dict(environment(), flex_tile=FLEX_TILE, shapes={}, results=[], targets={})
+    if args.tile_rows is not None:
+        if args.tile_rows < 16 or args.tile_rows & (args.tile_rows - 1):
+            parser.error(f"--tile-rows {args.tile_rows} is invalid: it must be a power of two >= 16")
+        sparse_module.TILE_ROWS = args.tile_rows  # what sparse_train_attention takes when no tile is given
+    report = dict(environment(), flex_tile=FLEX_TILE, tile_rows=sparse_module.TILE_ROWS, shapes={}, results=[],
+                  targets={})
     for name in shapes:
         shape, recipe_name = SHAPES[name]
         recipe = load_recipe(recipe_name)
