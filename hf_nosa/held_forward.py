@@ -31,14 +31,20 @@ FINGERPRINT_SAMPLES = 64
 
 
 def in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread: a forward run now is a checkpoint's rerun."""
+    """Whether autograd's engine is running a backward on this thread: a forward run now is a checkpoint's rerun
+    (torch.utils.checkpoint asks the same function)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _hooks_active() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return True if top is None else top(False) is not None  # unknown: hold, which is only a cost if nothing reruns
 
 
 def rerun_expected() -> bool:
     """Whether the backward may rerun a forward running now: saved-tensor hooks are active (non-reentrant gradient
     checkpointing's) and this is not itself a rerun."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None and not in_backward()
+    return _hooks_active() and not in_backward()
 
 
 def _samples(t: torch.Tensor) -> torch.Tensor:
