@@ -115,14 +115,12 @@ def test_a_padded_prompts_outputs_come_back_at_the_callers_positions():
 
 
 @pytest.mark.parametrize("mode", ["dense", "quoka"])
-def test_the_same_on_the_device_kernels_interpreted(monkeypatch, mode):
+def test_the_same_on_the_device_kernels_interpreted(interpret, prompt_rotary_on_torch, monkeypatch, mode):
     """The Triton path (block_select, fetch, decode attention; QUOKA scoring and chunk attention) in the
     interpreter: its kernels read each row's padding on the device. The rows alone (no padding) run on the torch
-    path: the interpreted batch is what is under test."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
-    # The interpreter takes about 30 ms per prompt token (the rotary kernel runs a program per token) and a second per
-    # decode step, so the sizes are the least that still hold every case. 4 blocks (sink, local 2, query 1) against
+    path: the interpreted batch is what is under test. The prompt's rotary embedding (a per-token kernel, bitwise
+    its reference: tests/conftest.py ``prompt_rotary_on_torch``) runs the reference, the decode steps' the kernel."""
+    # The interpreter takes about a second per decode step, so the sizes are the least that still hold every case. 4 blocks (sink, local 2, query 1) against
     # rows of 97, 94 and 80 tokens (pads 3 and 17: a part of a block, and a whole block and a part). Two decode
     # steps: the first fetches every row's selection and opens block 5 of the 80-token row (its prompt ends on a
     # block boundary, so its pool holds no partial block); in the second the 94-token row completes a compressed
@@ -134,6 +132,7 @@ def test_the_same_on_the_device_kernels_interpreted(monkeypatch, mode):
     cfg = small_nosa_config(**{**BASE, "budget_tokens": 64, "query_tokens": 16, **tail}, **MODES[mode])
     ids, mask = _batch(length=97, pads=pads)
     _check_rows(_model("llama", cfg, num_hidden_layers=1), cfg, ids, mask, pads, 3, alone_on=monkeypatch)
+    assert prompt_rotary_on_torch  # the batch's prompt took the reference (the rows alone run the torch path anyway)
 
 
 def _updates_and_crop(model, cfg, prompt, prompt_mask, extra):
