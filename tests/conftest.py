@@ -110,18 +110,19 @@ def prompt_rotary_on_torch(monkeypatch):
     reference, a decode step's still on the kernel. The kernel runs one program per token, about 30 ms each in the
     interpreter (most of an interpreted prompt's time), and is bitwise its reference for any per-row positions
     (tests/kernels/test_rotary.py); a prompt's rotary kernel inside a model stays covered by
-    tests/kernels/test_decode_path.py::test_kernel_path_equals_torch_path_interpreted. Yields the number of prompt
-    calls taken to the reference (a test can assert the fixture was not idle)."""
+    tests/kernels/test_decode_path.py::test_kernel_path_equals_torch_path_interpreted. Yields the token counts of the
+    calls it took from the kernel to the reference (a test can assert the fixture was not idle)."""
     import hf_nosa.kernels.rotary as rotary
 
     chosen = rotary.inference_kernel_path
     prompts = []
 
     def path(name, q, *tensors):
-        if q.dim() == 4 and q.shape[2] > 1:
-            prompts.append(1)
+        kernel = chosen(name, q, *tensors)
+        if kernel == "triton" and q.dim() == 4 and q.shape[2] > 1:
+            prompts.append(q.shape[2])
             return "torch"
-        return chosen(name, q, *tensors)
+        return kernel
 
     monkeypatch.setattr(rotary, "inference_kernel_path", path)
     yield prompts

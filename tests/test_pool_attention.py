@@ -123,9 +123,10 @@ def test_quoka_prefill_in_parts_equals_one_part(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
-def test_quoka_prefill_in_parts_with_the_interpreted_fetch_kernel(monkeypatch):
+def test_quoka_prefill_in_parts_with_the_interpreted_fetch_kernel(monkeypatch, prompt_rotary_on_torch):
     """The fetch kernel's row offset (``row0``) in the Triton interpreter against the torch path in one part (one
-    layer: each layer fetches alike, and every kernel of the layer runs interpreted).
+    layer: each layer fetches alike, and every kernel of the layer runs interpreted but the prompt's rotary
+    embedding, a per-token kernel bitwise its reference: tests/conftest.py ``prompt_rotary_on_torch``).
 
     Two rows in two parts, the second (row0 = 1) left-padded by 21; 112 tokens in 32-token chunks, a budget of 3
     blocks (sink, local, one chosen) and a 32-token dense tail, so the interpreter runs each kind of chunk once: the
@@ -139,6 +140,7 @@ def test_quoka_prefill_in_parts_with_the_interpreted_fetch_kernel(monkeypatch):
     actual, actual_stats = _prefill_in_parts(monkeypatch, 2, HF_NOSA_KERNELS="triton", TRITON_INTERPRET="1", **small)
     assert_close(actual, expected, atol=1e-4, rtol=1e-4)
     assert actual_stats["blocks_loaded"] == expected_stats["blocks_loaded"] > 0
+    assert prompt_rotary_on_torch
 
 
 @pytest.mark.gpu

@@ -358,11 +358,13 @@ def test_quoka_on_gpu_equals_dense_with_full_budget_and_the_torch_path_with_a_sm
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
-def test_quoka_with_interpreted_kernels_equals_the_torch_path(monkeypatch):
+def test_quoka_with_interpreted_kernels_equals_the_torch_path(monkeypatch, prompt_rotary_on_torch):
     """Both chunk-attention call sites (one forward; a continuing call that reads earlier blocks from the host store)
     through the Triton kernels in the interpreter, against the torch references, with a budget smaller than the
-    prompt (so selected blocks come first in every chunk's key list). One layer: every kernel runs once a chunk."""
-    # The interpreter takes about 30 ms per token of a forward (a rotary program each), so the prompt is short: 72
+    prompt (so selected blocks come first in every chunk's key list). One layer: every kernel runs once a chunk, but
+    the rotary embedding of a forward of several tokens (a program per token, bitwise its reference:
+    tests/conftest.py ``prompt_rotary_on_torch``); the decode step's runs the kernel."""
+    # The interpreter runs every kernel of a chunk program by program, so the prompt is short: 72
     # tokens in 32-token chunks with a 32-token dense tail (the first chunk; one attending to its selected blocks
     # with row 0's tail from its 9th query and the padded row's from its first; tail queries over the prefix alone),
     # then 24 tokens by the decode rule over the host store, whose budget of 4 blocks makes row 0's tokens from its
@@ -390,6 +392,7 @@ def test_quoka_with_interpreted_kernels_equals_the_torch_path(monkeypatch):
     actual = run()
     real = mask.bool()
     torch.testing.assert_close(actual[real], expected[real], atol=1e-4, rtol=1e-4)
+    assert prompt_rotary_on_torch == [32, 32, 8, 24]  # the prompt's chunks, the continuation; the step on the kernel
 
 
 # ----- the prompt's tail attends densely (prefill_dense_tail_tokens) -----
