@@ -96,13 +96,14 @@ def test_whole_prompt_reads_nothing_back_and_holds_the_prompt():
         assert stats["device_tokens"] == held
 
 
-def test_whole_prompt_on_the_kernels(interpret, monkeypatch):
+def test_whole_prompt_on_the_kernels(interpret, prompt_rotary_on_torch, monkeypatch):
     """The Triton path (interpreted): selection kernels, flash_biased over the gathered blocks and the tail's
     prefix on the device, against chunk by chunk on the torch path.
 
-    One layer: the interpreter runs the rotary kernel once per token and layer, most of this test's time, and every
-    layer runs the same kernels (two layers through a whole prompt, against chunk by chunk, are the torch-path tests
-    above). 100 tokens in 32-token chunks, a budget of 3 blocks and a 16-token dense tail: a chunk with nothing
+    The prompt's rotary embedding runs its torch reference (the interpreter runs that kernel once per token and
+    layer, most of this test's time, and it is bitwise its reference: tests/conftest.py ``prompt_rotary_on_torch``).
+    One layer: every layer runs the same kernels (two layers through a whole prompt, against chunk by chunk, are the
+    torch-path tests above). 100 tokens in 32-token chunks, a budget of 3 blocks and a 16-token dense tail: a chunk with nothing
     before it, one whose 2 earlier blocks all fit the budget, one choosing 3 of 4 blocks while the rows' tails start
     inside it (at its 21st query, and at its 8th in the row padded by 13), and a last one of tail queries alone.
     With one layer the last position's logits come from the dense tail alone, so the layer's output at every real
@@ -112,7 +113,7 @@ def test_whole_prompt_on_the_kernels(interpret, monkeypatch):
     config = dict(prefill_chunk_size=32, prefill_budget_tokens=48, prefill_dense_tail_tokens=16, local_tokens=16)
     lengths = _layer_lengths(model)
     whole = _generate(model, ids, mask, new_tokens=1, hidden_states=True, **config)
-    assert lengths == [100]
+    assert lengths == [100] and prompt_rotary_on_torch == [100]  # the whole prompt through the layer at once
     monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
     chunked = _generate(model, ids, mask, new_tokens=1, hidden_states=True, prefill_whole_prompt_tokens=0, **config)
     torch.testing.assert_close(whole.logits[0], chunked.logits[0], atol=1e-4, rtol=1e-4)
