@@ -120,13 +120,13 @@ def test_the_same_on_the_device_kernels_interpreted(interpret, prompt_rotary_on_
     interpreter: its kernels read each row's padding on the device. The rows alone (no padding) run on the torch
     path: the interpreted batch is what is under test. The prompt's rotary embedding (a per-token kernel, bitwise
     its reference: tests/conftest.py ``prompt_rotary_on_torch``) runs the reference, the decode steps' the kernel."""
-    # The interpreter takes about a second per decode step, so the sizes are the least that still hold every case. 4 blocks (sink, local 2, query 1) against
-    # rows of 97, 94 and 80 tokens (pads 3 and 17: a part of a block, and a whole block and a part). Two decode
-    # steps: the first fetches every row's selection and opens block 5 of the 80-token row (its prompt ends on a
-    # block boundary, so its pool holds no partial block); in the second the 94-token row completes a compressed
-    # window and block 5, and the selection changes. QUOKA: a 48-token dense tail, so the one chunk that fetches
-    # blocks holds the rows' first tail queries at 17, 14 and 0 (a padded row's inside the chunk, as alone), and
-    # the last two chunks are tail queries over the prefix alone.
+    # The interpreter takes about a second per decode step, so the sizes are the least that still hold every case. 4
+    # blocks (sink, local 2, query 1) against rows of 97, 94 and 80 tokens (pads 3 and 17: a part of a block, and a
+    # whole block and a part). Two decode steps: the first fetches every row's selection and opens block 5 of the
+    # 80-token row (its prompt ends on a block boundary, so its pool holds no partial block); in the second the
+    # 94-token row completes a compressed window and block 5, and the selection changes. QUOKA: a 48-token dense
+    # tail, so the one chunk that fetches blocks holds the rows' first tail queries at 17, 14 and 0 (a padded row's
+    # inside the chunk, as alone), and the last two chunks are tail queries over the prefix alone.
     pads = (0, 3, 17)
     tail = {"prefill_dense_tail_tokens": 48} if mode == "quoka" else {}
     cfg = small_nosa_config(**{**BASE, "budget_tokens": 64, "query_tokens": 16, **tail}, **MODES[mode])

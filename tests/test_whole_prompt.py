@@ -103,11 +103,11 @@ def test_whole_prompt_on_the_kernels(interpret, prompt_rotary_on_torch, monkeypa
     The prompt's rotary embedding runs its torch reference (the interpreter runs that kernel once per token and
     layer, most of this test's time, and it is bitwise its reference: tests/conftest.py ``prompt_rotary_on_torch``).
     One layer: every layer runs the same kernels (two layers through a whole prompt, against chunk by chunk, are the
-    torch-path tests above). 100 tokens in 32-token chunks, a budget of 3 blocks and a 16-token dense tail: a chunk with nothing
-    before it, one whose 2 earlier blocks all fit the budget, one choosing 3 of 4 blocks while the rows' tails start
-    inside it (at its 21st query, and at its 8th in the row padded by 13), and a last one of tail queries alone.
-    With one layer the last position's logits come from the dense tail alone, so the layer's output at every real
-    position of the prompt is compared too: there each chunk's own blocks and tail show."""
+    torch-path tests above). 100 tokens in 32-token chunks, a budget of 3 blocks and a 16-token dense tail: a chunk
+    with nothing before it, one whose 2 earlier blocks all fit the budget, one choosing 3 of 4 blocks while the
+    rows' tails start inside it (at its 21st query, and at its 8th in the row padded by 13), and a last one of tail
+    queries alone. With one layer the last position's logits come from the dense tail alone, so the layer's output
+    at every real position of the prompt is compared too: there each chunk's own blocks and tail show."""
     model = _converted(seed=11, layers=1)
     ids, mask = padded_batch(100, (0, 13), seed=12)
     config = dict(prefill_chunk_size=32, prefill_budget_tokens=48, prefill_dense_tail_tokens=16, local_tokens=16)
