@@ -268,10 +268,11 @@ def test_padded_rows_equal_the_rows_alone_with_fp8_store():
         torch.testing.assert_close(logits[row], alone_logits[0], atol=1e-4, rtol=1e-4)
 
 
-def test_device_kernels_equal_the_torch_path_interpreted(monkeypatch):
+def test_device_kernels_equal_the_torch_path_interpreted(monkeypatch, prompt_rotary_on_torch):
     """The Triton path (host write, fused fetch step dequantizing blocks and quantizing the blocks decoding
     completes) gives what the torch references give, on a padded batch whose rows complete blocks at different
-    steps."""
+    steps. The prompt's rotary embedding, a kernel of a program per token that is bitwise its reference, runs the
+    reference (tests/conftest.py ``prompt_rotary_on_torch``); the decode steps' the kernel."""
     cfg = small_nosa_config(**SMALL, prefill="dense", host_dtype="float8_e4m3fn")
     model = _model("llama", cfg, num_hidden_layers=1)  # one layer keeps the interpreter fast
     ids = torch.randint(3, 97, (2, 79), generator=torch.Generator().manual_seed(6))
@@ -284,6 +285,7 @@ def test_device_kernels_equal_the_torch_path_interpreted(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
     k_tokens, k_logits, cache = _generate(model, cfg, ids, mask, new_tokens=4)
+    assert prompt_rotary_on_torch == [79]  # the prompt alone
     assert torch.equal(k_tokens, tokens)
     torch.testing.assert_close(k_logits, logits, atol=1e-4, rtol=1e-4)
     host = cache.layers[0].host
