@@ -75,8 +75,10 @@ def test_kernel_path_equals_torch_path_interpreted(interpret, monkeypatch):
     assert abs(stats_k["locality"] - stats_t["locality"]) < 1e-6
 
 
-def test_resident_margin_kernel_path_equals_torch_path_interpreted(interpret, monkeypatch):
-    """``resident_margin`` on both decode paths: the same tokens and traffic, and more blocks kept than without."""
+def test_resident_margin_kernel_path_equals_torch_path_interpreted(interpret, prompt_rotary_on_torch, monkeypatch):
+    """``resident_margin`` on both decode paths: the same tokens and traffic, and more blocks kept than without.
+    The prompt's rotary embedding runs its torch reference (bitwise the per-token kernel, ``prompt_rotary_on_torch``
+    in tests/conftest.py; test_kernel_path_equals_torch_path_interpreted runs it), the decode steps' the kernel."""
     # 113 tokens (7 complete blocks against a budget of 6) and 3 decode steps: with the margin a step after the first
     # still fetches a block, without it the steps fetch more (28 blocks against 26); the last completes a window.
     model = nosa_model(num_hidden_layers=1, budget=96, seed=2)
@@ -84,6 +86,7 @@ def test_resident_margin_kernel_path_equals_torch_path_interpreted(interpret, mo
     cfg = NosaConfig.from_dict(model.config.nosa, resident_margin=1.0)
     seq_t, scores_t, stats_t = generate(model, ids, "torch", monkeypatch, 4, nosa_config=cfg)
     seq_k, scores_k, stats_k = generate(model, ids, "triton", monkeypatch, 4, nosa_config=cfg)
+    assert prompt_rotary_on_torch == [113]  # the prompt alone
     assert torch.equal(seq_k, seq_t)
     assert_close(scores_k, scores_t, atol=1e-4, rtol=1e-4)
     for key in STAT_KEYS:
@@ -94,13 +97,15 @@ def test_resident_margin_kernel_path_equals_torch_path_interpreted(interpret, mo
     assert stats_0["blocks_loaded"] > stats_t["blocks_loaded"]
 
 
-def test_kernel_path_with_a_selector_interpreted(interpret, monkeypatch):
+def test_kernel_path_with_a_selector_interpreted(interpret, prompt_rotary_on_torch, monkeypatch):
+    # The prompt's rotary embedding on its torch reference (as in the resident-margin test above).
     # 79 tokens and 4 decode steps: a window and block 4 complete, block 5 opens, and the selection changes in the
     # last two steps (fetching 2 blocks, then 2 more).
     model = nosa_model(num_hidden_layers=1, seed=3)
     ids = torch.randint(3, 97, (1, 79), generator=torch.Generator().manual_seed(1))
     seq_t, scores_t, stats_t = generate(model, ids, "torch", monkeypatch, 5, selector=KernelQueryOnly())
     seq_k, scores_k, stats_k = generate(model, ids, "triton", monkeypatch, 5, selector=KernelQueryOnly())
+    assert prompt_rotary_on_torch == [79]
     assert torch.equal(seq_k, seq_t)
     assert_close(scores_k, scores_t, atol=1e-4, rtol=1e-4)
     assert stats_k["blocks_loaded"] == stats_t["blocks_loaded"] and stats_t["locality"] < 1
@@ -240,8 +245,9 @@ def test_benchmark_fill_matches_a_dense_prefill():
             assert torch.equal(layer.slot_k[:, :, 0], r.slot_k[:, :, 0])
 
 
-def test_crop_and_beam_search_on_the_kernel_path_interpreted(interpret, monkeypatch):
-    """The device-side step counter follows the cache through crop (assisted decoding) and beam reordering."""
+def test_crop_and_beam_search_on_the_kernel_path_interpreted(interpret, prompt_rotary_on_torch, monkeypatch):
+    """The device-side step counter follows the cache through crop (assisted decoding) and beam reordering (the
+    prompt's rotary embedding on its torch reference, ``prompt_rotary_on_torch``; the steps' on the kernel)."""
     model = nosa_model(num_hidden_layers=1, seed=7)
     ids = torch.randint(3, 97, (1, 44), generator=torch.Generator().manual_seed(7))
     logits = {}
@@ -264,3 +270,4 @@ def test_crop_and_beam_search_on_the_kernel_path_interpreted(interpret, monkeypa
         logits[path] = torch.stack(out)
         assert cache.get_seq_length() == 44 + 3 - 2 + 2 + 1
     assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)
+    assert prompt_rotary_on_torch == [44]
