@@ -126,3 +126,22 @@ def prompt_rotary_on_torch(monkeypatch):
 
     monkeypatch.setattr(rotary, "inference_kernel_path", path)
     yield prompts
+
+
+@pytest.fixture(scope="session", autouse=True)
+def started_early(request, tmp_path_factory):
+    """Runs in fresh processes that start with the session instead of with their module: a test module may define
+    ``start_early(tmp_path_factory)``, returning a ``subprocess.Popen``; it is called here when one of the module's
+    tests is selected, and the module's fixtures wait for the process (``started_early[module.__name__]``). Such a
+    run takes one core for itself, and most of the suite (the interpreted kernels, the modules on ``one_thread``)
+    leaves the second core of the 2-core CI machine idle. A process still running at the session's end is killed."""
+    started = {}
+    for module in dict.fromkeys(getattr(item, "module", None) for item in request.session.items):
+        start = getattr(module, "start_early", None)
+        if callable(start):
+            started[module.__name__] = start(tmp_path_factory)
+    yield started
+    for proc in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -62,17 +62,30 @@ print(json.dumps(results))
 """
 
 
-@pytest.fixture(scope="module")
-def experiment(tmp_path_factory):
+def start_early(tmp_path_factory) -> subprocess.Popen:
+    """The one interpreter, started with the session (tests/conftest.py ``started_early``): its toy run is bounded
+    by steps, not time, so running beside other tests changes nothing in it. Its output goes to stdout.txt and
+    stderr.txt in its root folder (``proc.root``)."""
     root = tmp_path_factory.mktemp("quality")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     bad = json.dumps([flags for flags, _ in BAD_SETTINGS])
-    done = subprocess.run([sys.executable, "-c", RUN_ALL, str(RUN), str(root), bad, json.dumps(SMOKE)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    with open(root / "stdout.txt", "w") as stdout, open(root / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", RUN_ALL, str(RUN), str(root), bad, json.dumps(SMOKE)],
+                                stdout=stdout, stderr=stderr, text=True, env=env)
+    proc.root = root
+    return proc
+
+
+@pytest.fixture(scope="module")
+def experiment(started_early):
+    proc = started_early[__name__]
+    proc.wait(timeout=600)
+    root = proc.root
+    stdout, stderr = (root / "stdout.txt").read_text(), (root / "stderr.txt").read_text()
+    assert proc.returncode == 0, stderr[-3000:]
+    results = json.loads(stdout.strip().splitlines()[-1])
     bad_runs = {" ".join(flags): result for (flags, _), result in zip(BAD_SETTINGS, results["bad"])}
-    return dict(out=root / "run", smoke=results["smoke"], stderr=done.stderr, bad=bad_runs)
+    return dict(out=root / "run", smoke=results["smoke"], stderr=stderr, bad=bad_runs)
 
 
 def test_smoke_run_trains_evaluates_and_exports(experiment):
