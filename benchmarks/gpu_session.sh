@@ -125,6 +125,8 @@ case "${1:-}" in
     timeout 140 python benchmarks/train_step_breakdown.py --lengths 65536 --tiles "" --out "$OUT" 2>&1 | tail -3 ;;
   train-tiles)    # issue 17, next: the retrofit step at 32K and 64K with 64-row shared tiles (16 tokens) beside the default 128 (one layer at 32K: 36.6 against 37.1 ms, dK/dV 13.6 against 15.8); then the default's 64K step by kernel (about 8 minutes)
     for rows in 64 128; do timeout 200 python benchmarks/train_step.py --lengths 32768,65536 --backends sparse --steps-only --tile-rows $rows --out "$OUT/tiles_$rows" 2>&1 | grep -E '"step_time|"peak_memory' ; done ;;
+  train-sites)    # issue 17: the 64K NOSA retrofit step by kernel and its torch ops by calling line (which lines launch the copies and elementwise kernels dense does not run), the step timed beside (about 4 minutes)
+    timeout 400 python benchmarks/train_step_breakdown.py --lengths 65536 --modes nosa --tiles "" --sites 60 --out "$OUT" 2>&1 | tail -3 ;;
   write-programs)  # issue 17: the host write on 8, 16 and 32 programs (HF_NOSA_WRITE_PROGRAMS) beside the whole prompt's layers: dense sdpa, then generate's first token at 64K, batch 1, median of 3 each, and the query choice's time by kernel at 8 (about 4 minutes)
     timeout 60 python benchmarks/prefill.py --contexts 65536 --batches 1 --chunks 4096 --methods dense --repeat 3 --out "$OUT/p64" 2>&1 | tail -1
     for n in 8 16 32; do
@@ -132,5 +134,5 @@ case "${1:-}" in
     done
     HF_NOSA_WRITE_PROGRAMS=8 timeout 80 python benchmarks/prefill_breakdown.py --context 65536 --batch 1 --fetch-parts 1 --out "$OUT/b1_w8" 2>&1 | tail -9 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-sparse-64k|train-split|train-step|prefill-whole|prefill-whole-2|prefill-whole-3|write-programs" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-sparse-64k|train-split|train-step|train-sites|prefill-whole|prefill-whole-2|prefill-whole-3|write-programs" >&2; exit 2 ;;
 esac

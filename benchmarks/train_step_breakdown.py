@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf_nosa  # noqa: E402,F401  (before memory_census: its batch_plan imports a submodule first)
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.memory_census import cuda_events, package_roots, peak_report, replay  # noqa: E402
-from benchmarks.profiling import gpu_ms_by_kernel  # noqa: E402
+from benchmarks.profiling import gpu_ms_by_kernel, gpu_ms_by_site  # noqa: E402
 from benchmarks.train_step import SHAPES, _inputs, _reset_peak, build  # noqa: E402
 from hf_nosa import NosaConfig  # noqa: E402
 from hf_nosa import training  # noqa: E402
@@ -66,6 +66,8 @@ def step_breakdown(mode: str, seq_len: int, args, shape, cfg, recipe) -> dict:
     row = dict(kind="step_breakdown", mode=mode, seq_len=seq_len, step_times_s=times,
                peak_memory_gb=torch.cuda.max_memory_allocated() / 2**30)
     row["gpu_ms"] = _table(gpu_ms_by_kernel(step), args.top)
+    if args.sites:
+        row["torch_ops_by_site"] = gpu_ms_by_site(step)[:args.sites]
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_stats()["requested_bytes.all.current"]
@@ -140,6 +142,9 @@ def main() -> int:
     parser.add_argument("--tiles", default="128/16,64/16,128/32",
                         help="shared/extras tile rows of the one-layer runs ('' for none)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sites", type=int, default=0,
+                        help="also profile one step with Python stacks and report this many (torch op, calling "
+                             "line) pairs by GPU time (0: none)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("train_step_breakdown.py profiles CUDA kernels: it needs a GPU")
