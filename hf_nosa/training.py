@@ -53,6 +53,7 @@ from .attend import AttentionInputs, attend
 from .config import NosaConfig
 from .dense_attention import biased_attention
 from .kernels.backend import kernel_path
+from .kernels.selection_bitmap import selection_bitmap
 from .kernels.sparse_train_attention import sparse_train_attention
 from .kernels.train_select import index_dtype, train_block_scores, train_select_blocks, train_select_blocks_ref
 from .masks import additive_mask, padding_bias
@@ -167,9 +168,9 @@ def _positions(lo: int, hi: int, offsets: torch.Tensor | None, device) -> torch.
 
 
 def _bitmap(indices: torch.Tensor, n_blocks: int) -> torch.Tensor:
-    """``[B, Hk, Tq, K]`` indices (``n_blocks`` for none) -> ``[B, Hk, Tq, N]`` bool."""
-    bitmap = torch.zeros(*indices.shape[:3], n_blocks + 1, dtype=torch.bool, device=indices.device)
-    return bitmap.scatter_(-1, indices.long(), True)[..., :n_blocks].contiguous()
+    """``[B, Hk, Tq, K]`` indices (``n_blocks`` for none) -> ``[B, Hk, Tq, N]`` bool (one kernel pass on CUDA:
+    ``kernels/selection_bitmap.py``)."""
+    return selection_bitmap(indices, n_blocks)
 
 
 @torch.no_grad()

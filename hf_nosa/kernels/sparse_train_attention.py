@@ -43,7 +43,8 @@ from ..attend import AttentionInputs, attend
 from ..selection import MASK_VALUE
 from .backend import (HAS_TRITON, fastest_config, interpreting, kernel_path, launcher, next_power_of_2, on_device,
                       tl, triton)
-from .sparse_train_common import LOG2E, _dot, _key_block, _load_rows, _logits, _row_tile, _rows, _visible, held_result
+from .sparse_train_common import (LOG2E, _dot, _key_block, _load_rows, _logits, _row_tile, _rows, _visible,
+                                  held_result, row_dot)
 from .sparse_train_plan import EXTRA_ROWS, TILE_ROWS, SparsePlan, sparse_train_plan
 from .sparse_train_split import SplitTrainAttention
 
@@ -256,7 +257,7 @@ def _forward(query, key, value, bias, bitmap, offsets, plan, scale, q_offset, bl
 def _backward(grad, query, key, value, bias, bitmap, offsets, out, lse, plan, scale, q_offset, block_size, config,
               needs):
     B, H, Tq, D = query.shape
-    delta = (grad.float() * out.float()).sum(-1)  # [B, H, Tq], lse's layout
+    delta = row_dot(grad, out)  # [B, H, Tq], lse's layout
     strides, sizes, constexprs = _common(query, key, value, bias, bitmap, plan, block_size)
     G, rows, N = constexprs["G"], plan.tokens * constexprs["G"], sizes[3]
     tail = (grad.stride(0), grad.stride(1), grad.stride(2), lse.stride(0), lse.stride(1))
@@ -294,9 +295,9 @@ class _SparseTrainAttention(torch.autograd.Function):
     """The kernels with their backward; the plan is built in the forward and kept for the backward."""
 
     @staticmethod
-    def forward(ctx, query, key, value, bias, bitmap, offsets, scale, block_size, q_offset, tile, config, held):
+    def forward(ctx, query, key, value, bias, bitmap, offsets, padded, scale, block_size, q_offset, tile, config, held):
         plan = sparse_train_plan(bitmap, heads=query.shape[1], block_size=block_size, q_offset=q_offset,
-                                 offsets=offsets, tile=tile)
+                                 offsets=offsets if padded else None, tile=tile)
         bits = bitmap.view(torch.uint8)
         out, lse = held_result(held, query, lambda: _forward(query, key, value, bias, bits, offsets, plan, scale,
                                                              q_offset, block_size, config))
@@ -313,7 +314,7 @@ class _SparseTrainAttention(torch.autograd.Function):
         plan = SparsePlan(tokens, *lists)
         dq, dk, dv, dbias = _backward(grad, query, key, value, bias, bits, offsets, out, lse, plan, scale, q_offset,
                                       block_size, config, ctx.needs_input_grad[:4])
-        return dq, dk, dv, dbias, None, None, None, None, None, None, None, None
+        return dq, dk, dv, dbias, None, None, None, None, None, None, None, None, None
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -441,14 +442,18 @@ def sparse_train_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         query, key, value = (F.pad(t, (0, width - D)) for t in (query, key, value))
     query, key, value = (_dense(t) for t in (query, key, value))
     bias, bitmap = bias.contiguous(), bitmap.contiguous()
+    # the plan takes the general path (tokens inside a row's padding) only where there is padding to count out: on a
+    # tensor of zeros it costs a 0.5 GB elementwise pass per layer at 64K
+    padded = offsets is not None
     offsets = (torch.zeros(B, dtype=torch.int32, device=query.device) if offsets is None
                else offsets.to(device=query.device, dtype=torch.int32))
     tile = TILE_ROWS if tile is None else int(tile)
     if SPLIT if split is None else split:
-        out = SplitTrainAttention.apply(query, key, value, bias, bitmap, offsets, float(scale), int(block_size),
+        out = SplitTrainAttention.apply(query, key, value, bias, bitmap, offsets, padded, float(scale), int(block_size),
                                         int(q_offset), tile, EXTRA_ROWS if extra_tile is None else int(extra_tile),
                                         config, held)
     else:
-        out = _SparseTrainAttention.apply(query, key, value, bias, bitmap, offsets, float(scale), int(block_size),
+        out = _SparseTrainAttention.apply(query, key, value, bias, bitmap, offsets, padded, float(scale),
+                                          int(block_size),
                                           int(q_offset), tile, config, held)
     return out[..., :D] if width != D else out

@@ -31,7 +31,8 @@ from torch.autograd.function import once_differentiable
 
 from ..selection import MASK_VALUE
 from .backend import HAS_TRITON, fastest_config, interpreting, launcher, next_power_of_2, on_device, tl, triton
-from .sparse_train_common import LOG2E, held_result, _dot, _key_block, _load_rows, _logits, _row_tile, _rows, _visible
+from .sparse_train_common import (LOG2E, _dot, _key_block, _load_rows, _logits, _row_tile, _rows, _visible,
+                                  held_result, row_dot)
 from .sparse_train_plan import SplitPlan, split_plan
 
 # Shared kernels: (BLOCK_M, num_warps, num_stages); extras kernels: (num_warps, num_stages), their rows being the
@@ -450,7 +451,7 @@ def _forward(query, key, value, bias, bitmap, offsets, plan, scale, q_offset, bl
 def _backward(grad, query, key, value, bias, bitmap, offsets, out, lse, plan, scale, q_offset, block_size, config,
               needs):
     B, H, Tq, D = query.shape
-    delta = (grad.float() * out.float()).sum(-1)  # [B, H, Tq], lse's layout
+    delta = row_dot(grad, out)  # [B, H, Tq], lse's layout
     strides, sizes, cx, n_qt, n_et, block_e = _common(query, key, value, bias, bitmap, plan, block_size)
     G, rows = cx["G"], plan.tokens * cx["G"]
     tail = (grad.stride(0), grad.stride(1), grad.stride(2), lse.stride(0), lse.stride(1))
@@ -500,10 +501,10 @@ class SplitTrainAttention(torch.autograd.Function):
     """The split kernels with their backward; the plan is built in the forward and kept for the backward."""
 
     @staticmethod
-    def forward(ctx, query, key, value, bias, bitmap, offsets, scale, block_size, q_offset, tile, extra_tile, config,
-                held):
-        plan = split_plan(bitmap, heads=query.shape[1], block_size=block_size, q_offset=q_offset, offsets=offsets,
-                          tile=tile, extra_tile=extra_tile)
+    def forward(ctx, query, key, value, bias, bitmap, offsets, padded, scale, block_size, q_offset, tile, extra_tile,
+                config, held):
+        plan = split_plan(bitmap, heads=query.shape[1], block_size=block_size, q_offset=q_offset,
+                          offsets=offsets if padded else None, tile=tile, extra_tile=extra_tile)
         bits = bitmap.view(torch.uint8)
         out, lse = held_result(held, query, lambda: _forward(query, key, value, bias, bits, offsets, plan, scale,
                                                              q_offset, block_size, config))
@@ -520,4 +521,4 @@ class SplitTrainAttention(torch.autograd.Function):
         plan = SplitPlan(tokens, extra_tokens, *lists)
         dq, dk, dv, dbias = _backward(grad, query, key, value, bias, bits, offsets, out, lse, plan, scale, q_offset,
                                       block_size, config, ctx.needs_input_grad[:4])
-        return dq, dk, dv, dbias, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, dbias, None, None, None, None, None, None, None, None, None, None

@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from hf_nosa.kernels.sparse_train_common import ROW_DOT_ROWS, row_dot, row_dot_ref
 from hf_nosa.selection import MASK_VALUE
 
 from ..utils import assert_close
@@ -262,3 +263,15 @@ def test_docstring_examples():
 
     assert doctest.testmod(sparse_module, raise_on_error=True).attempted > 0
     assert doctest.testmod(plan_module, raise_on_error=True).attempted > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_dot_matches_its_reference(interpret, dtype):
+    """The backward's delta = rowsum(dO * O) in one pass: rows past a program's, a head dim that is not a power of
+    two, a strided output (the width-padded layout)."""
+    g = torch.Generator().manual_seed(11)
+    grad = torch.randn(2, 3, ROW_DOT_ROWS + 7, 24, generator=g).to(dtype)
+    out = torch.randn(2, 3, ROW_DOT_ROWS + 7, 32, generator=g).to(dtype)[..., :24]
+    delta = row_dot(grad, out)
+    assert delta.dtype == torch.float32 and delta.shape == (2, 3, ROW_DOT_ROWS + 7)
+    assert_close(delta, row_dot_ref(grad, out), atol=1e-4, rtol=1e-5)
