@@ -112,6 +112,8 @@ def sparse_train_plan(bitmap: torch.Tensor, *, heads: int, block_size: int, q_of
 EXTRA_ROWS = 16
 # Most tokens an extras tile holds: their visibility bits fit one int32 word per (tile, block).
 EXTRA_TOKENS_MAX = 31
+# Extras tiles x blocks per program of the extras words kernel: a [tiles, blocks] tile of words stored in both layouts.
+EXTRA_WORD_TILES, EXTRA_WORD_BLOCKS = 32, 64
 
 
 class SplitPlan(NamedTuple):
@@ -141,33 +143,41 @@ if HAS_TRITON:
 
     @triton.jit
     def _extras_words_kernel(
-        sel_ptr, shared_ptr, off_ptr, word_ptr, Hk, Tq, N, n_qt, n_et, q_offset,
+        sel_ptr, shared_ptr, off_ptr, word_ptr, tword_ptr, Hk, Tq, N, n_qt, n_et, q_offset,
         stride_sb, stride_sh, stride_st, P: tl.constexpr, TOKENS: tl.constexpr, ETOKENS: tl.constexpr,
-        BLOCK: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
     ):
-        """The extras words of one extras tile over ``BLOCK`` blocks: bit k for token k's extras (its selection
-        outside its shared tile's own blocks and, for a real token, outside the tile's shared blocks)."""
+        """The extras words of ``BLOCK_E`` extras tiles over ``BLOCK`` blocks: bit k for token k's extras (its
+        selection outside its shared tile's own blocks and, for a real token, outside the tile's shared blocks),
+        stored per tile (``[n_et, N]``) and per block (``[N, n_et]``, the backward's lists): the transposed copy in
+        torch was a strided pass over the words, 0.4 ms a layer at 64K."""
         i_e, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_b = i_bh // Hk
         off = tl.load(off_ptr + i_b)
+        o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
         o_n = i_c * BLOCK + tl.arange(0, BLOCK)
-        m_n = o_n < N
-        word = tl.zeros([BLOCK], dtype=tl.int32)
+        m_e, m_n = o_e < n_et, o_n < N
+        p_sel = sel_ptr + i_b.to(tl.int64) * stride_sb + (i_bh % Hk).to(tl.int64) * stride_sh
+        word = tl.zeros([BLOCK_E, BLOCK], dtype=tl.int32)
         for k in tl.static_range(ETOKENS):
-            t = i_e * ETOKENS + k
+            t = o_e * ETOKENS + k  # [BLOCK_E]
             i_t = t // TOKENS
             first = q_offset + i_t * TOKENS - off
             last = q_offset + tl.minimum(Tq, i_t * TOKENS + TOKENS) - 1 - off
             lo = tl.maximum(first, 0) // P
             hi = tl.where(last >= 0, tl.maximum(last, 0) // P, lo - 1)
-            m = m_n & (o_n * 0 + t < Tq)
-            b_sel = tl.load(sel_ptr + i_b.to(tl.int64) * stride_sb + (i_bh % Hk).to(tl.int64) * stride_sh
-                            + t.to(tl.int64) * stride_st + o_n, mask=m, other=0) != 0
-            b_shared = tl.load(shared_ptr + (i_bh.to(tl.int64) * n_qt + i_t) * N + o_n, mask=m, other=0) != 0
-            taken = ((o_n >= lo) & (o_n <= hi)) | (b_shared & (q_offset + t - off >= 0))
+            m = (m_e & (t < Tq))[:, None] & m_n[None, :]
+            b_sel = tl.load(p_sel + t[:, None].to(tl.int64) * stride_st + o_n[None, :], mask=m, other=0) != 0
+            b_shared = tl.load(shared_ptr + (i_bh.to(tl.int64) * n_qt + i_t)[:, None] * N + o_n[None, :], mask=m,
+                               other=0) != 0
+            own = (o_n[None, :] >= lo[:, None]) & (o_n[None, :] <= hi[:, None])
+            taken = own | (b_shared & (q_offset + t - off >= 0)[:, None])
             word = word | ((b_sel & ~taken).to(tl.int32) << k)
-        tl.store(word_ptr + (i_bh.to(tl.int64) * n_et + i_e) * N + o_n, word.to(word_ptr.dtype.element_ty),
-                 mask=m_n)
+        word = word.to(word_ptr.dtype.element_ty)
+        m = m_e[:, None] & m_n[None, :]
+        tl.store(word_ptr + (i_bh.to(tl.int64) * n_et + o_e)[:, None] * N + o_n[None, :], word, mask=m)
+        tl.store(tword_ptr + (i_bh.to(tl.int64) * N + o_n)[:, None] * n_et + o_e[None, :], tl.trans(word),
+                 mask=tl.trans(m))
 
     @triton.jit
     def _compact_kernel(x_ptr, count_ptr, index_ptr, value_ptr, M, HAS_VALUES: tl.constexpr, BLOCK: tl.constexpr):
@@ -292,16 +302,17 @@ def split_plan(bitmap: torch.Tensor, *, heads: int, block_size: int, q_offset: i
     word = torch.uint8 if etokens <= 8 else torch.int32
     if bitmap.is_cuda if kernels is None else kernels:
         bits = torch.empty(B, Hk, n_et, N, dtype=word, device=device)
-        block = min(1024, next_power_of_2(N))
+        tbits = torch.empty(B, Hk, N, n_et, dtype=word, device=device)
+        block_e, block = min(EXTRA_WORD_TILES, next_power_of_2(n_et)), min(EXTRA_WORD_BLOCKS, next_power_of_2(N))
         with on_device(bitmap):
-            launcher(_extras_words_kernel)[(n_et, triton.cdiv(N, block), B * Hk)](
-                bitmap.view(torch.uint8), shared.contiguous().view(torch.uint8), off, bits, Hk, Tq, N, n_qt, n_et,
-                q_offset, bitmap.stride(0), bitmap.stride(1), bitmap.stride(2), P=P, TOKENS=tokens, ETOKENS=etokens,
-                BLOCK=block)
+            launcher(_extras_words_kernel)[(triton.cdiv(n_et, block_e), triton.cdiv(N, block), B * Hk)](
+                bitmap.view(torch.uint8), shared.contiguous().view(torch.uint8), off, bits, tbits, Hk, Tq, N, n_qt,
+                n_et, q_offset, bitmap.stride(0), bitmap.stride(1), bitmap.stride(2), P=P, TOKENS=tokens,
+                ETOKENS=etokens, BLOCK_E=block_e, BLOCK=block)
         counts, blocks, _ = _compact_kernels(whole.view(torch.uint8), False)
         tile_counts, tiles, _ = _compact_kernels(whole.transpose(-1, -2).view(torch.uint8), False)
         extra_counts, extra_blocks, extra_bits = _compact_kernels(bits, True)
-        extra_tile_counts, extra_tiles, extra_tile_bits = _compact_kernels(bits.transpose(-1, -2), True)
+        extra_tile_counts, extra_tiles, extra_tile_bits = _compact_kernels(tbits, True)
         return SplitPlan(tokens, etokens, counts, blocks, tile_counts, tiles, extra_counts, extra_blocks, extra_bits,
                          extra_tile_counts, extra_tiles, extra_tile_bits)
     counts, blocks, _ = _compact_values(whole)

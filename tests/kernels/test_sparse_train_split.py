@@ -183,10 +183,12 @@ def test_split_plan_covers_each_visible_key_once(G, tile, extra_tile, q_offset, 
 
 
 @needs_triton
-@pytest.mark.parametrize("G,tile,extra_tile,q_offset,pads", [(4, 32, 16, 0, None), (3, 32, 16, 30, (5, 50)),
-                                                             (1, 16, 8, 0, None), (1, 64, 32, 9, (0, 13))])
-def test_plan_kernels_equal_the_torch_plan_interpreted(interpret, G, tile, extra_tile, q_offset, pads):
-    B, Hk, P, T = 2, 2, 8, 70
+@pytest.mark.parametrize("G,tile,extra_tile,q_offset,pads,P", [
+    (4, 32, 16, 0, None, 8), (3, 32, 16, 30, (5, 50), 8), (1, 16, 8, 0, None, 8), (1, 64, 32, 9, (0, 13), 8),
+    (2, 32, 4, 3, (0, 2), 1),  # N = 70 blocks, 34 extras tiles: more than one words program along each
+])
+def test_plan_kernels_equal_the_torch_plan_interpreted(interpret, G, tile, extra_tile, q_offset, pads, P):
+    B, Hk, T = 2, 2, 70
     Tq, N = T - q_offset, math.ceil(T / P)
     offsets = torch.tensor(pads) if pads is not None else None
     g = torch.Generator().manual_seed(G)
