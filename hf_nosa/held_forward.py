@@ -41,17 +41,6 @@ def _hooks_active() -> bool:
     return True if top is None else top(False) is not None  # unknown: hold, which is only a cost if nothing reruns
 
 
-def checkpoint_drops_saved() -> bool:
-    """Whether the innermost saved-tensor hooks now are non-reentrant checkpointing's first-forward hooks: what a
-    forward saves is then dropped, and the backward takes the tensors its rerun saves (of the same shapes, which the
-    checkpoint checks). False for any other hooks, and where torch's hooks cannot be told apart (a private name)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    hooks = top(False) if top is not None else None
-    pack = hooks[0] if hooks else None
-    return (getattr(pack, "__module__", None) == "torch.utils.checkpoint"
-            and getattr(pack, "__qualname__", "").startswith("_checkpoint_hook."))
-
-
 def rerun_expected() -> bool:
     """Whether the backward may rerun a forward running now: saved-tensor hooks are active (non-reentrant gradient
     checkpointing's) and this is not itself a rerun."""

@@ -477,11 +477,9 @@ def test_checkpointed_sparse_attention_reuses_the_forward_output_interpreted(int
     from hf_nosa.kernels import sparse_train_split
 
     cfg = small_nosa_config(**SPARSE)
-    forwards, plans = [], []
-    original, original_plan = sparse_train_split._forward, sparse_train_split.split_plan
+    forwards = []
+    original = sparse_train_split._forward
     monkeypatch.setattr(sparse_train_split, "_forward", lambda *a: forwards.append(1) or original(*a))
-    monkeypatch.setattr(sparse_train_split, "split_plan",
-                        lambda *a, **kw: plans.append(kw.get("backward_lists", True)) or original_plan(*a, **kw))
     # One KV head of two query heads (a group, as in the GQA models): the interpreter runs a program per (tile, row,
     # KV head), and what is checked here (the rerun reusing the held forward, bitwise the same gradients) does not
     # depend on the head count; test_sparse_backend_equals_explicit_with_gradients_interpreted and
@@ -494,35 +492,23 @@ def test_checkpointed_sparse_attention_reuses_the_forward_output_interpreted(int
         chosen = selected_blocks(q, k, bias, cfg, 0.25).sum(-1)
         assert int(chosen.max()) <= cfg.budget_blocks and int(chosen[..., -1].min()) < 100 // cfg.block_size
     grads = {}
-    # "hooks": saved-tensor hooks that keep what the forward saved (no checkpoint, no rerun): the forward holds its
-    # result expecting a rerun, yet builds the backward's plan lists (only checkpointing's hooks drop them)
-    for mode in ("plain", "checkpoint", "hooks"):
+    for checkpointed in (False, True):
         forwards.clear()
-        plans.clear()
         leaves = [[t.clone().requires_grad_() for t in layer] for layer in layers]
 
         def layer_forward(q, k, v, bias):
             return nosa_training_attention(q * 1.0, k, v, bias, cfg, 0.25, backend="sparse",
                                            attention_mask=attention_mask)
 
-        if mode == "hooks":
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                outs = [layer_forward(*x) for x in leaves]
-        else:
-            outs = [checkpoint(layer_forward, *x, use_reentrant=False) if mode == "checkpoint" else layer_forward(*x)
-                    for x in leaves]
+        outs = [checkpoint(layer_forward, *x, use_reentrant=False) if checkpointed else layer_forward(*x)
+                for x in leaves]
         assert len(forwards) == 2
-        assert plans == ([False, False] if mode == "checkpoint" else [True, True])
         sum((o[1:] * torch.linspace(-1, 1, 16)).sum() + (o[0] ** 2).sum() for o in outs).backward()
         assert len(forwards) == 2, "the rerun ran the forward kernels again"
-        # checkpoint: the first forwards' plans leave the backward's lists out (stand-ins of their shapes, which the
-        # checkpoint compares with the rerun's) and the reruns build whole plans
-        assert plans == ([False, False, True, True] if mode == "checkpoint" else [True, True])
-        grads[mode] = [t.grad for x in leaves for t in x]
+        grads[checkpointed] = [t.grad for x in leaves for t in x]
         del outs
-    for mode in ("checkpoint", "hooks"):
-        for a, b in zip(grads[mode], grads["plain"]):
-            assert torch.equal(a, b)  # the same kernels on the same inputs: bitwise
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.equal(a, b)  # the same kernels on the same inputs: bitwise
     gc.collect()
     assert held_forward.live() == []
 

@@ -145,7 +145,7 @@ if HAS_TRITON:
     def _extras_words_kernel(
         sel_ptr, shared_ptr, off_ptr, word_ptr, tword_ptr, Hk, Tq, N, n_qt, n_et, q_offset,
         stride_sb, stride_sh, stride_st, P: tl.constexpr, TOKENS: tl.constexpr, ETOKENS: tl.constexpr,
-        BLOCK_E: tl.constexpr, BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr,
+        BLOCK_E: tl.constexpr, BLOCK: tl.constexpr,
     ):
         """The extras words of ``BLOCK_E`` extras tiles over ``BLOCK`` blocks: bit k for token k's extras (its
         selection outside its shared tile's own blocks and, for a real token, outside the tile's shared blocks),
@@ -176,9 +176,8 @@ if HAS_TRITON:
         word = word.to(word_ptr.dtype.element_ty)
         m = m_e[:, None] & m_n[None, :]
         tl.store(word_ptr + (i_bh.to(tl.int64) * n_et + o_e)[:, None] * N + o_n[None, :], word, mask=m)
-        if TRANSPOSED:
-            tl.store(tword_ptr + (i_bh.to(tl.int64) * N + o_n)[:, None] * n_et + o_e[None, :], tl.trans(word),
-                     mask=tl.trans(m))
+        tl.store(tword_ptr + (i_bh.to(tl.int64) * N + o_n)[:, None] * n_et + o_e[None, :], tl.trans(word),
+                 mask=tl.trans(m))
 
     @triton.jit
     def _compact_kernel(x_ptr, count_ptr, index_ptr, value_ptr, M, HAS_VALUES: tl.constexpr, BLOCK: tl.constexpr):
@@ -238,23 +237,6 @@ def _compact_values(visit: torch.Tensor, values: torch.Tensor | None = None):
     return counts, index[..., :M].contiguous(), out[..., :M].contiguous()
 
 
-def _unbuilt_lists(blocks: torch.Tensor, extra_bits: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Empty stand-ins for the backward's lists (``split_plan(backward_lists=False)``): tile_counts, tiles,
-    extra_tile_counts, extra_tiles, extra_tile_bits, with the shapes and dtypes the built ones have."""
-    B, Hk, n_qt, N = blocks.shape
-    n_et = extra_bits.shape[2]
-    device = blocks.device
-
-    def index(M):
-        return torch.int16 if M < 2**15 else torch.int32
-
-    return (torch.empty(B, Hk, N, dtype=torch.int32, device=device),
-            torch.empty(B, Hk, N, n_qt, dtype=index(n_qt), device=device),
-            torch.empty(B, Hk, N, dtype=torch.int32, device=device),
-            torch.empty(B, Hk, N, n_et, dtype=index(n_et), device=device),
-            torch.empty(B, Hk, N, n_et, dtype=extra_bits.dtype, device=device))
-
-
 def _own_blocks(B: int, Tq: int, N: int, tokens: int, P: int, q_offset: int, offsets, device) -> torch.Tensor:
     """``[B, n_qt, N]`` bool: the own blocks of each tile's tokens (a contiguous range; none for a tile inside the
     padding)."""
@@ -270,7 +252,7 @@ def _own_blocks(B: int, Tq: int, N: int, tokens: int, P: int, q_offset: int, off
 
 def split_plan(bitmap: torch.Tensor, *, heads: int, block_size: int, q_offset: int = 0,
                offsets: torch.Tensor | None = None, tile: int = TILE_ROWS, extra_tile: int = EXTRA_ROWS,
-               kernels: bool | None = None, backward_lists: bool = True) -> SplitPlan:
+               kernels: bool | None = None) -> SplitPlan:
     """Split each tile's keys into the blocks all its tokens share and each token's extras (``SplitPlan``).
 
     A token takes part in its tile's shared blocks when its position is real (``>= 0``); a query inside the padding
@@ -287,10 +269,6 @@ def split_plan(bitmap: torch.Tensor, *, heads: int, block_size: int, q_offset: i
         extra_tile: query rows per extras tile.
         kernels: build the extras words and the lists with the Triton kernels above (one pass each) instead of torch
             ops (several passes and int64 temporaries over the extras); None: on CUDA tensors.
-        backward_lists: build the lists only the backward reads (the tiles visiting each block). False gives empty
-            tensors of their shapes and dtypes instead (unspecified values), for a forward whose saved tensors
-            gradient checkpointing drops: its rerun builds them, and the checkpoint checks that the rerun saves
-            tensors of the same shapes.
 
     Returns:
         ``SplitPlan``. With ``kernels`` the list entries past each count are unspecified.
@@ -324,25 +302,21 @@ def split_plan(bitmap: torch.Tensor, *, heads: int, block_size: int, q_offset: i
     word = torch.uint8 if etokens <= 8 else torch.int32
     if bitmap.is_cuda if kernels is None else kernels:
         bits = torch.empty(B, Hk, n_et, N, dtype=word, device=device)
-        tbits = torch.empty(B, Hk, N, n_et, dtype=word, device=device) if backward_lists else bits
+        tbits = torch.empty(B, Hk, N, n_et, dtype=word, device=device)
         block_e, block = min(EXTRA_WORD_TILES, next_power_of_2(n_et)), min(EXTRA_WORD_BLOCKS, next_power_of_2(N))
         with on_device(bitmap):
             launcher(_extras_words_kernel)[(triton.cdiv(n_et, block_e), triton.cdiv(N, block), B * Hk)](
                 bitmap.view(torch.uint8), shared.contiguous().view(torch.uint8), off, bits, tbits, Hk, Tq, N, n_qt,
                 n_et, q_offset, bitmap.stride(0), bitmap.stride(1), bitmap.stride(2), P=P, TOKENS=tokens,
-                ETOKENS=etokens, BLOCK_E=block_e, BLOCK=block, TRANSPOSED=backward_lists)
+                ETOKENS=etokens, BLOCK_E=block_e, BLOCK=block)
         counts, blocks, _ = _compact_kernels(whole.view(torch.uint8), False)
-        extra_counts, extra_blocks, extra_bits = _compact_kernels(bits, True)
-        if not backward_lists:
-            tile_counts, tiles, extra_tile_counts, extra_tiles, extra_tile_bits = _unbuilt_lists(blocks, extra_bits)
-            return SplitPlan(tokens, etokens, counts, blocks, tile_counts, tiles, extra_counts, extra_blocks,
-                             extra_bits, extra_tile_counts, extra_tiles, extra_tile_bits)
         tile_counts, tiles, _ = _compact_kernels(whole.transpose(-1, -2).view(torch.uint8), False)
+        extra_counts, extra_blocks, extra_bits = _compact_kernels(bits, True)
         extra_tile_counts, extra_tiles, extra_tile_bits = _compact_kernels(tbits, True)
         return SplitPlan(tokens, etokens, counts, blocks, tile_counts, tiles, extra_counts, extra_blocks, extra_bits,
                          extra_tile_counts, extra_tiles, extra_tile_bits)
     counts, blocks, _ = _compact_values(whole)
-    tile_counts, tiles, _ = _compact_values(whole.transpose(-1, -2)) if backward_lists else (None, None, None)
+    tile_counts, tiles, _ = _compact_values(whole.transpose(-1, -2))
     # The extras: what a token selected outside its tile's own blocks and, for a real token, its shared blocks.
     taken = own[:, :, :, None] | (shared[:, :, :, None] & real)  # [B, Hk, n_qt, tokens, N]
     extras = (padded & ~taken).view(B, Hk, n_qt * tokens, N)[:, :, :Tq]
@@ -352,11 +326,8 @@ def split_plan(bitmap: torch.Tensor, *, heads: int, block_size: int, q_offset: i
         bits |= extras[:, :, :, k].to(word) << k
     visit = bits != 0
     extra_counts, extra_blocks, extra_bits = _compact_values(visit, bits)
-    if backward_lists:
-        tbits = bits.transpose(-1, -2)
-        extra_tile_counts, extra_tiles, extra_tile_bits = _compact_values(visit.transpose(-1, -2), tbits)
-    else:
-        tile_counts, tiles, extra_tile_counts, extra_tiles, extra_tile_bits = _unbuilt_lists(blocks, extra_bits)
+    tbits = bits.transpose(-1, -2)
+    extra_tile_counts, extra_tiles, extra_tile_bits = _compact_values(visit.transpose(-1, -2), tbits)
     return SplitPlan(tokens, etokens, counts, blocks, tile_counts, tiles, extra_counts, extra_blocks, extra_bits,
                      extra_tile_counts, extra_tiles, extra_tile_bits)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..held_forward import checkpoint_drops_saved, in_backward
 from ..selection import MASK_VALUE
 from .backend import HAS_TRITON, fastest_config, interpreting, launcher, next_power_of_2, on_device, tl, triton
 from .sparse_train_common import (LOG2E, _dot, _key_block, _load_rows, _logits, _row_tile, _rows, _visible,
@@ -504,12 +503,8 @@ class SplitTrainAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, bias, bitmap, offsets, padded, scale, block_size, q_offset, tile, extra_tile,
                 config, held):
-        # Under non-reentrant gradient checkpointing the first forward's saved tensors are dropped and its rerun,
-        # inside the backward, builds the plan again: the backward's lists are built there only.
-        dropped = held is not None and not in_backward() and checkpoint_drops_saved()
         plan = split_plan(bitmap, heads=query.shape[1], block_size=block_size, q_offset=q_offset,
-                          offsets=offsets if padded else None, tile=tile, extra_tile=extra_tile,
-                          backward_lists=not dropped)
+                          offsets=offsets if padded else None, tile=tile, extra_tile=extra_tile)
         bits = bitmap.view(torch.uint8)
         out, lse = held_result(held, query, lambda: _forward(query, key, value, bias, bits, offsets, plan, scale,
                                                              q_offset, block_size, config))

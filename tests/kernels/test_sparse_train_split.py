@@ -249,24 +249,3 @@ def test_split_matches_reference_on_gpu(dtype):
         for name, actual, expected in zip(("out", "dq", "dk", "dv", "dbias"), got, want):
             error = float((actual.float() - expected).norm() / expected.norm())
             assert error < (1e-4 if dtype == torch.float32 else 1e-2), f"{name} T={T} {dtype}: {error:.2e}"
-
-
-@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=needs_triton)])
-def test_plan_without_the_backward_lists(interpret, kernels):
-    """``backward_lists=False``: the forward's lists as the whole plan has them, and stand-ins of the backward's with
-    the same shapes and dtypes (gradient checkpointing compares the rerun's saved tensors with them)."""
-    B, Hk, G, P, T = 2, 2, 2, 8, 70
-    N = math.ceil(T / P)
-    g = torch.Generator().manual_seed(5)
-    bitmap = _nosa_bitmap(B, Hk, T, N, P, 0, None, g) | (torch.rand(B, Hk, T, N, generator=g) < 0.05)
-    kwargs = dict(heads=G * Hk, block_size=P, tile=32, extra_tile=4, kernels=kernels)
-    whole = plan_module.split_plan(bitmap, **kwargs)
-    forward = plan_module.split_plan(bitmap, backward_lists=False, **kwargs)
-    for name in ("counts", "extra_counts"):
-        assert torch.equal(getattr(forward, name), getattr(whole, name)), name
-    for counts, name in (("counts", "blocks"), ("extra_counts", "extra_blocks"), ("extra_counts", "extra_bits")):
-        listed = torch.arange(N) < getattr(whole, counts)[..., None]
-        assert torch.equal(getattr(forward, name)[listed], getattr(whole, name)[listed]), name
-    for name in ("tile_counts", "tiles", "extra_tile_counts", "extra_tiles", "extra_tile_bits"):
-        a, b = getattr(forward, name), getattr(whole, name)
-        assert (a.shape, a.dtype) == (b.shape, b.dtype), name
