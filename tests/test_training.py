@@ -492,7 +492,9 @@ def test_checkpointed_sparse_attention_reuses_the_forward_output_interpreted(int
         chosen = selected_blocks(q, k, bias, cfg, 0.25).sum(-1)
         assert int(chosen.max()) <= cfg.budget_blocks and int(chosen[..., -1].min()) < 100 // cfg.block_size
     grads = {}
-    for checkpointed in (False, True):
+    # "hooks": saved-tensor hooks that keep what the forward saved (no checkpoint, so no rerun): the forward holds its
+    # result expecting a rerun that never comes, and the backward runs on what it saved
+    for mode in ("plain", "checkpoint", "hooks"):
         forwards.clear()
         leaves = [[t.clone().requires_grad_() for t in layer] for layer in layers]
 
@@ -500,15 +502,20 @@ def test_checkpointed_sparse_attention_reuses_the_forward_output_interpreted(int
             return nosa_training_attention(q * 1.0, k, v, bias, cfg, 0.25, backend="sparse",
                                            attention_mask=attention_mask)
 
-        outs = [checkpoint(layer_forward, *x, use_reentrant=False) if checkpointed else layer_forward(*x)
-                for x in leaves]
+        if mode == "hooks":
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                outs = [layer_forward(*x) for x in leaves]
+        else:
+            outs = [checkpoint(layer_forward, *x, use_reentrant=False) if mode == "checkpoint" else layer_forward(*x)
+                    for x in leaves]
         assert len(forwards) == 2
         sum((o[1:] * torch.linspace(-1, 1, 16)).sum() + (o[0] ** 2).sum() for o in outs).backward()
         assert len(forwards) == 2, "the rerun ran the forward kernels again"
-        grads[checkpointed] = [t.grad for x in leaves for t in x]
+        grads[mode] = [t.grad for x in leaves for t in x]
         del outs
-    for a, b in zip(grads[True], grads[False]):
-        assert torch.equal(a, b)  # the same kernels on the same inputs: bitwise
+    for mode in ("checkpoint", "hooks"):
+        for a, b in zip(grads[mode], grads["plain"]):
+            assert torch.equal(a, b)  # the same kernels on the same inputs: bitwise
     gc.collect()
     assert held_forward.live() == []
 
