@@ -136,6 +136,8 @@ case "${1:-}" in
     timeout 330 python -m pytest -v -m gpu -n 5 -p no:cacheprovider --tb=short tests/kernels/test_selection_bitmap.py tests/kernels/test_sparse_train_split.py tests/kernels/test_sparse_train_attention.py tests/test_training.py -k "not flex" > "$OUT/gpu_tests_train_verify.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_train_verify.log" | cut -c1-160 | tail -24
     timeout 200 python benchmarks/train_step.py --lengths 32768,65536 --backends sparse --steps-only --out "$OUT/train_verify" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-160 ;;
+  train-gaps)     # issue 17: where the 64K NOSA step's compute stream has no kernel (about 80 ms a step at b67a05c: 2.93 s of kernels on it in a 3.01 s step; the fingerprint's host sync ruled out): its idle time by gap length and the 30 longest gaps with the kernels around them, dense beside it (about 4 minutes)
+    timeout 400 python benchmarks/train_step_breakdown.py --lengths 65536 --tiles "" --gaps 30 --out "$OUT" 2>&1 | tail -3 ;;
   write-programs)  # issue 17: the host write on 8, 16 and 32 programs (HF_NOSA_WRITE_PROGRAMS) beside the whole prompt's layers: dense sdpa, then generate's first token at 64K, batch 1, median of 3 each, and the query choice's time by kernel at 8 (about 4 minutes)
     timeout 60 python benchmarks/prefill.py --contexts 65536 --batches 1 --chunks 4096 --methods dense --repeat 3 --out "$OUT/p64" 2>&1 | tail -1
     for n in 8 16 32; do
@@ -143,5 +145,5 @@ case "${1:-}" in
     done
     HF_NOSA_WRITE_PROGRAMS=8 timeout 80 python benchmarks/prefill_breakdown.py --context 65536 --batch 1 --fetch-parts 1 --out "$OUT/b1_w8" 2>&1 | tail -9 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-sparse-64k|train-split|train-step|train-sites|train-plan|train-verify|prefill-whole|prefill-whole-2|prefill-whole-3|write-programs" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-sparse-64k|train-split|train-step|train-sites|train-plan|train-verify|train-gaps|prefill-whole|prefill-whole-2|prefill-whole-3|write-programs" >&2; exit 2 ;;
 esac

@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.decode_throughput import CAP_GB, build_model  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
+from benchmarks.profiling import busy_seconds  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 from hf_nosa.pool_attention import PARTS_ENV_VAR  # noqa: E402
@@ -68,20 +69,6 @@ def kind_of(name: str) -> str:
         if re.search(pattern, name):
             return kind
     return "other"
-
-
-def busy_seconds(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of ``(start, end)`` intervals (microseconds in, seconds out): GPU busy time with
-    kernels on several streams counted once where they overlap."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(intervals):
-        if a > end:
-            total += b - a
-            end = b
-        elif b > end:
-            total += b - end
-            end = b
-    return total / 1e6
 
 
 def summarize(kernels: list[tuple[str, float, float]], top: int = 4) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 
@@ -48,3 +50,82 @@ def gpu_ms_by_site(run, packages: tuple[str, ...] = ("hf_nosa", "transformers", 
         entry[1] += event.count
     rows = [dict(op=op, site=site, ms=round(ms, 3), calls=calls) for (op, site), (ms, calls) in sites.items()]
     return sorted(rows, key=lambda r: -r["ms"])
+
+
+def busy_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals (microseconds in, seconds out): GPU busy time with
+    kernels on several streams counted once where they overlap."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total / 1e6
+
+
+# Gap lengths (ms) the idle time of a stream is summed by: many short gaps are launches the host is late with, a
+# few long ones waits (a host sync, an event).
+GAP_BUCKETS_MS = (0.01, 0.1, 1.0, 10.0)
+
+
+def stream_gaps(activities: list[tuple[int, float, float, str]], top: int = 20) -> dict:
+    """Where the busiest stream (a training step's compute stream) has nothing to run.
+
+    Args:
+        activities: ``(stream, start_us, end_us, name)`` of the device's kernels, copies and memsets over one run.
+        top: longest gaps listed.
+
+    Returns:
+        ``stream``, its ``span_ms`` (first start to last end), ``busy_ms`` and ``idle_ms``; ``other_streams_ms``,
+        busy time of each other stream; ``idle_by_gap_ms``, the idle time summed by gap length (``GAP_BUCKETS_MS``
+        upper bounds, the last bucket unbounded) with the gaps' counts; ``gaps``, the ``top`` longest with the
+        activities before and after each.
+    """
+    by_stream: dict[int, list[tuple[float, float, str]]] = {}
+    for stream, a, b, name in activities:
+        by_stream.setdefault(stream, []).append((a, b, name))
+    if not by_stream:
+        return dict(stream=None, span_ms=0.0, busy_ms=0.0, idle_ms=0.0, other_streams_ms={}, idle_by_gap_ms={},
+                    gaps=[])
+    busy = {s: busy_seconds([(a, b) for a, b, _ in acts]) * 1e3 for s, acts in by_stream.items()}
+    stream = max(busy, key=busy.get)
+    acts = sorted(by_stream[stream])
+    gaps, end, last = [], acts[0][1], acts[0][2]
+    for a, b, name in acts[1:]:
+        if a > end:
+            gaps.append(((a - end) / 1e3, last, name))
+        if b >= end:
+            end, last = b, name
+    span = (end - acts[0][0]) / 1e3
+    buckets = Counter()
+    counts = Counter()
+    for ms, _, _ in gaps:
+        bound = next((f"<={b}" for b in GAP_BUCKETS_MS if ms <= b), f">{GAP_BUCKETS_MS[-1]}")
+        buckets[bound] += ms
+        counts[bound] += 1
+    order = [f"<={b}" for b in GAP_BUCKETS_MS] + [f">{GAP_BUCKETS_MS[-1]}"]
+    return dict(
+        stream=stream, span_ms=round(span, 3), busy_ms=round(busy[stream], 3), idle_ms=round(span - busy[stream], 3),
+        other_streams_ms={str(s): round(ms, 3) for s, ms in busy.items() if s != stream},
+        idle_by_gap_ms={k: dict(ms=round(buckets[k], 3), gaps=counts[k]) for k in order if counts[k]},
+        gaps=[dict(ms=round(ms, 3), after=before[:100], before=after[:100])
+              for ms, before, after in sorted(gaps, key=lambda g: -g[0])[:top]],
+    )
+
+
+def gpu_stream_gaps(run, top: int = 20) -> dict:
+    """``stream_gaps`` of one call of ``run()`` (CUDA only), from the profiler's device activities."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    activities = []
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type() == torch.autograd.DeviceType.CUDA and event.duration_ns() > 0:
+            activities.append((event.device_resource_id(), event.start_ns() / 1e3, event.end_ns() / 1e3,
+                               event.name()))
+    return stream_gaps(activities, top)
