@@ -454,6 +454,5 @@ def sparse_train_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
                                         config, held)
     else:
         out = _SparseTrainAttention.apply(query, key, value, bias, bitmap, offsets, padded, float(scale),
-                                          int(block_size),
-                                          int(q_offset), tile, config, held)
+                                          int(block_size), int(q_offset), tile, config, held)
     return out[..., :D] if width != D else out

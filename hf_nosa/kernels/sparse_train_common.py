@@ -25,6 +25,7 @@ def held_result(held, query, compute):
             held.keep_output(*result)
     return result
 
+
 def row_dot_ref(grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``[B, H, Tq, D]`` x2 -> ``[B, H, Tq]`` fp32: the backward's ``delta = rowsum(dO * O)``."""
     return (grad.float() * out.float()).sum(-1)
