@@ -138,6 +138,9 @@ case "${1:-}" in
     timeout 200 python benchmarks/train_step.py --lengths 32768,65536 --backends sparse --steps-only --out "$OUT/train_verify" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-160 ;;
   train-gaps)     # issue 17: where the 64K NOSA step's compute stream has no kernel (about 80 ms a step at b67a05c: 2.93 s of kernels on it in a 3.01 s step; the fingerprint's host sync ruled out): its idle time by gap length and the 30 longest gaps with the kernels around them, dense beside it (about 4 minutes)
     timeout 400 python benchmarks/train_step_breakdown.py --lengths 65536 --tiles "" --gaps 30 --out "$OUT" 2>&1 | tail -3 ;;
+  selection-tiles)  # issue 17: one 64K layer's training selection per tile configuration of the block-score and choice kernels (swept at 32K only; 282 ms of the 64K step), iid and smooth queries (about 4 minutes)
+    timeout 400 python benchmarks/selection_tiles.py --out "$OUT" 2>&1 | grep -v '^{' | tail -3
+    python -c "import json; d=json.load(open('$OUT/selection_tiles.json')); [print(r['inputs'], r['varied'], r['scores'], r['choice_warp_scores'], r.get('layer_ms'), r.get('tokens_differing_from_default'), r.get('error', '')[:60]) for r in d['results']]" ;;
   write-programs)  # issue 17: the host write on 8, 16 and 32 programs (HF_NOSA_WRITE_PROGRAMS) beside the whole prompt's layers: dense sdpa, then generate's first token at 64K, batch 1, median of 3 each, and the query choice's time by kernel at 8 (about 4 minutes)
     timeout 60 python benchmarks/prefill.py --contexts 65536 --batches 1 --chunks 4096 --methods dense --repeat 3 --out "$OUT/p64" 2>&1 | tail -1
     for n in 8 16 32; do
@@ -145,5 +148,5 @@ case "${1:-}" in
     done
     HF_NOSA_WRITE_PROGRAMS=8 timeout 80 python benchmarks/prefill_breakdown.py --context 65536 --batch 1 --fetch-parts 1 --out "$OUT/b1_w8" 2>&1 | tail -9 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-sparse-64k|train-split|train-step|train-sites|train-plan|train-verify|train-gaps|prefill-whole|prefill-whole-2|prefill-whole-3|write-programs" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-sparse-64k|train-split|train-step|train-sites|train-plan|train-verify|train-gaps|selection-tiles|prefill-whole|prefill-whole-2|prefill-whole-3|write-programs" >&2; exit 2 ;;
 esac
