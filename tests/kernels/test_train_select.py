@@ -14,8 +14,10 @@ import torch
 
 import hf_nosa.training as training
 from hf_nosa import NosaConfig
+from hf_nosa.kernels import train_select
 from hf_nosa.kernels.train_select import (
     dynamic_blocks,
+    eviction_order,
     train_block_scores,
     train_select_blocks,
     train_select_blocks_ref,
@@ -178,6 +180,35 @@ def test_choice_is_exactly_select_blocks(interpret, cfg, B, Hk, T, q_offset, bud
     assert actual.dtype == expected.dtype == torch.int16
     assert torch.equal(actual, expected)
     assert (actual == N).any() and (actual < N).any()  # short prefixes leave slots empty; later tokens fill them
+
+
+@pytest.mark.parametrize("cfg", [SMALL, ONE_LOCAL, NARROW])
+def test_choice_by_the_static_order_equals_the_search(interpret, monkeypatch, cfg):
+    """Where block c - 1 is always in Q the choice walks the eviction scores' static order (``EVICTION_ORDER``):
+    the blocks of the threshold search, with ties, -0.0 against +0.0 and blocks without a window."""
+    T, q_offset = 170, 20
+    N, W = -(-T // cfg.block_size), num_windows(T, cfg)
+    g = torch.Generator().manual_seed(3)
+    cb = torch.tensor([-1.0, -0.0, 0.0])[torch.randint(0, 3, (2, 2, W), generator=g)]
+    cb[1, :, :5] = MASK_VALUE / 4  # a padded row's first windows
+    qs = _scores(2, 2, T - q_offset, N, 5, ties=True)
+    positions = torch.arange(q_offset, T)
+    static = pool_windows_to_blocks(cb, N, cfg, fill=float("-inf"))
+    assert bool((static == 0).any()) and bool(torch.signbit(static[static == 0]).any())
+    chosen = {}
+    for order in (True, False):
+        monkeypatch.setattr(train_select, "EVICTION_ORDER", order)
+        chosen[order] = train_select_blocks(qs, cb, positions, cfg)
+    assert torch.equal(chosen[True], chosen[False])
+    assert torch.equal(chosen[True], train_select_blocks_ref(qs, cb, positions, cfg, cfg.budget_blocks))
+
+
+def test_eviction_order_is_best_first_ties_to_the_higher_block():
+    static = torch.tensor([[[0.5, -0.0, 0.5, float("-inf"), 0.0, 2.0]]])
+    order, rank, finite = eviction_order(static, 8)
+    assert order.tolist() == [[[5, 2, 0, 4, 1, 3, 6, 7]]]  # -0.0 ties +0.0: the higher block first
+    assert rank.tolist() == [[[2, 4, 1, 5, 3, 0, 6, 7]]] and finite.tolist() == [[5]]
+    assert order.dtype == rank.dtype == finite.dtype == torch.int32
 
 
 @pytest.mark.parametrize("cfg", [NO_LOCAL, WIDE])
