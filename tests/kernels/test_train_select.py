@@ -326,13 +326,15 @@ def test_bad_inputs_name_the_field():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("order", [False, True])
 @pytest.mark.parametrize("pads", [None, (0, 700)])
-def test_kernels_at_the_1b_training_shape(monkeypatch, pads):
+def test_kernels_at_the_1b_training_shape(monkeypatch, pads, order):
     """Compiled, at the 1b shape (H 32, Hk 8, D 64, bf16) and the paper's rule (block 64, windows 32 / 16, K 64):
     the scores match the reference's, the choice is exactly the reference's on the kernel's scores, and the whole
     selection differs from the torch path's in at most a near-tie of a few tokens."""
     from hf_nosa.padding import to_rows
 
+    monkeypatch.setattr(train_select, "EVICTION_ORDER", order)  # the choice's static order, or its search
     cfg = NosaConfig()
     B, T = (1, 8192) if pads is None else (2, 4096)
     g = torch.Generator().manual_seed(0)
