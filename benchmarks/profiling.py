@@ -24,8 +24,8 @@ def gpu_ms_by_kernel(run) -> dict[str, float]:
 
 def gpu_ms_by_site(run, packages: tuple[str, ...] = ("hf_nosa", "transformers", "peft")) -> list[dict]:
     """Milliseconds of device time of torch's own ops over one call of ``run()`` (CUDA only), by op and by the
-    innermost Python line of ``packages`` that called it: which lines of the library launch the elementwise and copy
-    kernels around its Triton ones. A kernel counts for the innermost op or Python call the profiler saw around it
+    innermost function of ``packages`` that called it (the profiler names it ``file(line of its def): name``): which
+    functions of the library launch the elementwise and copy kernels around its Triton ones. A kernel counts for the innermost op or Python call the profiler saw around it
     (Triton's launches: a Python function)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -81,8 +81,8 @@ def stream_gaps(activities: list[tuple[int, float, float, str]], top: int = 20) 
     Returns:
         ``stream``, its ``span_ms`` (first start to last end), ``busy_ms`` and ``idle_ms``; ``other_streams_ms``,
         busy time of each other stream; ``idle_by_gap_ms``, the idle time summed by gap length (``GAP_BUCKETS_MS``
-        upper bounds, the last bucket unbounded) with the gaps' counts; ``gaps``, the ``top`` longest with the
-        activities before and after each.
+        upper bounds, the last bucket unbounded) with the gaps' counts; ``gaps``, the ``top`` longest, each with the
+        activity it comes ``after`` and the one it comes ``before``.
     """
     by_stream: dict[int, list[tuple[float, float, str]]] = {}
     for stream, a, b, name in activities:
@@ -111,8 +111,8 @@ def stream_gaps(activities: list[tuple[int, float, float, str]], top: int = 20) 
         stream=stream, span_ms=round(span, 3), busy_ms=round(busy[stream], 3), idle_ms=round(span - busy[stream], 3),
         other_streams_ms={str(s): round(ms, 3) for s, ms in busy.items() if s != stream},
         idle_by_gap_ms={k: dict(ms=round(buckets[k], 3), gaps=counts[k]) for k in order if counts[k]},
-        gaps=[dict(ms=round(ms, 3), after=before[:100], before=after[:100])
-              for ms, before, after in sorted(gaps, key=lambda g: -g[0])[:top]],
+        gaps=[dict(ms=round(ms, 3), after=previous[:100], before=following[:100])
+              for ms, previous, following in sorted(gaps, key=lambda g: -g[0])[:top]],
     )
 
 

@@ -149,7 +149,7 @@ def main() -> int:
                              "and this many longest gaps with the kernels around them (0: none)")
     parser.add_argument("--sites", type=int, default=0,
                         help="also profile one step with Python stacks and report this many (torch op, calling "
-                             "line) pairs by GPU time (0: none)")
+                             "function) pairs by GPU time (0: none)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("train_step_breakdown.py profiles CUDA kernels: it needs a GPU")

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_nosa.kernels.backend import HAS_TRITON
 from hf_nosa.kernels.selection_bitmap import ROWS, selection_bitmap, selection_bitmap_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")
 
 
 def _indices(shape, n_blocks, seed, dtype=torch.int16):
@@ -34,6 +36,7 @@ def _expected(indices: torch.Tensor, n_blocks: int) -> torch.Tensor:
     ((1, 2, 9, 40), 13, torch.int32),          # K wider than N: duplicates everywhere
     ((3, 1), 300, torch.int64),                # N over one column chunk of the kernel
 ])
+@needs_triton
 def test_kernel_matches_reference_and_the_index_sets(interpret, shape, n_blocks, dtype):
     indices = _indices(shape, n_blocks, seed=n_blocks)
     expected = _expected(indices, n_blocks)
@@ -43,6 +46,7 @@ def test_kernel_matches_reference_and_the_index_sets(interpret, shape, n_blocks,
     assert torch.equal(out, expected)
 
 
+@needs_triton
 def test_zero_blocks_and_no_indices(interpret):
     assert selection_bitmap(torch.zeros(3, 0, dtype=torch.int16), 5).tolist() == [[False] * 5] * 3
     assert selection_bitmap(torch.zeros(3, 2, dtype=torch.int16), 0).shape == (3, 0)

@@ -265,6 +265,7 @@ def test_docstring_examples():
     assert doctest.testmod(plan_module, raise_on_error=True).attempted > 0
 
 
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_dot_matches_its_reference(interpret, dtype):
     """The backward's delta = rowsum(dO * O) in one pass: rows past a program's, a head dim that is not a power of
