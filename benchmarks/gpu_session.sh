@@ -132,10 +132,10 @@ case "${1:-}" in
     tail -4 "$OUT/gpu_tests_train_plan.log"
     timeout 200 python benchmarks/train_step.py --lengths 65536 --backends sparse --steps-only --out "$OUT/train_plan" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-200
     timeout 200 python benchmarks/train_step_breakdown.py --lengths 65536 --modes nosa --tiles "" --sites 60 --out "$OUT" 2>&1 | tail -1 ;;
-  train-verify)   # issue 17, first call of the next session: the training kernels' GPU tests with their names as they finish (-v; the last two batches were cut short by their timeouts, one failure unnamed), then the retrofit step at 32K and 64K against dense (about 8 minutes)
+  train-verify)   # issue 17, first call of the next session: the training kernels' GPU tests with their names as they finish (-v; the last two batches were cut short by their timeouts, one failure unnamed), then the retrofit step at 64K against dense with the choice's threshold search and its static eviction order (about 9 minutes)
     timeout 330 python -m pytest -v -m gpu -n 5 -p no:cacheprovider --tb=short tests/kernels/test_selection_bitmap.py tests/kernels/test_train_select.py tests/kernels/test_sparse_train_split.py tests/kernels/test_sparse_train_attention.py tests/test_training.py -k "not flex" > "$OUT/gpu_tests_train_verify.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_train_verify.log" | cut -c1-160 | tail -24
-    timeout 200 python benchmarks/train_step.py --lengths 32768,65536 --backends sparse --steps-only --out "$OUT/train_verify" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-160 ;;
+    timeout 240 python benchmarks/train_step.py --lengths 65536 --backends sparse --steps-only --eviction-order both --out "$OUT/train_verify" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-200 ;;
   train-gaps)     # issue 17: where the 64K NOSA step's compute stream has no kernel (about 80 ms a step at b67a05c: 2.93 s of kernels on it in a 3.01 s step; the fingerprint's host sync ruled out): its idle time by gap length and the 30 longest gaps with the kernels around them, dense beside it (about 4 minutes)
     timeout 400 python benchmarks/train_step_breakdown.py --lengths 65536 --tiles "" --gaps 30 --out "$OUT" 2>&1 | tail -3 ;;
   selection-tiles)  # issue 17: one 64K layer's training selection per tile configuration of the block-score and choice kernels (swept at 32K only; 282 ms of the 64K step) and with the choice's static eviction order (EVICTION_ORDER) against its threshold search, iid and smooth queries (about 4 minutes)
