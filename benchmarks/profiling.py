@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 
 import torch
@@ -129,3 +130,98 @@ def gpu_stream_gaps(run, top: int = 20) -> dict:
             activities.append((event.device_resource_id(), event.start_ns() / 1e3, event.end_ns() / 1e3,
                                event.name()))
     return stream_gaps(activities, top)
+
+
+# Chrome-trace categories of what runs on a stream, and of the host calls that launch it.
+_DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+_LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
+
+
+def idle_by_launch_site(trace: dict, packages: tuple[str, ...] = ("hf_nosa", "transformers", "peft"),
+                        min_gap_ms: float = 0.01, top: int = 30) -> list[dict]:
+    """The busiest stream's idle time before each activity, summed by the Python function that launched it.
+
+    A gap ends when the next activity starts. ``host_late`` counts the gaps whose activity the host launched only after
+    the stream had run dry: the stream waited on the host (Python, a sync) rather than on a dependency, and the
+    function named is the one whose work came before the launch.
+
+    Args:
+        trace: a profiler's Chrome trace (``export_chrome_trace``) of a run with ``with_stack=True``.
+        packages: path parts the innermost named frame must hold (the first package found in that frame wins).
+        min_gap_ms: shorter gaps are left out (back-to-back launches).
+        top: sites listed, most idle time first.
+
+    Returns:
+        ``[{site, idle_ms, gaps, host_late}]``: ``site`` is ``file(line): function`` of the innermost frame of
+        ``packages`` around the launch, ``"(no launch found)"`` when the trace holds none for the activity.
+    """
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    device = [e for e in events if e.get("cat") in _DEVICE_CATEGORIES]
+    if not device:
+        return []
+    busy = Counter()
+    for e in device:
+        busy[e["tid"]] += e.get("dur", 0)
+    stream = max(busy, key=busy.get)
+    mine = sorted((e for e in device if e["tid"] == stream), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in _LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
+    frames: dict[object, list[dict]] = {}
+    for e in events:
+        if e.get("cat") == "python_function" and any(f"{p}/" in e["name"] for p in packages):
+            frames.setdefault(e["tid"], []).append(e)
+    starts = {}
+    for tid, fs in frames.items():
+        fs.sort(key=lambda f: f["ts"])
+        starts[tid] = [f["ts"] for f in fs]
+
+    def site_of(launch: dict) -> str:
+        # On one thread frames nest: the innermost around t is the latest one started by t that has not ended.
+        fs, t = frames.get(launch["tid"], []), launch["ts"]
+        i = bisect.bisect_right(starts.get(launch["tid"], []), t) - 1
+        while i >= 0 and fs[i]["ts"] + fs[i].get("dur", 0) < t:
+            i -= 1
+        if i < 0:
+            return "(no package frame)"
+        name = fs[i]["name"]
+        for p in packages:  # a checkout's or an environment's path, down to the package
+            at = name.find(f"{p}/")
+            if at >= 0:
+                return name[at:]
+        return name
+
+    sites: dict[str, list] = {}
+    end = mine[0]["ts"] + mine[0].get("dur", 0)
+    for e in mine[1:]:
+        gap_us = e["ts"] - end
+        if gap_us >= min_gap_ms * 1e3:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            site = site_of(launch) if launch is not None else "(no launch found)"
+            entry = sites.setdefault(site, [0.0, 0, 0])
+            entry[0] += gap_us / 1e3
+            entry[1] += 1
+            entry[2] += int(launch is not None and launch["ts"] >= end)
+        end = max(end, e["ts"] + e.get("dur", 0))
+    rows = [dict(site=site, idle_ms=round(ms, 3), gaps=n, host_late=late) for site, (ms, n, late) in sites.items()]
+    return sorted(rows, key=lambda r: -r["idle_ms"])[:top]
+
+
+def gpu_idle_by_launch_site(run, top: int = 30) -> list[dict]:
+    """``idle_by_launch_site`` of one call of ``run()`` (CUDA only), profiled with Python stacks."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    verbose = torch._C._profiler._ExperimentalConfig(verbose=True)  # without it the trace holds no Python frames
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True,
+                 experimental_config=verbose) as prof:
+        run()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    return idle_by_launch_site(trace, top=top)

@@ -25,7 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hf_nosa  # noqa: E402,F401  (before memory_census: its batch_plan imports a submodule first)
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.memory_census import cuda_events, package_roots, peak_report, replay  # noqa: E402
-from benchmarks.profiling import gpu_ms_by_kernel, gpu_ms_by_site, gpu_stream_gaps  # noqa: E402
+from benchmarks.profiling import (  # noqa: E402
+    gpu_idle_by_launch_site,
+    gpu_ms_by_kernel,
+    gpu_ms_by_site,
+    gpu_stream_gaps,
+)
 from benchmarks.train_step import SHAPES, _inputs, _reset_peak, build  # noqa: E402
 from hf_nosa import NosaConfig  # noqa: E402
 from hf_nosa import training  # noqa: E402
@@ -70,6 +75,7 @@ def step_breakdown(mode: str, seq_len: int, args, shape, cfg, recipe) -> dict:
         row["torch_ops_by_site"] = gpu_ms_by_site(step)[:args.sites]
     if args.gaps:
         row["compute_stream"] = gpu_stream_gaps(step, args.gaps)
+        row["compute_stream"]["idle_by_launch_site"] = gpu_idle_by_launch_site(step, args.gaps)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_stats()["requested_bytes.all.current"]
@@ -146,7 +152,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--gaps", type=int, default=0,
                         help="also profile one step's device timeline: the compute stream's idle time by gap length "
-                             "and this many longest gaps with the kernels around them (0: none)")
+                             "and this many longest gaps with the kernels around them, then (profiled again with "
+                             "Python stacks) the idle time before each kernel by the function that launched it, this "
+                             "many functions (0: none)")
     parser.add_argument("--sites", type=int, default=0,
                         help="also profile one step with Python stacks and report this many (torch op, calling "
                              "function) pairs by GPU time (0: none)")

@@ -2,7 +2,7 @@
 
 import random
 
-from benchmarks.profiling import GAP_BUCKETS_MS, busy_seconds, stream_gaps
+from benchmarks.profiling import GAP_BUCKETS_MS, busy_seconds, idle_by_launch_site, stream_gaps
 
 
 def test_gaps_of_the_busiest_stream_add_up_to_its_idle_time():
@@ -33,3 +33,36 @@ def test_one_gap_names_the_activities_around_it():
     assert out["gaps"] == [dict(ms=2.0, after="b", before="c")]
     assert out["idle_by_gap_ms"] == {"<=10.0": dict(ms=2.0, gaps=1)}
     assert stream_gaps([])["stream"] is None
+
+
+def _x(cat, name, ts, dur, tid, **args):
+    return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, tid=tid, pid=0, args=args)
+
+
+def test_idle_time_goes_to_the_innermost_function_that_launched_the_kernel_after_it():
+    outer = "/env/site-packages/transformers/models/llama/modeling_llama.py(300): forward"
+    inner = "/repo/hf_nosa/training.py(440): nosa_training_attention"
+    trace = dict(traceEvents=[
+        _x("python_function", outer, 0, 1000, tid=1),
+        _x("python_function", "/repo/hf_nosa/masks.py(10): helper", 5, 10, tid=1),  # ended before the launches
+        _x("python_function", inner, 100, 400, tid=1),
+        _x("python_function", "/env/site-packages/torch/nn/functional.py(1): linear", 150, 5, tid=1),
+        _x("cuda_runtime", "cudaLaunchKernel", 20, 2, tid=1, correlation=1),    # outer's: k1
+        _x("cuda_runtime", "cudaLaunchKernel", 152, 2, tid=1, correlation=2),   # inside torch, inside inner: k2
+        _x("cuda_driver", "cuLaunchKernel", 300, 2, tid=1, correlation=3),      # inner: k3
+        _x("cuda_runtime", "cudaLaunchKernel", 600, 2, tid=2, correlation=4),   # a thread without frames: k4
+        _x("kernel", "k1", 30, 125, tid=7, correlation=1),
+        _x("kernel", "k2", 185, 20, tid=7, correlation=2),     # 30 us after k1, launched before k1 ended
+        _x("kernel", "k3", 310, 40, tid=7, correlation=3),     # 105 us after k2, launched after it ended: host late
+        _x("kernel", "k4", 650, 10, tid=7, correlation=4),
+        _x("kernel", "k5", 700, 10, tid=7, correlation=99),    # no launch in the trace
+        _x("gpu_memcpy", "copy", 0, 5, tid=9),                 # a side stream, less busy
+    ])
+    rows = {r["site"]: r for r in idle_by_launch_site(trace, min_gap_ms=0.02)}
+    assert rows["hf_nosa/training.py(440): nosa_training_attention"] == dict(
+        site="hf_nosa/training.py(440): nosa_training_attention", idle_ms=0.135, gaps=2, host_late=1)
+    assert rows["(no package frame)"]["idle_ms"] == 0.3 and rows["(no package frame)"]["host_late"] == 1
+    assert rows["(no launch found)"]["gaps"] == 1
+    assert abs(sum(r["idle_ms"] for r in rows.values()) - (30 + 105 + 300 + 40) / 1e3) < 1e-9
+    assert idle_by_launch_site(trace, min_gap_ms=0.2)[0]["site"] == "(no package frame)"
+    assert idle_by_launch_site(dict(traceEvents=[])) == []
