@@ -20,6 +20,7 @@ Entries live exactly as long as the autograd node that holds them (``Hold``): no
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -47,12 +48,19 @@ def rerun_expected() -> bool:
     return _hooks_active() and not in_backward()
 
 
+@functools.lru_cache(maxsize=16)
+def _sample_indices(numel: int, device: torch.device) -> torch.Tensor:
+    """Where ``_samples`` reads a tensor of ``numel`` elements (row-major): made once per size and device, since
+    every layer of a step has the same sizes and a few tiny launches per fingerprint leave the device waiting."""
+    flat = torch.arange(FINGERPRINT_SAMPLES) * max(1, numel // FINGERPRINT_SAMPLES)
+    return flat.clamp(max=max(0, numel - 1)).to(device)
+
+
 def _samples(t: torch.Tensor) -> torch.Tensor:
-    """``FINGERPRINT_SAMPLES`` values of ``t`` spread over its elements, gathered without copying ``t`` (a
-    transposed query would be copied whole by a reshape)."""
-    flat = torch.arange(FINGERPRINT_SAMPLES, device=t.device) * max(1, t.numel() // FINGERPRINT_SAMPLES)
-    flat = flat.clamp(max=max(0, t.numel() - 1))
-    return t[torch.unravel_index(flat, t.shape)].double()
+    """``FINGERPRINT_SAMPLES`` values of ``t`` spread over its elements (row-major order), gathered in one launch
+    without copying ``t``: ``take`` reads a strided tensor in place, where a reshape would copy a transposed query
+    whole."""
+    return torch.take(t, _sample_indices(t.numel(), t.device))
 
 
 @torch.no_grad()
@@ -64,7 +72,7 @@ def fingerprint(query, key, bias, settings: tuple) -> tuple[tuple, torch.Tensor]
     stats = torch.stack([query.sum(dtype=torch.float32), torch.linalg.vector_norm(query, 1, dtype=torch.float32),
                          key.sum(dtype=torch.float32), torch.linalg.vector_norm(key, 1, dtype=torch.float32),
                          torch.where(real, bias, 0.0).sum(dtype=torch.float32), real.sum().float()])
-    numbers = torch.cat([stats.double(), _samples(query), _samples(key), _samples(bias)])
+    numbers = torch.cat([stats, _samples(query).float(), _samples(key).float(), _samples(bias).float()]).double()
     meta = (str(query.device), tuple(query.shape), tuple(key.shape), *settings)
     return meta, numbers
 

@@ -59,7 +59,7 @@ from .kernels.sparse_train_attention import sparse_train_attention
 from .kernels.train_select import index_dtype, train_block_scores, train_select_blocks, train_select_blocks_ref
 from .masks import additive_mask, padding_bias
 from .padding import from_rows, leading_padding, to_rows
-from .selection import MASK_VALUE, compress_keys, query_block_scores
+from .selection import MASK_VALUE, compress_keys, pool_windows_to_blocks, query_block_scores
 
 BACKENDS = ("flex", "sparse", "explicit", "reference")
 # The backend CUDA tensors take when none is named. On an H200 at 32K (1b shape) a retrofit step takes 1.42 s with
@@ -144,16 +144,24 @@ def selected_block_indices(
     out = torch.empty(B, Hk, Tq, cfg.budget_blocks, dtype=index_dtype(N), device=query.device)
     # The scores in fp32 like the decode path, even under bf16 autocast: the same blocks must win near-ties.
     no_autocast = torch.autocast(query.device.type, enabled=False)
+    # What every chunk reads, made once: the chunks' launches are what the device waits for between them.
+    all_positions = _positions(q_offset, q_offset + Tq, offsets, query.device)
+    static_scores = None
+    if on_chip:
+        all_positions = all_positions.to(torch.int32)
+        with no_autocast:
+            static_scores = pool_windows_to_blocks(compressed_bias.float(), N, cfg, fill=float("-inf"))
     for lo in range(0, Tq, chunk):
         hi = min(Tq, lo + chunk)
-        positions = _positions(q_offset + lo, q_offset + hi, offsets, query.device)
+        positions = all_positions[..., lo:hi]
         with no_autocast:
             if use_kernel:
                 # only the blocks some query of the chunk can select: the choice's work grows with the blocks scored
                 scored = max(1, min(N, (q_offset + hi - 1) // P))
                 qs = train_block_scores(query[:, :, lo:hi], compressed_keys, positions, scored, cfg, scale,
                                         compressed_bias=compressed_bias)
-                out[:, :, lo:hi] = train_select_blocks(qs, compressed_bias, positions, cfg, n_blocks=N)
+                out[:, :, lo:hi] = train_select_blocks(qs, compressed_bias, positions, cfg, n_blocks=N,
+                                                       static_scores=static_scores)
             else:
                 qs = query_block_scores(
                     query[:, :, lo:hi], compressed_keys, positions, N, cfg, scale, compressed_bias=compressed_bias

@@ -534,6 +534,10 @@ def test_a_fingerprint_tells_layers_and_steps_apart():
     step[1, 3, 77, 5] += 1e-3  # one value changed: the sums see it
     assert not torch.equal(held_forward.fingerprint(step, k, bias, (0, 0.25))[1], numbers)
     assert held_forward.fingerprint(q, k, bias, (1, 0.25))[0] != meta
+    # the samples: values spread over the elements in row-major order, read in place from the transposed view
+    flat = q.reshape(-1)
+    where = torch.arange(held_forward.FINGERPRINT_SAMPLES) * (flat.numel() // held_forward.FINGERPRINT_SAMPLES)
+    assert torch.equal(held_forward._samples(q), flat[where])
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ FlexAttention's block tables: their used length is the count beside them, known 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -239,7 +240,18 @@ def _compact_values(visit: torch.Tensor, values: torch.Tensor | None = None):
 
 def _own_blocks(B: int, Tq: int, N: int, tokens: int, P: int, q_offset: int, offsets, device) -> torch.Tensor:
     """``[B, n_qt, N]`` bool: the own blocks of each tile's tokens (a contiguous range; none for a tile inside the
-    padding)."""
+    padding). Read-only: without offsets it is made once per geometry (every layer of a step has the same)."""
+    if offsets is None:
+        return _own_blocks_unpadded(B, Tq, N, tokens, P, q_offset, torch.device(device))
+    return _own_blocks_of(B, Tq, N, tokens, P, q_offset, offsets, device)
+
+
+@functools.lru_cache(maxsize=8)
+def _own_blocks_unpadded(B: int, Tq: int, N: int, tokens: int, P: int, q_offset: int, device) -> torch.Tensor:
+    return _own_blocks_of(B, Tq, N, tokens, P, q_offset, None, device)
+
+
+def _own_blocks_of(B: int, Tq: int, N: int, tokens: int, P: int, q_offset: int, offsets, device) -> torch.Tensor:
     n_qt = -(-Tq // tokens)
     starts = torch.arange(n_qt, device=device) * tokens
     ends = torch.clamp(starts + tokens, max=Tq) - 1
@@ -287,13 +299,16 @@ def split_plan(bitmap: torch.Tensor, *, heads: int, block_size: int, q_offset: i
     etokens = extra_tokens(heads, Hk, extra_tile)
     n_qt, n_et = -(-Tq // tokens), -(-Tq // etokens)
     off = torch.zeros(B, dtype=torch.long, device=device) if offsets is None else offsets.to(device).long()
-    real = (q_offset + torch.arange(n_qt * tokens, device=device)[None, :] - off[:, None] >= 0)
-    real &= torch.arange(n_qt * tokens, device=device)[None, :] < Tq  # [B, n_qt * tokens]
-    real = real.view(B, 1, n_qt, tokens, 1)
     padded = _tiles_of_tokens(bitmap, n_qt, tokens)
+    every_token_real = offsets is None and q_offset >= 0 and Tq % tokens == 0
+    real = None
+    if not every_token_real or not (bitmap.is_cuda if kernels is None else kernels):
+        real = (q_offset + torch.arange(n_qt * tokens, device=device)[None, :] - off[:, None] >= 0)
+        real &= torch.arange(n_qt * tokens, device=device)[None, :] < Tq  # [B, n_qt * tokens]
+        real = real.view(B, 1, n_qt, tokens, 1)
     # AND over the tile's real tokens: the others count as having selected everything, and a tile with none shares
     # nothing
-    if offsets is None and q_offset >= 0 and Tq % tokens == 0:
+    if every_token_real:
         shared = padded.all(3)
     else:
         shared = (padded | ~real).all(3) & real.any(3)

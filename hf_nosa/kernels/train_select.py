@@ -283,7 +283,10 @@ def index_dtype(n_blocks: int) -> torch.dtype:
 
 
 def _positions_i32(positions: torch.Tensor, device) -> tuple[torch.Tensor, int]:
-    positions = positions.to(device=device, dtype=torch.int32).contiguous()
+    """int32 positions and their row stride; a chunk's slice of a caller's int32 positions as it is (no launch)."""
+    positions = positions.to(device=device, dtype=torch.int32)
+    if positions.stride(-1) != 1:
+        positions = positions.contiguous()
     return positions, positions.stride(0) if positions.dim() == 2 else 0
 
 
@@ -324,7 +327,7 @@ def _launch_scores(query, compressed_keys, compressed_bias, positions, n_blocks,
     return out
 
 
-def _launch_choice(query_scores, compressed_bias, positions, cfg, K, n_blocks):
+def _launch_choice(query_scores, compressed_bias, positions, cfg, K, n_blocks, static_scores=None):
     B, Hk, Tq, N = query_scores.shape  # N: the blocks scored, n_blocks: the index meaning none
     out = torch.empty(B, Hk, Tq, K, dtype=index_dtype(n_blocks), device=query_scores.device)
     if out.numel() == 0:
@@ -332,7 +335,11 @@ def _launch_choice(query_scores, compressed_bias, positions, cfg, K, n_blocks):
     qs = query_scores if query_scores.stride(-1) == 1 else query_scores.contiguous()
     cb = compressed_bias.float().contiguous()
     # the blocks whose windows are all complete at every candidate token: one row per (sequence, KV head)
-    static = pool_windows_to_blocks(cb, N, cfg, fill=float("-inf")).contiguous()  # [B, Hk, N]
+    if static_scores is None:
+        static_scores = pool_windows_to_blocks(cb, N, cfg, fill=float("-inf"))
+    static = static_scores[..., :N]  # [B, Hk, N]
+    if static.stride(-1) != 1:
+        static = static.contiguous()
     if cb.shape[2] == 0:
         cb = static  # never read: no window exists, so no window is complete
     pos, stride_pb = _positions_i32(positions, qs.device)
@@ -455,6 +462,7 @@ def train_select_blocks(
     *,
     budget_blocks: int | None = None,
     n_blocks: int | None = None,
+    static_scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``selection.select_blocks`` for many query tokens, with the eviction scores of ``eviction_block_scores``.
 
@@ -469,6 +477,9 @@ def train_select_blocks(
         positions: ``[Tq]``, or ``[B, Tq]`` row-relative (negative inside the padding: no candidate).
         budget_blocks: K, default ``cfg.budget_blocks``.
         n_blocks: N, the sequence's blocks: the index that means none; default Ns.
+        static_scores: ``[B, Hk, >= Ns]`` float32, ``pool_windows_to_blocks(compressed_bias, ., cfg, fill=-inf)``
+            (block n's depends on the windows, not on how many blocks are pooled): a caller choosing chunk by chunk
+            pools once. Default: pooled here.
 
     Returns:
         ``[B, Hk, Tq, K]`` ``index_dtype(N)`` block indices in ascending order, N where fewer than K were chosen.
@@ -496,5 +507,9 @@ def train_select_blocks(
         raise ValueError(f"train_select_blocks: n_blocks={n_blocks} is below the {query_scores.shape[3]} blocks "
                          f"scored; it must be at least that many (or None)")
     if kernel_path("train_select_blocks", query_scores) == "triton":
-        return _launch_choice(query_scores, compressed_bias, positions, cfg, K, N)
+        if static_scores is not None and (tuple(static_scores.shape[:2]) != (B, Hk) or static_scores.dim() != 3
+                                          or static_scores.shape[2] < query_scores.shape[3]):
+            raise ValueError(f"train_select_blocks: static_scores must be [B, Hk, >= {query_scores.shape[3]}] with "
+                             f"B, Hk = {B}, {Hk}; got {tuple(static_scores.shape)}")
+        return _launch_choice(query_scores, compressed_bias, positions, cfg, K, N, static_scores)
     return train_select_blocks_ref(query_scores, compressed_bias, positions, cfg, K, N)

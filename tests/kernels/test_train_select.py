@@ -249,6 +249,26 @@ def test_choice_from_the_candidates_scores_only(interpret):
         train_select_blocks(qs, cb, positions, SMALL, n_blocks=N - 1)
 
 
+def test_choice_with_the_static_scores_pooled_once_by_its_caller(interpret):
+    """A caller choosing chunk by chunk pools the static eviction scores once over all N blocks; each chunk's choice
+    reads the first blocks it scored of them, on row-relative positions sliced from the caller's int32 ones."""
+    T, pads = 150, (0, 37)
+    N, W = -(-T // 16), num_windows(T, SMALL)
+    qs = _scores(2, 2, T, N, 10, ties=True)
+    cb = _bias(2, 2, W, 11, ties=True)
+    positions = _rows(T, pads).to(torch.int32)
+    static = pool_windows_to_blocks(cb, N, SMALL, fill=float("-inf"))
+    for lo, hi in [(0, 64), (64, 150)]:
+        scored = (hi - 1) // 16
+        chunk = qs[:, :, lo:hi, :scored]
+        expected = train_select_blocks_ref(chunk, cb, positions[:, lo:hi].long(), SMALL, SMALL.budget_blocks, N)
+        actual = train_select_blocks(chunk, cb, positions[:, lo:hi], SMALL, n_blocks=N, static_scores=static)
+        assert torch.equal(actual, expected)
+        assert torch.equal(actual, train_select_blocks(chunk, cb, positions[:, lo:hi], SMALL, n_blocks=N))
+    with pytest.raises(ValueError, match="static_scores"):
+        train_select_blocks(qs, cb, positions, SMALL, static_scores=static[..., : N - 1])
+
+
 def test_choice_at_row_positions(interpret):
     """Left padding: row-relative positions ``[B, Tq]``, negative inside the padding (nothing selected there)."""
     T, pads = 120, (0, 21, 119)
