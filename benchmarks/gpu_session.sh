@@ -132,10 +132,10 @@ case "${1:-}" in
     tail -4 "$OUT/gpu_tests_train_plan.log"
     timeout 200 python benchmarks/train_step.py --lengths 65536 --backends sparse --steps-only --out "$OUT/train_plan" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-200
     timeout 200 python benchmarks/train_step_breakdown.py --lengths 65536 --modes nosa --tiles "" --sites 60 --out "$OUT" 2>&1 | tail -1 ;;
-  train-verify)   # issue 17, first call of the next session: the training kernels' GPU tests with their names as they finish (-v; the last two batches were cut short by their timeouts, one failure unnamed), then the retrofit step at 64K against dense with the choice's threshold search and its static eviction order (about 9 minutes)
+  train-verify)   # issue 17, first call of the next session: the training kernels' GPU tests with their names as they finish (-v; the last two batches were cut short by their timeouts, one failure unnamed), then the retrofit step at 64K against dense (about 8 minutes)
     timeout 330 python -m pytest -v -m gpu -n 5 -p no:cacheprovider --tb=short tests/kernels/test_selection_bitmap.py tests/kernels/test_train_select.py tests/kernels/test_sparse_train_split.py tests/kernels/test_sparse_train_attention.py tests/test_training.py -k "not flex" > "$OUT/gpu_tests_train_verify.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_train_verify.log" | cut -c1-160 | tail -24
-    timeout 240 python benchmarks/train_step.py --lengths 65536 --backends sparse --steps-only --eviction-order both --out "$OUT/train_verify" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-200 ;;
+    timeout 240 python benchmarks/train_step.py --lengths 65536 --backends sparse --steps-only --out "$OUT/train_verify" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-200 ;;
   train-gaps)     # issue 17: where the 64K NOSA step's compute stream has no kernel (about 80 ms a step at b67a05c: 2.93 s of kernels on it in a 3.01 s step; the fingerprint's host sync ruled out): its idle time by gap length and the 30 longest gaps with the kernels around them, dense beside it (about 4 minutes)
     timeout 400 python benchmarks/train_step_breakdown.py --lengths 65536 --tiles "" --gaps 30 --out "$OUT" 2>&1 | tail -3 ;;
   train-idle)     # issue 17: the 64K NOSA step's compute-stream idle time (86 ms at beaec9d: 1,144 gaps over 10 us, no sync but the rerun's lookup) by the Python function that launched the kernel after each gap, then the one training-kernel GPU test the train-verify batch did not reach (about 5 minutes)
@@ -147,9 +147,9 @@ case "${1:-}" in
     timeout 170 python benchmarks/train_step_breakdown.py --lengths 65536 --modes nosa --tiles "" --gaps 40 --out "$OUT" 2>&1 | tail -1
     python -c "import json; r=json.load(open('$OUT/train_step_breakdown.json'))['results'][0]; c=r['compute_stream']; print(c['idle_ms'], c['idle_by_gap_ms']); [print(x) for x in c['idle_by_launch_site'][:12]]"
     timeout 200 python -m pytest -v -m gpu -p no:cacheprovider --tb=short "tests/kernels/test_sparse_train_attention.py::test_kernels_match_reference_on_gpu[dtype2-64]" 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -5 ;;
-  selection-tiles)  # issue 17: one 64K layer's training selection per tile configuration of the block-score and choice kernels (swept at 32K only; 282 ms of the 64K step) and with the choice's static eviction order (EVICTION_ORDER) against its threshold search, iid and smooth queries (about 4 minutes)
+  selection-tiles)  # issue 17: one 64K layer's training selection per tile configuration of the block-score and choice kernels (swept at 32K only; 282 ms of the 64K step), iid and smooth queries (about 4 minutes)
     timeout 400 python benchmarks/selection_tiles.py --out "$OUT" 2>&1 | grep -v '^{' | tail -3
-    python -c "import json; d=json.load(open('$OUT/selection_tiles.json')); [print(r['inputs'], r['varied'], r['scores'], r['choice_warp_scores'], r['eviction_order'], r.get('layer_ms'), r.get('tokens_differing_from_default'), r.get('error', '')[:60]) for r in d['results']]" ;;
+    python -c "import json; d=json.load(open('$OUT/selection_tiles.json')); [print(r['inputs'], r['varied'], r['scores'], r['choice_warp_scores'], r.get('layer_ms'), r.get('tokens_differing_from_default'), r.get('error', '')[:60]) for r in d['results']]" ;;
   write-programs)  # issue 17: the host write on 8, 16 and 32 programs (HF_NOSA_WRITE_PROGRAMS) beside the whole prompt's layers: dense sdpa, then generate's first token at 64K, batch 1, median of 3 each, and the query choice's time by kernel at 8 (about 4 minutes)
     timeout 60 python benchmarks/prefill.py --contexts 65536 --batches 1 --chunks 4096 --methods dense --repeat 3 --out "$OUT/p64" 2>&1 | tail -1
     for n in 8 16 32; do

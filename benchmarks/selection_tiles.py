@@ -2,8 +2,7 @@
 tile configuration of its two kernels, at the 1b shape: which tiles the 64K retrofit step should use.
 
 The block-score kernel's tiles (``SCORES_ROWS``, ``SCORES_BLOCK_W``, ``SCORES_BLOCK_N``, ``SCORES_WARPS``) and the
-choice kernel's ``CHOICE_WARP_SCORES`` were swept at 32K on the last 8K tokens (the choice's static eviction order,
-``EVICTION_ORDER``, is timed against its threshold search too: the "order" rows); at 64K the selection takes 282 ms a
+choice kernel's ``CHOICE_WARP_SCORES`` were swept at 32K on the last 8K tokens; at 64K the selection takes 282 ms a
 step (block scores 173, choice 109: ``results/train_step_breakdown_64k_sites_a66a20d.json``). Each configuration
 here times the whole selection of one layer (every query chunk, as the step runs it), iid and smooth queries
 (``train_step._inputs``), and counts the tokens whose blocks differ from the default configuration's (the block
@@ -51,11 +50,9 @@ def time_ms(run, repeats: int) -> float:
 
 
 def sweep(kind, q, k, bias, cfg, scale, runs, repeats, *, layers, timer=time_ms):
-    """One row per ``(varied, scores, choice)`` of ``runs``: the selection of one layer under those tiles (``varied``
-    "order": with the choice's ``EVICTION_ORDER`` switched from its default), timed by ``timer(run, repeats)``, and
-    its tokens whose blocks differ from the first run's. The knobs are restored after."""
-    saved = ([getattr(train_select, name) for name in SCORE_KNOBS], train_select.CHOICE_WARP_SCORES,
-             train_select.EVICTION_ORDER)
+    """One row per ``(varied, scores, choice)`` of ``runs``: the selection of one layer under those tiles, timed by
+    ``timer(run, repeats)``, and its tokens whose blocks differ from the first run's. The knobs are restored after."""
+    saved = [getattr(train_select, name) for name in SCORE_KNOBS], train_select.CHOICE_WARP_SCORES
 
     def select():
         return training.selected_block_indices(q, k, bias, cfg, scale)
@@ -66,9 +63,7 @@ def sweep(kind, q, k, bias, cfg, scale, runs, repeats, *, layers, timer=time_ms)
             for name, value in zip(SCORE_KNOBS, scores):
                 setattr(train_select, name, value)
             train_select.CHOICE_WARP_SCORES = choice
-            train_select.EVICTION_ORDER = (not saved[2]) if what == "order" else saved[2]
-            row = dict(inputs=kind, varied=what, scores=list(scores), choice_warp_scores=choice,
-                       eviction_order=train_select.EVICTION_ORDER)
+            row = dict(inputs=kind, varied=what, scores=list(scores), choice_warp_scores=choice)
             try:
                 ms = timer(select, repeats)
                 chosen = select()
@@ -81,7 +76,7 @@ def sweep(kind, q, k, bias, cfg, scale, runs, repeats, *, layers, timer=time_ms)
     finally:
         for name, value in zip(SCORE_KNOBS, saved[0]):
             setattr(train_select, name, value)
-        train_select.CHOICE_WARP_SCORES, train_select.EVICTION_ORDER = saved[1:]
+        train_select.CHOICE_WARP_SCORES = saved[1]
 
 
 def main() -> int:
@@ -112,7 +107,6 @@ def main() -> int:
     runs = [("scores", c, default_choice) for c in score_configs if c != default_scores]
     runs += [("choice", default_scores, w) for w in CHOICE_CONFIGS if w != default_choice]
     runs.insert(0, ("default", default_scores, default_choice))
-    runs.insert(1, ("order", default_scores, default_choice))  # the choice's other EVICTION_ORDER than the default
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "selection_tiles.json")
     report = dict(environment(), shape="1b", recipe=recipe_name, nosa_config=cfg.to_dict(), length=T,

@@ -38,7 +38,6 @@ from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 from hf_nosa import training  # noqa: E402
-from hf_nosa.kernels import train_select  # noqa: E402
 from hf_nosa.kernels.sparse_train_plan import split_plan, split_work  # noqa: E402
 from hf_nosa.retrofit import load_recipe, lora_config  # noqa: E402
 from hf_nosa.training import (  # noqa: E402
@@ -140,7 +139,6 @@ def model_step(mode, seq_len, args, shape, cfg, recipe, device, dtype, backend=N
                   peak_memory_gb=_peak_gb(device), loss=loss, warmup_s=warmup_s, step_times_s=times)
     if mode == "nosa" and device.type == "cuda":
         result["backend"] = training.CUDA_BACKEND
-        result["eviction_order"] = train_select.EVICTION_ORDER
     del model, optimizer
     _reset_peak(device)
     return result
@@ -298,8 +296,6 @@ def _targets(results: list[dict], shape: str, lengths: list[int]) -> dict:
         row = {}
         for nosa in (r for r in steps if r["mode"] == "nosa") if dense_steps else ():
             tag = f" ({nosa['backend']})" if "backend" in nosa else ""
-            if "eviction_order" in nosa and nosa["eviction_order"] != train_select.EVICTION_ORDER:
-                tag = tag[:-1] + ", eviction order)" if nosa["eviction_order"] else tag[:-1] + ", search)"
             row["step_time_nosa_over_dense" + tag] = nosa["step_s"] / dense_steps[0]["step_s"]
             if dense_steps[0]["peak_memory_gb"]:
                 row["peak_memory_nosa_over_dense" + tag] = nosa["peak_memory_gb"] / dense_steps[0]["peak_memory_gb"]
@@ -329,9 +325,6 @@ def main() -> int:
                         help="query rows per shared tile of the sparse backend (default: TILE_ROWS, 128)")
     parser.add_argument("--backends", default="flex,sparse",
                         help="NOSA training backends timed on CUDA, model steps and attention (flex, sparse)")
-    parser.add_argument("--eviction-order", default="default", choices=("default", "search", "order", "both"),
-                        help="the sparse selection's choice after Q: train_select.EVICTION_ORDER as set (default), "
-                             "its threshold search, the static eviction order, or a NOSA step with each")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -366,14 +359,9 @@ def main() -> int:
         for seq_len in lengths:
             rows = []
             if not args.attention_only:
-                orders = {"default": [train_select.EVICTION_ORDER], "search": [False], "order": [True],
-                          "both": [False, True]}[args.eviction_order]
-                runs = [("dense", None, None)] + [("nosa", b, order) for b in (
-                    backends if device.type == "cuda" else [None]) for order in (orders if b == "sparse" else [None])]
-                default_order = train_select.EVICTION_ORDER
-                for mode, backend, order in runs:
+                runs = [("dense", None)] + [("nosa", b) for b in (backends if device.type == "cuda" else [None])]
+                for mode, backend in runs:
                     try:
-                        train_select.EVICTION_ORDER = default_order if order is None else order
                         row = model_step(mode, seq_len, args, shape, cfg, recipe, device, dtype, backend)
                     except torch.OutOfMemoryError:
                         row = dict(kind="model_step", mode=mode, seq_len=seq_len, oom=True, backend=backend)
@@ -382,8 +370,6 @@ def main() -> int:
                         row = dict(kind="model_step", mode=mode, seq_len=seq_len, backend=backend,
                                    error=f"{type(error).__name__}: {error}"[:500])
                         _reset_peak(device)
-                    finally:
-                        train_select.EVICTION_ORDER = default_order
                     rows.append(row)
                     print(json.dumps(dict({k: v for k, v in row.items() if k != "step_times_s"}, shape=name)),
                           flush=True)

@@ -18,11 +18,10 @@ forward and backward. Two kernels instead, neither of which writes anything per 
    each token, with the exact threshold top-k of ``block_scores._top_mask`` per row (bisection over
    order-preserving integer keys, then the most recent of the ties) instead of sorting. Out: ``[B, Hk, Tq, K]``
    block indices in ascending order, N after them (the order of ``block_scores``; consumers use the set). Its
-   work grows with the blocks scored, so the training path scores only its chunk's candidates. Where every block
-   whose eviction score still moves is in Q (the local window covers block c - 1; see below), the budget left after
-   Q is the first eligible blocks of the eviction scores' static order (``eviction_order``, sorted once per call):
-   one running count per token instead of a second threshold search (``EVICTION_ORDER``; off by default until
-   timed on a GPU).
+   work grows with the blocks scored, so the training path scores only its chunk's candidates. Filling the budget
+   after Q by walking the eviction scores' static order instead of a second threshold search was tried and
+   measured 2.6x slower per layer at 64K on an H200 (46 ms against 18 ms:
+   ``benchmarks/results/selection_tiles_64k_beaec9d.json``).
 
 The eviction block score (``selection.eviction_block_scores``: per block, the max of its windows' mean b over the
 windows complete at the token) is query-agnostic wherever a block's windows are all complete. At any token of block
@@ -62,11 +61,6 @@ from .backend import HAS_TRITON, interpreting, kernel_path, launcher, next_power
 # with 8 tokens on 4 warps.
 SCORES_ROWS, SCORES_BLOCK_W, SCORES_BLOCK_N, SCORES_WARPS = 64, 128, 32, 4
 CHOICE_WARP_SCORES = 512
-# True: the choice fills the budget after Q by walking the eviction scores' static order (``eviction_order``, one
-# sort per call) instead of a second threshold search per token, where the config puts every block whose eviction
-# score still moves into Q (the local window covers block c - 1); the same blocks (tests/kernels/test_train_select.py).
-# False until benchmarks/selection_tiles.py has timed it against the search on a GPU.
-EVICTION_ORDER = False
 
 if HAS_TRITON:
 
@@ -188,14 +182,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _choice_kernel(
-        qs_ptr, es_ptr, cb_ptr, pos_ptr, out_ptr, order_ptr, rank_ptr, finite_ptr,
+        qs_ptr, es_ptr, cb_ptr, pos_ptr, out_ptr,
         stride_qb, stride_qh, stride_qt, stride_eb, stride_eh, stride_cb, stride_ch, stride_pb,
         stride_ob, stride_oh, stride_ot,
         Tq, N, NONE,
         HK: tl.constexpr, BLOCK_T: tl.constexpr, N_PAD: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
         N_Q: tl.constexpr, P: tl.constexpr, SINK: tl.constexpr, LOCAL: tl.constexpr, R: tl.constexpr,
         OFF0: tl.constexpr, M: tl.constexpr, KER: tl.constexpr, STRIDE: tl.constexpr, DYN: tl.constexpr,
-        ORDER: tl.constexpr,
     ):
         i_bh = tl.program_id(0)
         i_t = tl.program_id(1)
@@ -217,36 +210,21 @@ if HAS_TRITON:
         qs = tl.where(valid, tl.where(forced, float("inf"), qs), float("-inf"))
         in_q = _top_rows(qs, N_Q)
 
-        if ORDER:
-            # Every block whose eviction score still moves (c - 1) is in Q: the rest of the budget is the first
-            # eligible blocks of the static order (best score first, ties to the higher index, as _top_rows), a
-            # running count instead of a second threshold search.
-            p_ord = i_bh.to(tl.int64) * N_PAD + o_n
-            b_ord = tl.load(order_ptr + p_ord)  # position i of the order: its block
-            b_rank = tl.load(rank_ptr + p_ord)  # block n: its position in the order
-            finite = tl.load(finite_ptr + i_bh)  # positions holding a finite score
-            zeros = tl.zeros([BLOCK_T, N_PAD], tl.int32)
-            q_ord = tl.gather(in_q.to(tl.int32), b_ord[None, :] + zeros, axis=1) != 0
-            eligible = (b_ord[None, :] < c[:, None]) & (o_n < finite)[None, :] & ~q_ord
-            need = K - tl.sum(in_q.to(tl.int32), 1)
-            taken = eligible & (tl.cumsum(eligible.to(tl.int32), 1) <= need[:, None])
-            chosen = in_q | (tl.gather(taken.to(tl.int32), b_rank[None, :] + zeros, axis=1) != 0)
-        else:
-            # eviction scores: the static row, and the blocks whose windows may not all be complete yet per token
-            es_row = tl.load(es_ptr + i_b.to(tl.int64) * stride_eb + i_h * stride_eh + o_n, mask=o_n < N,
-                             other=float("-inf"))
-            es = tl.where(valid, es_row[None, :], float("-inf"))
-            p_c = cb_ptr + i_b.to(tl.int64) * stride_cb + i_h * stride_ch
-            for i in tl.static_range(DYN):
-                n_i = c - 1 - i
-                b_e = tl.full([BLOCK_T], float("-inf"), tl.float32)
-                for j in range(M):
-                    w = n_i * R + (OFF0 + j)
-                    ok = m_t & (n_i >= 0) & (w >= 0) & (w < n_av)
-                    b_e = tl.maximum(b_e, tl.load(p_c + w, mask=ok, other=float("-inf")))
-                es = tl.where(valid & (o_n[None, :] == n_i[:, None]), b_e[:, None], es)
-            es = tl.where(in_q, float("inf"), es)
-            chosen = _top_rows(es, K)
+        # eviction scores: the static row, and the blocks whose windows may not all be complete yet per token
+        es_row = tl.load(es_ptr + i_b.to(tl.int64) * stride_eb + i_h * stride_eh + o_n, mask=o_n < N,
+                         other=float("-inf"))
+        es = tl.where(valid, es_row[None, :], float("-inf"))
+        p_c = cb_ptr + i_b.to(tl.int64) * stride_cb + i_h * stride_ch
+        for i in tl.static_range(DYN):
+            n_i = c - 1 - i
+            b_e = tl.full([BLOCK_T], float("-inf"), tl.float32)
+            for j in range(M):
+                w = n_i * R + (OFF0 + j)
+                ok = m_t & (n_i >= 0) & (w >= 0) & (w < n_av)
+                b_e = tl.maximum(b_e, tl.load(p_c + w, mask=ok, other=float("-inf")))
+            es = tl.where(valid & (o_n[None, :] == n_i[:, None]), b_e[:, None], es)
+        es = tl.where(in_q, float("inf"), es)
+        chosen = _top_rows(es, K)
 
         # ascending block indices, NONE after them
         p_o = out_ptr + i_b.to(tl.int64) * stride_ob + i_h * stride_oh + o_t[:, None].to(tl.int64) * stride_ot
@@ -348,35 +326,18 @@ def _launch_choice(query_scores, compressed_bias, positions, cfg, K, n_blocks, s
     block_t = 64 if interpreting() else max(1, CHOICE_WARP_SCORES // N_PAD)
     warps = min(8, max(1, block_t * N_PAD // CHOICE_WARP_SCORES))
     n_q = min(cfg.sink_blocks + cfg.local_blocks + cfg.query_blocks, K)
-    use_order = EVICTION_ORDER and cfg.local_blocks >= dynamic_blocks(cfg)
-    order, rank, finite = eviction_order(static, N_PAD) if use_order else (qs, qs, qs)
     grid = (B * Hk, triton.cdiv(Tq, block_t))
     with on_device(qs):
         launcher(_choice_kernel)[grid](
-            qs, static, cb, pos, out, order, rank, finite,
+            qs, static, cb, pos, out,
             qs.stride(0), qs.stride(1), qs.stride(2), static.stride(0), static.stride(1), cb.stride(0),
             cb.stride(1), stride_pb, out.stride(0), out.stride(1), out.stride(2),
             Tq, N, n_blocks,
             HK=Hk, BLOCK_T=block_t, N_PAD=N_PAD, K=K, K_PAD=next_power_of_2(K), N_Q=n_q, P=cfg.block_size,
             SINK=cfg.sink_blocks, LOCAL=cfg.local_blocks, R=R, OFF0=off0, M=M, KER=cfg.compress_kernel,
-            STRIDE=cfg.compress_stride, DYN=dynamic_blocks(cfg), ORDER=use_order, num_warps=warps,
+            STRIDE=cfg.compress_stride, DYN=dynamic_blocks(cfg), num_warps=warps,
         )
     return out
-
-
-def eviction_order(static: torch.Tensor, n_pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The choice's static eviction order: ``[B, Hk, N]`` block scores (-inf: no complete window) -> the blocks by
-    score, best first, ties to the higher index (``_top_rows``' order, -0.0 tying +0.0); each block's position in
-    that order; and how many positions hold a finite score. The first two ``[B, Hk, n_pad]`` int32, the identity
-    past N; the last ``[B, Hk]`` int32."""
-    B, Hk, N = static.shape
-    key = torch.where(static == 0, 0.0, static)
-    order = (N - 1) - torch.argsort(key.flip(-1), dim=-1, descending=True, stable=True)
-    identity = torch.arange(n_pad, dtype=torch.int32, device=static.device).expand(B, Hk, n_pad)
-    order_pad, rank_pad = identity.clone(), identity.clone()
-    order_pad[..., :N] = order
-    rank_pad[..., :N] = torch.empty_like(order).scatter_(-1, order, identity[..., :N].long())
-    return order_pad, rank_pad, (static > float("-inf")).sum(-1, dtype=torch.int32)
 
 
 # ----- torch references -----

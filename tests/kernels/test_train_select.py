@@ -14,10 +14,8 @@ import torch
 
 import hf_nosa.training as training
 from hf_nosa import NosaConfig
-from hf_nosa.kernels import train_select
 from hf_nosa.kernels.train_select import (
     dynamic_blocks,
-    eviction_order,
     train_block_scores,
     train_select_blocks,
     train_select_blocks_ref,
@@ -182,35 +180,6 @@ def test_choice_is_exactly_select_blocks(interpret, cfg, B, Hk, T, q_offset, bud
     assert (actual == N).any() and (actual < N).any()  # short prefixes leave slots empty; later tokens fill them
 
 
-@pytest.mark.parametrize("cfg", [SMALL, ONE_LOCAL, NARROW])
-def test_choice_by_the_static_order_equals_the_search(interpret, monkeypatch, cfg):
-    """Where block c - 1 is always in Q the choice walks the eviction scores' static order (``EVICTION_ORDER``):
-    the blocks of the threshold search, with ties, -0.0 against +0.0 and blocks without a window."""
-    T, q_offset = 170, 20
-    N, W = -(-T // cfg.block_size), num_windows(T, cfg)
-    g = torch.Generator().manual_seed(3)
-    cb = torch.tensor([-1.0, -0.0, 0.0])[torch.randint(0, 3, (2, 2, W), generator=g)]
-    cb[1, :, :5] = MASK_VALUE / 4  # a padded row's first windows
-    qs = _scores(2, 2, T - q_offset, N, 5, ties=True)
-    positions = torch.arange(q_offset, T)
-    static = pool_windows_to_blocks(cb, N, cfg, fill=float("-inf"))
-    assert bool((static == 0).any()) and bool(torch.signbit(static[static == 0]).any())
-    chosen = {}
-    for order in (True, False):
-        monkeypatch.setattr(train_select, "EVICTION_ORDER", order)
-        chosen[order] = train_select_blocks(qs, cb, positions, cfg)
-    assert torch.equal(chosen[True], chosen[False])
-    assert torch.equal(chosen[True], train_select_blocks_ref(qs, cb, positions, cfg, cfg.budget_blocks))
-
-
-def test_eviction_order_is_best_first_ties_to_the_higher_block():
-    static = torch.tensor([[[0.5, -0.0, 0.5, float("-inf"), 0.0, 2.0]]])
-    order, rank, finite = eviction_order(static, 8)
-    assert order.tolist() == [[[5, 2, 0, 4, 1, 3, 6, 7]]]  # -0.0 ties +0.0: the higher block first
-    assert rank.tolist() == [[[2, 4, 1, 5, 3, 0, 6, 7]]] and finite.tolist() == [[5]]
-    assert order.dtype == rank.dtype == finite.dtype == torch.int32
-
-
 @pytest.mark.parametrize("cfg", [NO_LOCAL, WIDE])
 def test_choice_reads_block_c_minus_1_at_the_token(interpret, cfg):
     """Block c - 1 (not forced here) may miss its last window for a few tokens into block c: the choice must take its
@@ -346,15 +315,13 @@ def test_bad_inputs_name_the_field():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("order", [False, True])
 @pytest.mark.parametrize("pads", [None, (0, 700)])
-def test_kernels_at_the_1b_training_shape(monkeypatch, pads, order):
+def test_kernels_at_the_1b_training_shape(monkeypatch, pads):
     """Compiled, at the 1b shape (H 32, Hk 8, D 64, bf16) and the paper's rule (block 64, windows 32 / 16, K 64):
     the scores match the reference's, the choice is exactly the reference's on the kernel's scores, and the whole
     selection differs from the torch path's in at most a near-tie of a few tokens."""
     from hf_nosa.padding import to_rows
 
-    monkeypatch.setattr(train_select, "EVICTION_ORDER", order)  # the choice's static order, or its search
     cfg = NosaConfig()
     B, T = (1, 8192) if pads is None else (2, 4096)
     g = torch.Generator().manual_seed(0)
