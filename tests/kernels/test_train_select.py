@@ -180,6 +180,23 @@ def test_choice_is_exactly_select_blocks(interpret, cfg, B, Hk, T, q_offset, bud
     assert (actual == N).any() and (actual < N).any()  # short prefixes leave slots empty; later tokens fill them
 
 
+@pytest.mark.parametrize("cfg", [SMALL, ONE_LOCAL, NARROW])
+def test_choice_with_signed_zeros_and_padded_windows(interpret, cfg):
+    """Eviction scores of -1, -0.0 and +0.0 (blocks tying across the sign of zero) and a row whose first windows are
+    padding: the threshold search picks exactly the reference's blocks."""
+    T, q_offset = 170, 20
+    N, W = -(-T // cfg.block_size), num_windows(T, cfg)
+    g = torch.Generator().manual_seed(3)
+    cb = torch.tensor([-1.0, -0.0, 0.0])[torch.randint(0, 3, (2, 2, W), generator=g)]
+    cb[1, :, :5] = MASK_VALUE / 4  # a padded row's first windows
+    qs = _scores(2, 2, T - q_offset, N, 5, ties=True)
+    positions = torch.arange(q_offset, T)
+    static = pool_windows_to_blocks(cb, N, cfg, fill=float("-inf"))
+    assert bool((static == 0).any()) and bool(torch.signbit(static[static == 0]).any())
+    actual = train_select_blocks(qs, cb, positions, cfg)
+    assert torch.equal(actual, train_select_blocks_ref(qs, cb, positions, cfg, cfg.budget_blocks))
+
+
 @pytest.mark.parametrize("cfg", [NO_LOCAL, WIDE])
 def test_choice_reads_block_c_minus_1_at_the_token(interpret, cfg):
     """Block c - 1 (not forced here) may miss its last window for a few tokens into block c: the choice must take its
