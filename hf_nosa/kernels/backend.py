@@ -199,9 +199,10 @@ def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def fastest_config(run, configs, device: torch.device, what: str) -> tuple:
+def fastest_config(run, configs, device: torch.device, what: str, *, timed: bool = True) -> tuple:
     """The configuration of ``configs`` for which ``run(*config)`` is fastest on ``device`` (each compiled and run once
-    first, then timed over 3 runs); ``what`` names the kernel in the error when none fits the GPU."""
+    first, then timed over 3 runs); with ``timed=False`` the first that fits, compiling no other. ``what`` names the
+    kernel in the error when none fits the GPU."""
     from triton.runtime.errors import OutOfResources
 
     best, best_ms = None, math.inf
@@ -210,6 +211,8 @@ def fastest_config(run, configs, device: torch.device, what: str) -> tuple:
             run(*config)
         except OutOfResources:  # a configuration the GPU cannot hold (shared memory): skip it; other errors raise
             continue
+        if not timed:
+            return config
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(3):
@@ -222,3 +225,16 @@ def fastest_config(run, configs, device: torch.device, what: str) -> tuple:
     if best is None:
         raise RuntimeError(f"{what}: no configuration of {configs} fits this GPU")
     return best
+
+
+def tuned_run(run, configs, cache: dict, key: tuple, device: torch.device, what: str, *, config=None,
+              interpreter_config=None, timed: bool = True) -> None:
+    """``run(*config)`` with the given ``config``; else under the interpreter ``interpreter_config``; else the
+    configuration ``fastest_config`` found on ``device`` for ``key`` (once per process, kept in ``cache``)."""
+    if config is None and interpreting():
+        config = interpreter_config
+    if config is None:
+        config = cache.get(key)
+        if config is None:
+            config = cache[key] = fastest_config(run, configs, device, what, timed=timed)
+    run(*config)

@@ -26,8 +26,8 @@ import torch
 
 from ..attend import AttentionInputs, attend
 from ..selection import MASK_VALUE
-from .backend import (HAS_TRITON, fastest_config, interpreting, kernel_path, launcher, log_fallback, next_power_of_2,
-                      on_device, tl, triton)
+from .backend import (HAS_TRITON, interpreting, kernel_path, launcher, log_fallback, next_power_of_2,
+                      on_device, tl, triton, tuned_run)
 
 LOG2E = 1.4426950408889634
 # Fixed tiles under the interpreter (autotuning there would run every configuration); on a GPU the launcher picks
@@ -177,16 +177,10 @@ def _launch(query, keys, values, bias, scale, q_offset, causal, out, config=None
                 BLOCK_M=block_m, BLOCK_N=block_n, PACK=pack, num_warps=warps, num_stages=stages, **common,
             )
 
-    if config is None and interpreting():
-        config = (32, 32, 4, 1, False)
-    if config is None:
-        # One choice per (head dim, causal, dtype): the prefix and lse variants take the tiles their base variant
-        # chose (timing each would compile every configuration again on a user's first generate call).
-        key = (D, causal, query.dtype, query.device)
-        config = _BEST.get(key)
-        if config is None:
-            config = _BEST[key] = fastest_config(run, CONFIGS, query.device, "flash_biased")
-    run(*config)
+    # One choice per (head dim, causal, dtype): the prefix and lse variants take the tiles their base variant chose
+    # (timing each would compile every configuration again on a user's first generate call).
+    tuned_run(run, CONFIGS, _BEST, (D, causal, query.dtype, query.device), query.device, "flash_biased",
+              config=config, interpreter_config=(32, 32, 4, 1, False))
 
 
 def _joined(keys, values, bias, q_offset, prefix):

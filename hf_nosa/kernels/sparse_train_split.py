@@ -30,7 +30,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..selection import MASK_VALUE
-from .backend import HAS_TRITON, fastest_config, interpreting, launcher, next_power_of_2, on_device, tl, triton
+from .backend import HAS_TRITON, interpreting, launcher, next_power_of_2, on_device, tl, triton, tuned_run
 from .sparse_train_common import (LOG2E, _dot, _key_block, _load_rows, _logits, _row_tile, _rows, _visible,
                                   held_result, row_dot)
 from .sparse_train_plan import SplitPlan, split_plan
@@ -384,15 +384,13 @@ _BEST: dict[tuple, tuple] = {}  # (kernel, D, G, P, tile tokens, dtype, device) 
 
 
 def _tuned(name, run, configs, query, G, P, tokens, config) -> None:
-    """``run(*config)``: the given configuration, the interpreter's, or the fastest of ``configs`` (timed once)."""
-    if config is None and interpreting():
-        config = INTERPRETER_CONFIG if len(configs[0]) == 3 else INTERPRETER_CONFIG[1:]
-    if config is None:
-        key = (name, query.shape[-1], G, P, tokens, query.dtype, query.device)
-        config = _BEST.get(key)
-        if config is None:
-            config = _BEST[key] = fastest_config(run, configs, query.device, f"sparse_train_attention ({name})")
-    run(*config)
+    """``run(*config)``: the given configuration, the interpreter's, or the fastest of ``configs`` (timed once). In
+    float32 (IEEE dots: the precise path, not the fast one) the first that fits, untimed: compiling every
+    configuration in IEEE precision took minutes per shape."""
+    key = (name, query.shape[-1], G, P, tokens, query.dtype, query.device)
+    interpreter_config = INTERPRETER_CONFIG if len(configs[0]) == 3 else INTERPRETER_CONFIG[1:]
+    tuned_run(run, configs, _BEST, key, query.device, f"sparse_train_attention ({name})", config=config,
+              interpreter_config=interpreter_config, timed=query.dtype != torch.float32)
 
 
 def _common(query, key, value, bias, bitmap, plan: SplitPlan, block_size):
