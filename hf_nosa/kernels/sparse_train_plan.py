@@ -301,8 +301,9 @@ def split_plan(bitmap: torch.Tensor, *, heads: int, block_size: int, q_offset: i
     off = torch.zeros(B, dtype=torch.long, device=device) if offsets is None else offsets.to(device).long()
     padded = _tiles_of_tokens(bitmap, n_qt, tokens)
     every_token_real = offsets is None and q_offset >= 0 and Tq % tokens == 0
-    real = None
-    if not every_token_real or not (bitmap.is_cuda if kernels is None else kernels):
+    with_kernels = bitmap.is_cuda if kernels is None else kernels
+    real = None  # [B, 1, n_qt, tokens, 1]: made where read (the AND below on padded rows, the torch extras)
+    if not every_token_real or not with_kernels:
         real = (q_offset + torch.arange(n_qt * tokens, device=device)[None, :] - off[:, None] >= 0)
         real &= torch.arange(n_qt * tokens, device=device)[None, :] < Tq  # [B, n_qt * tokens]
         real = real.view(B, 1, n_qt, tokens, 1)
@@ -315,7 +316,7 @@ def split_plan(bitmap: torch.Tensor, *, heads: int, block_size: int, q_offset: i
     own = _own_blocks(B, Tq, N, tokens, P, q_offset, offsets, device)[:, None]  # [B, 1, n_qt, N]
     whole = shared & ~own
     word = torch.uint8 if etokens <= 8 else torch.int32
-    if bitmap.is_cuda if kernels is None else kernels:
+    if with_kernels:
         bits = torch.empty(B, Hk, n_et, N, dtype=word, device=device)
         tbits = torch.empty(B, Hk, N, n_et, dtype=word, device=device)
         block_e, block = min(EXTRA_WORD_TILES, next_power_of_2(n_et)), min(EXTRA_WORD_BLOCKS, next_power_of_2(N))
