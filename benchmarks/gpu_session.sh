@@ -149,6 +149,11 @@ case "${1:-}" in
     timeout 200 python -m pytest -v -m gpu -p no:cacheprovider --tb=short "tests/kernels/test_sparse_train_attention.py::test_kernels_match_reference_on_gpu[dtype2-64]" 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|Error" | tail -5 ;;
   train-margin)   # issue 17: how far machine noise moves the 64K target's ratio: the retrofit step at 64K against dense, three runs on one machine (0.695x at 98e3464; machines of the kind differ by about 1%) (about 6 minutes)
     for run in 1 2 3; do timeout 170 python benchmarks/train_step.py --lengths 65536 --backends sparse --steps-only --out "$OUT/train_margin_$run" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-130; done ;;
+  train-shared)   # issue 17, first call of the next session: the plan's shared blocks in one kernel (the AND over each tile's real tokens, its own blocks taken out, stored in both layouts: no transposed copy, padded rows as fast as the rest; not run on a GPU yet): the split and plan GPU tests, the 64K step against dense (two runs), the 64K step by launching function (about 8 minutes)
+    timeout 200 python -m pytest -v -m gpu -n 3 -p no:cacheprovider --tb=short tests/kernels/test_sparse_train_split.py tests/kernels/test_sparse_train_attention.py tests/test_training.py -k "not flex and not dtype2" > "$OUT/gpu_tests_train_shared.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_train_shared.log" | cut -c1-160 | tail -12
+    for run in 1 2; do timeout 130 python benchmarks/train_step.py --lengths 65536 --backends sparse --steps-only --out "$OUT/train_shared_$run" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-130; done
+    timeout 150 python benchmarks/train_step_breakdown.py --lengths 65536 --modes nosa --tiles "" --gaps 20 --out "$OUT" 2>&1 | tail -1 ;;
   selection-tiles)  # issue 17: one 64K layer's training selection per tile configuration of the block-score and choice kernels (swept at 32K only; 282 ms of the 64K step), iid and smooth queries (about 4 minutes)
     timeout 400 python benchmarks/selection_tiles.py --out "$OUT" 2>&1 | grep -v '^{' | tail -3
     python -c "import json; d=json.load(open('$OUT/selection_tiles.json')); [print(r['inputs'], r['varied'], r['scores'], r['choice_warp_scores'], r.get('layer_ms'), r.get('tokens_differing_from_default'), r.get('error', '')[:60]) for r in d['results']]" ;;

@@ -115,6 +115,8 @@ EXTRA_ROWS = 16
 EXTRA_TOKENS_MAX = 31
 # Extras tiles x blocks per program of the extras words kernel: a [tiles, blocks] tile of words stored in both layouts.
 EXTRA_WORD_TILES, EXTRA_WORD_BLOCKS = 32, 64
+# Shared tiles x blocks per program of the shared blocks kernel: 128 contiguous bytes of a token's bitmap row a load.
+SHARED_TILES, SHARED_BLOCKS = 16, 128
 
 
 class SplitPlan(NamedTuple):
@@ -179,6 +181,47 @@ if HAS_TRITON:
         tl.store(word_ptr + (i_bh.to(tl.int64) * n_et + o_e)[:, None] * N + o_n[None, :], word, mask=m)
         tl.store(tword_ptr + (i_bh.to(tl.int64) * N + o_n)[:, None] * n_et + o_e[None, :], tl.trans(word),
                  mask=tl.trans(m))
+
+    @triton.jit
+    def _shared_blocks_kernel(
+        sel_ptr, off_ptr, shared_ptr, whole_ptr, twhole_ptr, Hk, Tq, N, n_qt, q_offset,
+        stride_sb, stride_sh, stride_st, P: tl.constexpr, TOKENS: tl.constexpr, BLOCK_T: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        """The blocks every real token of ``BLOCK_T`` shared tiles selected (none for a tile without a real token),
+        over ``BLOCK`` blocks; and without the tiles' own blocks (``whole``), stored per tile (``[n_qt, N]``) and per
+        block (``[N, n_qt]``). In torch: an AND over the bitmap's token axis, an or with the padded tokens and a pad
+        copy where rows are padded, and a strided transposed copy (1.7 ms a layer at 64K)."""
+        i_t, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i_b = i_bh // Hk
+        off = tl.load(off_ptr + i_b)
+        o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        o_n = i_c * BLOCK + tl.arange(0, BLOCK)
+        m_t, m_n = o_t < n_qt, o_n < N
+        p_sel = sel_ptr + i_b.to(tl.int64) * stride_sb + (i_bh % Hk).to(tl.int64) * stride_sh
+        every = tl.full([BLOCK_T, BLOCK], 1, dtype=tl.int32)
+        any_real = tl.zeros([BLOCK_T], dtype=tl.int32)
+        for k in range(TOKENS):
+            t = o_t * TOKENS + k  # [BLOCK_T]
+            real = m_t & (t < Tq) & (q_offset + t - off >= 0)
+            b_sel = tl.load(p_sel + t[:, None].to(tl.int64) * stride_st + o_n[None, :],
+                            mask=real[:, None] & m_n[None, :], other=0).to(tl.int32)
+            # a token that is not real takes part as if it had selected everything
+            every = every & tl.where(real[:, None], b_sel, 1)
+            any_real = any_real | real.to(tl.int32)
+        shared = every & any_real[:, None]
+        first = q_offset + o_t * TOKENS - off
+        last = q_offset + tl.minimum(Tq, o_t * TOKENS + TOKENS) - 1 - off
+        lo = tl.maximum(first, 0) // P
+        hi = tl.where(last >= 0, tl.maximum(last, 0) // P, lo - 1)
+        own = (o_n[None, :] >= lo[:, None]) & (o_n[None, :] <= hi[:, None])
+        whole = tl.where(own, 0, shared)
+        m = m_t[:, None] & m_n[None, :]
+        o_tile = (i_bh.to(tl.int64) * n_qt + o_t)[:, None] * N + o_n[None, :]
+        tl.store(shared_ptr + o_tile, shared.to(tl.uint8), mask=m)
+        tl.store(whole_ptr + o_tile, whole.to(tl.uint8), mask=m)
+        tl.store(twhole_ptr + (i_bh.to(tl.int64) * N + o_n)[:, None] * n_qt + o_t[None, :],
+                 tl.trans(whole.to(tl.uint8)), mask=tl.trans(m))
 
     @triton.jit
     def _compact_kernel(x_ptr, count_ptr, index_ptr, value_ptr, M, HAS_VALUES: tl.constexpr, BLOCK: tl.constexpr):
@@ -299,38 +342,43 @@ def split_plan(bitmap: torch.Tensor, *, heads: int, block_size: int, q_offset: i
     etokens = extra_tokens(heads, Hk, extra_tile)
     n_qt, n_et = -(-Tq // tokens), -(-Tq // etokens)
     off = torch.zeros(B, dtype=torch.long, device=device) if offsets is None else offsets.to(device).long()
+    word = torch.uint8 if etokens <= 8 else torch.int32
+    if bitmap.is_cuda if kernels is None else kernels:
+        if bitmap.stride(-1) != 1:
+            bitmap = bitmap.contiguous()
+        sel = bitmap.view(torch.uint8)
+        shared = torch.empty(B, Hk, n_qt, N, dtype=torch.uint8, device=device)
+        whole, twhole = torch.empty_like(shared), torch.empty(B, Hk, N, n_qt, dtype=torch.uint8, device=device)
+        block_t, block = min(SHARED_TILES, next_power_of_2(n_qt)), min(SHARED_BLOCKS, next_power_of_2(N))
+        bits = torch.empty(B, Hk, n_et, N, dtype=word, device=device)
+        tbits = torch.empty(B, Hk, N, n_et, dtype=word, device=device)
+        block_e, block_w = min(EXTRA_WORD_TILES, next_power_of_2(n_et)), min(EXTRA_WORD_BLOCKS, next_power_of_2(N))
+        strides = (bitmap.stride(0), bitmap.stride(1), bitmap.stride(2))
+        with on_device(bitmap):
+            launcher(_shared_blocks_kernel)[(triton.cdiv(n_qt, block_t), triton.cdiv(N, block), B * Hk)](
+                sel, off, shared, whole, twhole, Hk, Tq, N, n_qt, q_offset, *strides, P=P, TOKENS=tokens,
+                BLOCK_T=block_t, BLOCK=block)
+            launcher(_extras_words_kernel)[(triton.cdiv(n_et, block_e), triton.cdiv(N, block_w), B * Hk)](
+                sel, shared, off, bits, tbits, Hk, Tq, N, n_qt, n_et, q_offset, *strides, P=P, TOKENS=tokens,
+                ETOKENS=etokens, BLOCK_E=block_e, BLOCK=block_w)
+        counts, blocks, _ = _compact_kernels(whole, False)
+        tile_counts, tiles, _ = _compact_kernels(twhole, False)
+        extra_counts, extra_blocks, extra_bits = _compact_kernels(bits, True)
+        extra_tile_counts, extra_tiles, extra_tile_bits = _compact_kernels(tbits, True)
+        return SplitPlan(tokens, etokens, counts, blocks, tile_counts, tiles, extra_counts, extra_blocks, extra_bits,
+                         extra_tile_counts, extra_tiles, extra_tile_bits)
     padded = _tiles_of_tokens(bitmap, n_qt, tokens)
-    every_token_real = offsets is None and q_offset >= 0 and Tq % tokens == 0
-    with_kernels = bitmap.is_cuda if kernels is None else kernels
-    real = None  # [B, 1, n_qt, tokens, 1]: made where read (the AND below on padded rows, the torch extras)
-    if not every_token_real or not with_kernels:
-        real = (q_offset + torch.arange(n_qt * tokens, device=device)[None, :] - off[:, None] >= 0)
-        real &= torch.arange(n_qt * tokens, device=device)[None, :] < Tq  # [B, n_qt * tokens]
-        real = real.view(B, 1, n_qt, tokens, 1)
+    real = (q_offset + torch.arange(n_qt * tokens, device=device)[None, :] - off[:, None] >= 0)
+    real &= torch.arange(n_qt * tokens, device=device)[None, :] < Tq  # [B, n_qt * tokens]
+    real = real.view(B, 1, n_qt, tokens, 1)
     # AND over the tile's real tokens: the others count as having selected everything, and a tile with none shares
     # nothing
-    if every_token_real:
+    if offsets is None and q_offset >= 0 and Tq % tokens == 0:
         shared = padded.all(3)
     else:
         shared = (padded | ~real).all(3) & real.any(3)
     own = _own_blocks(B, Tq, N, tokens, P, q_offset, offsets, device)[:, None]  # [B, 1, n_qt, N]
     whole = shared & ~own
-    word = torch.uint8 if etokens <= 8 else torch.int32
-    if with_kernels:
-        bits = torch.empty(B, Hk, n_et, N, dtype=word, device=device)
-        tbits = torch.empty(B, Hk, N, n_et, dtype=word, device=device)
-        block_e, block = min(EXTRA_WORD_TILES, next_power_of_2(n_et)), min(EXTRA_WORD_BLOCKS, next_power_of_2(N))
-        with on_device(bitmap):
-            launcher(_extras_words_kernel)[(triton.cdiv(n_et, block_e), triton.cdiv(N, block), B * Hk)](
-                bitmap.view(torch.uint8), shared.contiguous().view(torch.uint8), off, bits, tbits, Hk, Tq, N, n_qt,
-                n_et, q_offset, bitmap.stride(0), bitmap.stride(1), bitmap.stride(2), P=P, TOKENS=tokens,
-                ETOKENS=etokens, BLOCK_E=block_e, BLOCK=block)
-        counts, blocks, _ = _compact_kernels(whole.view(torch.uint8), False)
-        tile_counts, tiles, _ = _compact_kernels(whole.transpose(-1, -2).view(torch.uint8), False)
-        extra_counts, extra_blocks, extra_bits = _compact_kernels(bits, True)
-        extra_tile_counts, extra_tiles, extra_tile_bits = _compact_kernels(tbits, True)
-        return SplitPlan(tokens, etokens, counts, blocks, tile_counts, tiles, extra_counts, extra_blocks, extra_bits,
-                         extra_tile_counts, extra_tiles, extra_tile_bits)
     counts, blocks, _ = _compact_values(whole)
     tile_counts, tiles, _ = _compact_values(whole.transpose(-1, -2))
     # The extras: what a token selected outside its tile's own blocks and, for a real token, its shared blocks.

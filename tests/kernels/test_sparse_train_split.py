@@ -186,8 +186,40 @@ def test_split_plan_covers_each_visible_key_once(G, tile, extra_tile, q_offset, 
 @pytest.mark.parametrize("G,tile,extra_tile,q_offset,pads,P", [
     (4, 32, 16, 0, None, 8), (3, 32, 16, 30, (5, 50), 8), (1, 16, 8, 0, None, 8), (1, 64, 32, 9, (0, 13), 8),
     (2, 32, 4, 3, (0, 2), 1),  # N = 70 blocks, 34 extras tiles: more than one words program along each
+    (1, 2, 1, 5, (0, 3), 1),  # 33 shared tiles of 2 tokens: more than one shared-blocks program along each axis
 ])
 def test_plan_kernels_equal_the_torch_plan_interpreted(interpret, G, tile, extra_tile, q_offset, pads, P):
+    _check_plan_kernels(G, tile, extra_tile, q_offset, pads, P)
+
+
+@needs_triton
+def test_plan_kernels_across_program_boundaries_interpreted(interpret, monkeypatch):
+    """Programs of 4 tiles x 32 blocks: several along both axes of the shared blocks and the extras words."""
+    monkeypatch.setattr(plan_module, "SHARED_TILES", 4)
+    monkeypatch.setattr(plan_module, "SHARED_BLOCKS", 32)
+    monkeypatch.setattr(plan_module, "EXTRA_WORD_TILES", 4)
+    monkeypatch.setattr(plan_module, "EXTRA_WORD_BLOCKS", 32)
+    _check_plan_kernels(2, 16, 4, 3, (0, 2), 1)
+
+
+@needs_triton
+def test_a_tile_with_padding_shares_what_its_real_tokens_share_interpreted(interpret):
+    """Every real token selects the last block and the padding selects nothing: a tile holding both shares the last
+    block (its padding counts as having selected everything), a tile of padding shares nothing."""
+    B, Hk, G, P, Tq, tokens = 2, 1, 2, 4, 24, 4
+    offsets = torch.tensor([0, 10])  # row 1: tokens 0-9 padding, tile 2 (tokens 8-11) holds both
+    real = torch.arange(Tq)[None, :] >= offsets[:, None]
+    bitmap = torch.zeros(B, Hk, Tq, Tq // P, dtype=torch.bool)
+    bitmap[..., -1] = real[:, None, :]
+    kwargs = dict(heads=G * Hk, block_size=P, offsets=offsets, tile=tokens * G, extra_tile=2 * G)
+    for kernels in (False, True):
+        plan = plan_module.split_plan(bitmap, kernels=kernels, **kwargs)
+        assert plan.counts[1, 0].tolist() == [0, 0, 1, 1, 1, 1], kernels  # blocks row-relative: none is own
+        assert plan.blocks[1, 0, 2, 0] == Tq // P - 1 and int(plan.extra_counts[1].sum()) == 0
+        assert plan.counts[0, 0].tolist() == [1, 1, 1, 1, 1, 0]  # row 0's last tile: the last block is its own
+
+
+def _check_plan_kernels(G, tile, extra_tile, q_offset, pads, P):
     B, Hk, T = 2, 2, 70
     Tq, N = T - q_offset, math.ceil(T / P)
     offsets = torch.tensor(pads) if pads is not None else None
