@@ -145,6 +145,28 @@ class SplitPlan(NamedTuple):
 if HAS_TRITON:
 
     @triton.jit
+    def _own_range(i_t, Tq, q_offset, off, TOKENS: tl.constexpr, P: tl.constexpr):
+        """The own blocks of shared tile ``i_t`` (a scalar or a vector of tiles): ``lo .. hi``, empty for a tile
+        inside the padding."""
+        first = q_offset + i_t * TOKENS - off
+        last = q_offset + tl.minimum(Tq, i_t * TOKENS + TOKENS) - 1 - off
+        lo = tl.maximum(first, 0) // P
+        hi = tl.where(last >= 0, tl.maximum(last, 0) // P, lo - 1)
+        return lo, hi
+
+    @triton.jit
+    def _program_tiles(sel_ptr, off_ptr, Hk, N, n_tiles, stride_sb, stride_sh, BLOCK_T: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        """A program's ``BLOCK_T`` tiles by ``BLOCK`` blocks (grid: tiles, blocks, sequence x KV head), their masks,
+        its row's left padding and the row's bitmap."""
+        i_t, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i_b = i_bh // Hk
+        o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        o_n = i_c * BLOCK + tl.arange(0, BLOCK)
+        p_sel = sel_ptr + i_b.to(tl.int64) * stride_sb + (i_bh % Hk).to(tl.int64) * stride_sh
+        return i_bh, tl.load(off_ptr + i_b), o_t, o_n, o_t < n_tiles, o_n < N, p_sel
+
+    @triton.jit
     def _extras_words_kernel(
         sel_ptr, shared_ptr, off_ptr, word_ptr, tword_ptr, Hk, Tq, N, n_qt, n_et, q_offset,
         stride_sb, stride_sh, stride_st, P: tl.constexpr, TOKENS: tl.constexpr, ETOKENS: tl.constexpr,
@@ -154,21 +176,13 @@ if HAS_TRITON:
         selection outside its shared tile's own blocks and, for a real token, outside the tile's shared blocks),
         stored per tile (``[n_et, N]``) and per block (``[N, n_et]``, the backward's lists): the transposed copy in
         torch was a strided pass over the words, 0.4 ms a layer at 64K."""
-        i_e, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        i_b = i_bh // Hk
-        off = tl.load(off_ptr + i_b)
-        o_e = i_e * BLOCK_E + tl.arange(0, BLOCK_E)
-        o_n = i_c * BLOCK + tl.arange(0, BLOCK)
-        m_e, m_n = o_e < n_et, o_n < N
-        p_sel = sel_ptr + i_b.to(tl.int64) * stride_sb + (i_bh % Hk).to(tl.int64) * stride_sh
+        i_bh, off, o_e, o_n, m_e, m_n, p_sel = _program_tiles(sel_ptr, off_ptr, Hk, N, n_et, stride_sb, stride_sh,
+                                                              BLOCK_E, BLOCK)
         word = tl.zeros([BLOCK_E, BLOCK], dtype=tl.int32)
         for k in tl.static_range(ETOKENS):
             t = o_e * ETOKENS + k  # [BLOCK_E]
             i_t = t // TOKENS
-            first = q_offset + i_t * TOKENS - off
-            last = q_offset + tl.minimum(Tq, i_t * TOKENS + TOKENS) - 1 - off
-            lo = tl.maximum(first, 0) // P
-            hi = tl.where(last >= 0, tl.maximum(last, 0) // P, lo - 1)
+            lo, hi = _own_range(i_t, Tq, q_offset, off, TOKENS, P)
             m = (m_e & (t < Tq))[:, None] & m_n[None, :]
             b_sel = tl.load(p_sel + t[:, None].to(tl.int64) * stride_st + o_n[None, :], mask=m, other=0) != 0
             b_shared = tl.load(shared_ptr + (i_bh.to(tl.int64) * n_qt + i_t)[:, None] * N + o_n[None, :], mask=m,
@@ -192,13 +206,8 @@ if HAS_TRITON:
         over ``BLOCK`` blocks; and without the tiles' own blocks (``whole``), stored per tile (``[n_qt, N]``) and per
         block (``[N, n_qt]``). In torch: an AND over the bitmap's token axis, an or with the padded tokens and a pad
         copy where rows are padded, and a strided transposed copy (1.7 ms a layer at 64K)."""
-        i_t, i_c, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        i_b = i_bh // Hk
-        off = tl.load(off_ptr + i_b)
-        o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        o_n = i_c * BLOCK + tl.arange(0, BLOCK)
-        m_t, m_n = o_t < n_qt, o_n < N
-        p_sel = sel_ptr + i_b.to(tl.int64) * stride_sb + (i_bh % Hk).to(tl.int64) * stride_sh
+        i_bh, off, o_t, o_n, m_t, m_n, p_sel = _program_tiles(sel_ptr, off_ptr, Hk, N, n_qt, stride_sb, stride_sh,
+                                                              BLOCK_T, BLOCK)
         every = tl.full([BLOCK_T, BLOCK], 1, dtype=tl.int32)
         any_real = tl.zeros([BLOCK_T], dtype=tl.int32)
         for k in range(TOKENS):
@@ -210,10 +219,7 @@ if HAS_TRITON:
             every = every & tl.where(real[:, None], b_sel, 1)
             any_real = any_real | real.to(tl.int32)
         shared = every & any_real[:, None]
-        first = q_offset + o_t * TOKENS - off
-        last = q_offset + tl.minimum(Tq, o_t * TOKENS + TOKENS) - 1 - off
-        lo = tl.maximum(first, 0) // P
-        hi = tl.where(last >= 0, tl.maximum(last, 0) // P, lo - 1)
+        lo, hi = _own_range(o_t, Tq, q_offset, off, TOKENS, P)
         own = (o_n[None, :] >= lo[:, None]) & (o_n[None, :] <= hi[:, None])
         whole = tl.where(own, 0, shared)
         m = m_t[:, None] & m_n[None, :]

@@ -35,6 +35,9 @@ from .sparse_train_common import (LOG2E, _dot, _key_block, _load_rows, _logits, 
                                   held_result, row_dot)
 from .sparse_train_plan import SplitPlan, split_plan
 
+if HAS_TRITON:
+    from .sparse_train_plan import _own_range
+
 # Shared kernels: (BLOCK_M, num_warps, num_stages); extras kernels: (num_warps, num_stages), their rows being the
 # extras tile's. On a GPU the fastest of each list is timed once per (kernel, D, G, P, tile tokens, dtype); fixed
 # under the interpreter.
@@ -64,15 +67,6 @@ if HAS_TRITON:
         l_i = l_i * alpha + tl.sum(b_p, 1)
         acc = acc * alpha[:, None] + _dot(b_p, b_v, IEEE)
         return m_new, l_i, acc
-
-    @triton.jit
-    def _own_range(i_t, Tq, q_offset, off, TOKENS: tl.constexpr, P: tl.constexpr):
-        """The own blocks of shared tile ``i_t``, ``lo .. hi`` (empty inside the padding), as the plan counts them."""
-        first = q_offset + i_t * TOKENS - off
-        last = q_offset + tl.minimum(Tq, i_t * TOKENS + TOKENS) - 1 - off
-        lo = tl.maximum(first, 0) // P
-        hi = tl.where(last >= 0, tl.maximum(last, 0) // P, lo - 1)
-        return lo, hi
 
     @triton.jit
     def _row_bits(w, BLOCK_M: tl.constexpr, G: tl.constexpr):
