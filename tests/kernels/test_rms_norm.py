@@ -127,6 +127,36 @@ def test_gradient_path_equals_the_reference_with_gradients(dtype, weight_dtype, 
         torch.testing.assert_close(gw, ref_gw, **tol)
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 96), (2, 70, 2, 16), (1, 3, 520)])
+@pytest.mark.parametrize("dtype,weight_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
+@pytest.mark.parametrize("needs", ["both", "input", "weight"])
+def test_backward_kernel_matches_the_torch_backward(interpret, monkeypatch, shape, dtype, weight_dtype, needs):
+    """``RMSNormSavingInput``'s backward through the kernel (its rows split over several programs, each looping over
+    its rows and keeping a share of the weight gradient) against its torch lines: float32 to a few ulps, low precision within a rounding."""
+    monkeypatch.setattr(norm_module, "BACKWARD_PROGRAMS", 3)
+    monkeypatch.setattr(norm_module, "TILE", 64)  # a few rows a step: each program loops over its rows
+    x, weight = _inputs(shape, dtype, weight_dtype, seed=11)
+    grad = (torch.randn(shape, generator=torch.Generator().manual_seed(12)) * 2).to(torch.promote_types(dtype,
+                                                                                                      weight_dtype))
+    results = []
+    for path in ("triton", "torch"):
+        monkeypatch.setenv("HF_NOSA_KERNELS", path)
+        xi = x.clone().requires_grad_(needs != "weight")
+        wi = weight.clone().requires_grad_(needs != "input")
+        norm_module.RMSNormSavingInput.apply(xi, wi, 1e-6).backward(grad)
+        results.append((xi.grad, wi.grad))
+    (gx, gw), (ref_gx, ref_gw) = results
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    assert (gx is None) == (needs == "weight") and (gw is None) == (needs == "input")
+    if gx is not None:
+        assert gx.dtype == ref_gx.dtype
+        torch.testing.assert_close(gx, ref_gx, **tol)
+    if gw is not None:
+        assert gw.dtype == ref_gw.dtype
+        torch.testing.assert_close(gw, ref_gw, **tol)
+
+
 def test_gradient_path_keeps_the_input_not_a_float32_copy():
     """What the backward holds: the input and one float32 scale per row, not the float32 rows (the step's peak)."""
     x, weight = _inputs((4, 64, 256), torch.bfloat16, seed=9)
@@ -170,3 +200,24 @@ def test_kernel_matches_stock_module_gpu(shape, dtype):
     with torch.no_grad():
         module.weight.copy_(weight)
         _check_close(norm_module.rms_norm(x, weight, 1e-6), module(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 4096, 2048), (2, 64, 32, 128)])
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_backward_kernel_matches_the_torch_backward_gpu(monkeypatch, shape, weight_grad):
+    """The compiled backward at the 1b shape's hidden size and at Qwen3's per-head norm, against the torch lines."""
+    x, weight = _inputs(shape, torch.bfloat16, seed=13, device="cuda")
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(14)).to("cuda", torch.bfloat16)
+    results = []
+    for path in ("triton", "torch"):
+        monkeypatch.setenv("HF_NOSA_KERNELS", path)
+        xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_(weight_grad)
+        norm_module.RMSNormSavingInput.apply(xi, wi, 1e-6).backward(grad)
+        results.append((xi.grad, wi.grad))
+    (gx, gw), (ref_gx, ref_gw) = results
+    torch.testing.assert_close(gx, ref_gx, atol=1e-2, rtol=1e-2)
+    if weight_grad:
+        torch.testing.assert_close(gw, ref_gw, atol=1e-2, rtol=1e-2)
+    else:
+        assert gw is None
