@@ -133,7 +133,8 @@ def test_gradient_path_equals_the_reference_with_gradients(dtype, weight_dtype, 
 @pytest.mark.parametrize("needs", ["both", "input", "weight"])
 def test_backward_kernel_matches_the_torch_backward(interpret, monkeypatch, shape, dtype, weight_dtype, needs):
     """``RMSNormSavingInput``'s backward through the kernel (its rows split over several programs, each looping over
-    its rows and keeping a share of the weight gradient) against its torch lines: float32 to a few ulps, low precision within a rounding."""
+    its rows and keeping a share of the weight gradient) against its torch lines: float32 to a few ulps, low
+    precision within a rounding."""
     monkeypatch.setattr(norm_module, "BACKWARD_PROGRAMS", 3)
     monkeypatch.setattr(norm_module, "TILE", 64)  # a few rows a step: each program loops over its rows
     x, weight = _inputs(shape, dtype, weight_dtype, seed=11)
