@@ -90,6 +90,8 @@ def _launch_backward(x, weight, scale, grad, weight_grad: bool):
     grads = grads if grads.stride(-1) == 1 else grads.contiguous()
     R = rows.shape[0]
     grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if R == 0 or N == 0:
+        return grad_x, (torch.zeros_like(weight) if weight_grad else None)
     block_n = next_power_of_2(N)
     tile_rows = max(1, min(TILE // block_n, next_power_of_2(R)))
     # enough programs to fill the GPU, few enough that their weight-gradient shares stay small
@@ -98,13 +100,12 @@ def _launch_backward(x, weight, scale, grad, weight_grad: bool):
     per_program = -(-per_program // tile_rows) * tile_rows
     programs = -(-R // per_program)
     shares = torch.empty(programs, N, dtype=torch.float32, device=x.device) if weight_grad else grad_x
-    if R:
-        with on_device(x):
-            launcher(_rms_norm_backward_kernel)[(programs,)](
-                rows, grads, weight, scale.reshape(-1).contiguous(), grad_x, shares, rows.stride(0),
-                grads.stride(0), N, R, N, 1.0 / N, per_program, ROWS=tile_rows, BLOCK_N=block_n,
-                WEIGHT_GRAD=weight_grad, num_warps=4 if tile_rows * block_n <= 4096 else 8,
-            )
+    with on_device(x):
+        launcher(_rms_norm_backward_kernel)[(programs,)](
+            rows, grads, weight, scale.reshape(-1).contiguous(), grad_x, shares, rows.stride(0), grads.stride(0), N,
+            R, N, 1.0 / N, per_program, ROWS=tile_rows, BLOCK_N=block_n, WEIGHT_GRAD=weight_grad,
+            num_warps=4 if tile_rows * block_n <= 4096 else 8,
+        )
     if not weight_grad:
         return grad_x, None
     return grad_x, shares.sum(0).to(grad.dtype).to(weight.dtype)

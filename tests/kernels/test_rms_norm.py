@@ -158,6 +158,13 @@ def test_backward_kernel_matches_the_torch_backward(interpret, monkeypatch, shap
         torch.testing.assert_close(gw, ref_gw, **tol)
 
 
+def test_backward_kernel_of_no_rows(interpret):
+    x, weight = _inputs((0, 5, 16), torch.float32)
+    xi, wi = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    norm_module.RMSNormSavingInput.apply(xi, wi, 1e-6).backward(torch.ones(0, 5, 16))
+    assert xi.grad.shape == (0, 5, 16) and torch.equal(wi.grad, torch.zeros(16))
+
+
 def test_gradient_path_keeps_the_input_not_a_float32_copy():
     """What the backward holds: the input and one float32 scale per row, not the float32 rows (the step's peak)."""
     x, weight = _inputs((4, 64, 256), torch.bfloat16, seed=9)
