@@ -15,7 +15,6 @@ FlexAttention's block tables: their used length is the count beside them, known 
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -289,18 +288,7 @@ def _compact_values(visit: torch.Tensor, values: torch.Tensor | None = None):
 
 def _own_blocks(B: int, Tq: int, N: int, tokens: int, P: int, q_offset: int, offsets, device) -> torch.Tensor:
     """``[B, n_qt, N]`` bool: the own blocks of each tile's tokens (a contiguous range; none for a tile inside the
-    padding). Read-only: without offsets it is made once per geometry (every layer of a step has the same)."""
-    if offsets is None:
-        return _own_blocks_unpadded(B, Tq, N, tokens, P, q_offset, torch.device(device))
-    return _own_blocks_of(B, Tq, N, tokens, P, q_offset, offsets, device)
-
-
-@functools.lru_cache(maxsize=8)
-def _own_blocks_unpadded(B: int, Tq: int, N: int, tokens: int, P: int, q_offset: int, device) -> torch.Tensor:
-    return _own_blocks_of(B, Tq, N, tokens, P, q_offset, None, device)
-
-
-def _own_blocks_of(B: int, Tq: int, N: int, tokens: int, P: int, q_offset: int, offsets, device) -> torch.Tensor:
+    padding)."""
     n_qt = -(-Tq // tokens)
     starts = torch.arange(n_qt, device=device) * tokens
     ends = torch.clamp(starts + tokens, max=Tq) - 1

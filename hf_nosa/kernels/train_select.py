@@ -467,10 +467,10 @@ def train_select_blocks(
     if N < query_scores.shape[3]:
         raise ValueError(f"train_select_blocks: n_blocks={n_blocks} is below the {query_scores.shape[3]} blocks "
                          f"scored; it must be at least that many (or None)")
+    if static_scores is not None and (static_scores.dim() != 3 or tuple(static_scores.shape[:2]) != (B, Hk)
+                                      or static_scores.shape[2] < query_scores.shape[3]):
+        raise ValueError(f"train_select_blocks: static_scores must be [B, Hk, >= {query_scores.shape[3]}] with "
+                         f"B, Hk = {B}, {Hk}; got {tuple(static_scores.shape)}")
     if kernel_path("train_select_blocks", query_scores) == "triton":
-        if static_scores is not None and (tuple(static_scores.shape[:2]) != (B, Hk) or static_scores.dim() != 3
-                                          or static_scores.shape[2] < query_scores.shape[3]):
-            raise ValueError(f"train_select_blocks: static_scores must be [B, Hk, >= {query_scores.shape[3]}] with "
-                             f"B, Hk = {B}, {Hk}; got {tuple(static_scores.shape)}")
         return _launch_choice(query_scores, compressed_bias, positions, cfg, K, N, static_scores)
     return train_select_blocks_ref(query_scores, compressed_bias, positions, cfg, K, N)

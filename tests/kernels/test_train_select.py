@@ -255,6 +255,12 @@ def test_choice_with_the_static_scores_pooled_once_by_its_caller(interpret):
         train_select_blocks(qs, cb, positions, SMALL, static_scores=static[..., : N - 1])
 
 
+def test_bad_static_scores_are_refused_on_the_torch_path_too():
+    qs, cb = _scores(1, 2, 40, 3, 1, ties=False), _bias(1, 2, 8, 2, ties=False)
+    with pytest.raises(ValueError, match="static_scores must be"):
+        train_select_blocks(qs, cb, torch.arange(40), SMALL, static_scores=torch.zeros(1, 1, 3))
+
+
 def test_choice_at_row_positions(interpret):
     """Left padding: row-relative positions ``[B, Tq]``, negative inside the padding (nothing selected there)."""
     T, pads = 120, (0, 21, 119)
