@@ -9,11 +9,12 @@ forward and backward. Two kernels instead, neither of which writes anything per 
 1. ``_block_scores_kernel``, one program per (sequence, KV head, tile of query tokens): the query-aware block score
    of ``selection.query_block_scores``. The G query heads of the group are rows of one tile (row = (token, head)).
    Pass 1 runs an online softmax over each row's complete windows that are not padding windows. Pass 2, per tile
-   of blocks and per window offset j of ``selection.window_offsets`` (block n overlaps windows
-   ``n * R + OFF0 .. n * R + OFF0 + M - 1``; for P=64, kernel 32, stride 16 that is 4n-1 .. 4n+3, window 4n-1 also
-   being block n-1's), one dot with the keys of windows ``n * R + OFF0 + j``: the probabilities are summed over the
-   group and max-pooled into the block at once. Out: ``[B, Hk, Tq, Ns]`` fp32 (the first Ns blocks), 0 where the
-   reference has 0.
+   of blocks and per offset j < R, one dot with the keys of windows ``n * R + j`` (those starting in block n): the
+   probabilities are summed over the group and max-pooled into the block at once. Block n also overlaps the last
+   -OFF0 windows of block n - 1 (``selection.window_offsets``: for P=64, kernel 32, stride 16, windows 4n-1 .. 4n+3);
+   their max moves one block to the right by a gather, so that a window shared by two blocks gives both bitwise
+   the same value, as in the reference, whose exact ties the choice breaks by index. Out: ``[B, Hk, Tq, Ns]`` fp32
+   (the first Ns blocks), 0 where the reference has 0.
 2. ``_choice_kernel``, one program per (sequence, KV head, tile of query tokens): ``selection.select_blocks`` for
    each token, with the exact threshold top-k of ``block_scores._top_mask`` per row (bisection over
    order-preserving integer keys, then the most recent of the ties) instead of sorting. Out: ``[B, Hk, Tq, K]``
@@ -88,7 +89,7 @@ if HAS_TRITON:
         Tq, N, scale,
         HK: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
-        R: tl.constexpr, OFF0: tl.constexpr, M: tl.constexpr, KER: tl.constexpr, STRIDE: tl.constexpr,
+        R: tl.constexpr, OFF0: tl.constexpr, KER: tl.constexpr, STRIDE: tl.constexpr,
         HAS_PAD: tl.constexpr, PAD_BIAS: tl.constexpr, IEEE: tl.constexpr,
     ):
         i_bh = tl.program_id(0)
@@ -133,20 +134,34 @@ if HAS_TRITON:
         b_inv = 1.0 / tl.where(b_l > 0, b_l, 1.0)  # a product per window, not a division (rounds alike to an ulp)
 
         # Pass 2: per block, the max over its windows of the group's summed probability; 0 for missing windows
-        # (pool_windows_to_blocks' fill) and for blocks past every window of the tile.
+        # (pool_windows_to_blocks' fill) and for blocks past every window of the tile. Each window is computed
+        # once, by the block it starts in (offsets 0 .. R - 1); the last -OFF0 of them also overlap the next block,
+        # which takes their max (the tail) one column to the right, from the previous tile for the first column.
+        # Computing a shared window twice, once per block, gave its two blocks values an ulp apart on an H200 and
+        # broke the reference's exact ties (about 2% of them, so other blocks than the decode path's).
         o_t = i_t * BLOCK_T + tl.arange(0, BLOCK_T)
         n_hi = (w_hi - OFF0 + R - 1) // R  # blocks with a window before w_hi
         p_o = out_ptr + i_b.to(tl.int64) * stride_ob + i_h * stride_oh + o_t[:, None].to(tl.int64) * stride_ot
+        o_c = tl.arange(0, BLOCK_N)
+        previous = tl.broadcast_to(tl.maximum(o_c - 1, 0)[None, :], [BLOCK_T, BLOCK_N])
+        b_carry = tl.zeros([BLOCK_T], tl.float32)  # the tail of the block before the tile (none before block 0)
         for n0 in range(0, N, BLOCK_N):
-            o_n = n0 + tl.arange(0, BLOCK_N)
+            o_n = n0 + o_c
             b_acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
             if n0 < n_hi:
-                for j in range(M):
-                    o_w = o_n * R + (OFF0 + j)
-                    b_s, ok = _window_logits(b_q, p_k, p_c, o_w, (o_w >= 0) & (o_w < w_hi), n_r, o_d, m_d,
+                b_tail = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+                for j in range(R):
+                    o_w = o_n * R + j
+                    b_s, ok = _window_logits(b_q, p_k, p_c, o_w, o_w < w_hi, n_r, o_d, m_d,
                                              stride_kw, scale, HAS_PAD, PAD_BIAS, IEEE)
                     b_p = tl.exp(tl.where(ok, b_s, float("-inf")) - b_m[:, None]) * b_inv[:, None]
-                    b_acc = tl.maximum(b_acc, tl.sum(tl.reshape(b_p, [BLOCK_T, G_PAD, BLOCK_N]), 1))
+                    b_g = tl.sum(tl.reshape(b_p, [BLOCK_T, G_PAD, BLOCK_N]), 1)
+                    b_acc = tl.maximum(b_acc, b_g)
+                    if j >= R + OFF0:
+                        b_tail = tl.maximum(b_tail, b_g)
+                b_left = tl.where(o_c[None, :] == 0, b_carry[:, None], tl.gather(b_tail, previous, 1))
+                b_acc = tl.maximum(b_acc, b_left)
+                b_carry = tl.max(tl.where(o_c[None, :] == BLOCK_N - 1, b_tail, 0.0), 1)
             tl.store(p_o + o_n[None, :], b_acc, mask=(o_t < Tq)[:, None] & (o_n < N)[None, :])
 
     @triton.jit
@@ -282,7 +297,7 @@ def _launch_scores(query, compressed_keys, compressed_bias, positions, n_blocks,
     has_pad = compressed_bias is not None
     cb = compressed_bias.float().contiguous() if has_pad else ck
     pos, stride_pb = _positions_i32(positions, query.device)
-    R, off0, M = _geometry(cfg)
+    R, off0, _ = _geometry(cfg)
     G_PAD = next_power_of_2(G)
     # fp32 dots where either side is fp32 (as the reference's); bf16 / fp16 operands multiply exactly in the MMA
     ieee = interpreting() or query.dtype == torch.float32 or ck.dtype != query.dtype
@@ -299,7 +314,7 @@ def _launch_scores(query, compressed_keys, compressed_bias, positions, n_blocks,
             out.stride(0), out.stride(1), out.stride(2),
             Tq, n_blocks, float(scale),
             HK=Hk, G=G, G_PAD=G_PAD, D=D, D_PAD=max(16, next_power_of_2(D)), BLOCK_T=block_t, BLOCK_W=block_w,
-            BLOCK_N=block_n, R=R, OFF0=off0, M=M, KER=cfg.compress_kernel, STRIDE=cfg.compress_stride,
+            BLOCK_N=block_n, R=R, OFF0=off0, KER=cfg.compress_kernel, STRIDE=cfg.compress_stride,
             HAS_PAD=has_pad, PAD_BIAS=PADDING_WINDOW_BIAS, IEEE=ieee, num_warps=SCORES_WARPS,
         )
     return out
