@@ -61,8 +61,8 @@ from .padding import from_rows, leading_padding, to_rows
 from .selection import MASK_VALUE, compress_keys, pool_windows_to_blocks, query_block_scores
 
 BACKENDS = ("flex", "sparse", "explicit", "reference")
-# The backend CUDA tensors take when none is named. On an H200 at 32K (1b shape) a retrofit step takes 1.42 s with
-# "sparse" (its first kernels: 3.67 s) against 9.59 s with "flex" (dense sdpa: 1.42 s); benchmarks/train_step.py
+# The backend CUDA tensors take when none is named. On an H200 at 32K (1b shape) a retrofit step takes 1.28 s with
+# "sparse" (its first kernels: 3.67 s) against 9.59 s with "flex" (dense sdpa: 1.43 s); benchmarks/train_step.py
 # times each.
 CUDA_BACKEND = "sparse"
 
