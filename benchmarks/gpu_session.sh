@@ -153,6 +153,10 @@ case "${1:-}" in
     timeout 300 python -m pytest -v -m gpu -n 4 -p no:cacheprovider --tb=short tests/kernels/test_rms_norm.py tests/kernels/test_sparse_train_split.py tests/kernels/test_sparse_train_attention.py tests/test_training.py -k "not flex and not dtype2" > "$OUT/gpu_tests_train_shared.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_train_shared.log" | cut -c1-160 | tail -30
     timeout 200 python benchmarks/train_step.py --lengths 32768,65536 --backends sparse --steps-only --out "$OUT/train_shared" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-180 ;;
+  train-lengths-1b)  # issue 17 item 3 on the code that meets its targets: the retrofit step at 16K, 32K and 64K (1b), the sparse backend's one-layer attention beside dense and its tile coverage per length (about 8 minutes; JSON written after every length)
+    timeout 560 python benchmarks/train_step.py --shapes 1b --lengths 16384,32768,65536 --backends sparse --out "$OUT/train_lengths_1b" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-150 ;;
+  train-lengths-8b)  # the same steps in the 8b shape where memory allows (a length that does not fit is recorded as oom; about 8 minutes)
+    timeout 560 python benchmarks/train_step.py --shapes 8b --lengths 16384,32768,65536 --backends sparse --steps-only --out "$OUT/train_lengths_8b" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-150 ;;
   selection-tiles)  # issue 17: one 64K layer's training selection per tile configuration of the block-score and choice kernels (swept at 32K only; 282 ms of the 64K step), iid and smooth queries (about 4 minutes)
     timeout 400 python benchmarks/selection_tiles.py --out "$OUT" 2>&1 | grep -v '^{' | tail -3
     python -c "import json; d=json.load(open('$OUT/selection_tiles.json')); [print(r['inputs'], r['varied'], r['scores'], r['choice_warp_scores'], r.get('layer_ms'), r.get('tokens_differing_from_default'), r.get('error', '')[:60]) for r in d['results']]" ;;
@@ -163,5 +167,5 @@ case "${1:-}" in
     done
     HF_NOSA_WRITE_PROGRAMS=8 timeout 80 python benchmarks/prefill_breakdown.py --context 65536 --batch 1 --fetch-parts 1 --out "$OUT/b1_w8" 2>&1 | tail -9 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-sparse-64k|train-split|train-step|train-sites|train-plan|train-verify|train-gaps|selection-tiles|prefill-whole|prefill-whole-2|prefill-whole-3|write-programs" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-sparse-64k|train-split|train-step|train-sites|train-plan|train-verify|train-gaps|train-lengths-1b|train-lengths-8b|selection-tiles|prefill-whole|prefill-whole-2|prefill-whole-3|write-programs" >&2; exit 2 ;;
 esac
