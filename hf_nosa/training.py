@@ -22,8 +22,8 @@ Four backends compute the same thing:
   backward. The bias gradient comes from the backward kernels. On CPU tensors it runs the torch reference unless
   ``HF_NOSA_KERNELS=triton`` and ``TRITON_INTERPRET=1`` (``kernels/backend.py``). The CUDA default
   (``CUDA_BACKEND``). A retrofit step of the 1b shape on an H200, split path, selection kernels and held rerun:
-  1.344 s at 32K and 2.969 s at 64K against dense sdpa's 1.418 and 4.271 s
-  (``benchmarks/results/train_step_98e3464.json``; the tile-union path took 2.87 s at 32K).
+  1.284 s at 32K and 2.857 s at 64K against dense sdpa's 1.428 and 4.311 s
+  (``benchmarks/results/train_step_4e446fe.json``; the tile-union path took 2.87 s at 32K).
 - ``"explicit"`` (CPU): an additive mask per chunk of queries on sdpa (``dense_attention.biased_attention``).
 - ``"reference"``: the same masks through the einsum attention of ``attend.py`` (the per-token reference).
 

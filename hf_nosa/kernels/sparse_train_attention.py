@@ -41,10 +41,9 @@ from torch.autograd.function import once_differentiable
 
 from ..attend import AttentionInputs, attend
 from ..selection import MASK_VALUE
-from .backend import (HAS_TRITON, interpreting, kernel_path, launcher, next_power_of_2, on_device,
-                      tl, triton, tuned_run)
+from .backend import HAS_TRITON, interpreting, kernel_path, launcher, next_power_of_2, on_device, tl, triton
 from .sparse_train_common import (LOG2E, _dot, _key_block, _load_rows, _logits, _row_tile, _rows, _visible,
-                                  held_result, row_dot)
+                                  held_result, row_dot, tuned)
 from .sparse_train_plan import EXTRA_ROWS, TILE_ROWS, SparsePlan, sparse_train_plan
 from .sparse_train_split import SplitTrainAttention
 
@@ -209,12 +208,7 @@ _BEST: dict[tuple, tuple] = {}  # (kernel, D, G, P, tokens, dtype, device) -> th
 
 
 def _tuned(name, run, configs, query, G, P, tokens, config) -> None:
-    """``run(*config)``: the given configuration, the interpreter's, or the fastest of ``configs`` (timed once). In
-    float32 (IEEE dots: the precise path, not the fast one) the first that fits, untimed: compiling every
-    configuration in IEEE precision took minutes per shape."""
-    key = (name, query.shape[-1], G, P, tokens, query.dtype, query.device)
-    tuned_run(run, configs, _BEST, key, query.device, f"sparse_train_attention ({name})", config=config,
-              interpreter_config=INTERPRETER_CONFIG, timed=query.dtype != torch.float32)
+    tuned(_BEST, name, run, configs, query, G, P, tokens, config, INTERPRETER_CONFIG)
 
 
 def _common(query, key, value, bias, bitmap, plan, block_size):

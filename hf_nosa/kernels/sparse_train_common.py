@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import HAS_TRITON, launcher, next_power_of_2, on_device, tl, triton
+from .backend import HAS_TRITON, launcher, next_power_of_2, on_device, tl, triton, tuned_run
 
 LOG2E = 1.4426950408889634
 # Rows per program of ``row_dot``.
@@ -24,6 +24,15 @@ def held_result(held, query, compute):
         if held is not None:
             held.keep_output(*result)
     return result
+
+
+def tuned(cache, name, run, configs, query, G, P, tokens, config, interpreter_config) -> None:
+    """``run(*config)``: the given configuration, the interpreter's, or the fastest of ``configs`` (timed once per
+    kernel, D, G, P, tile tokens, dtype and device, kept in ``cache``). In float32 (IEEE dots: the precise path, not
+    the fast one) the first that fits, untimed: compiling every configuration in IEEE precision took minutes a shape."""
+    key = (name, query.shape[-1], G, P, tokens, query.dtype, query.device)
+    tuned_run(run, configs, cache, key, query.device, f"sparse_train_attention ({name})", config=config,
+              interpreter_config=interpreter_config, timed=query.dtype != torch.float32)
 
 
 def row_dot_ref(grad: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -30,9 +30,9 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..selection import MASK_VALUE
-from .backend import HAS_TRITON, interpreting, launcher, next_power_of_2, on_device, tl, triton, tuned_run
+from .backend import HAS_TRITON, interpreting, launcher, next_power_of_2, on_device, tl, triton
 from .sparse_train_common import (LOG2E, _dot, _key_block, _load_rows, _logits, _row_tile, _rows, _visible,
-                                  held_result, row_dot)
+                                  held_result, row_dot, tuned)
 from .sparse_train_plan import SplitPlan, split_plan
 
 if HAS_TRITON:
@@ -378,13 +378,8 @@ _BEST: dict[tuple, tuple] = {}  # (kernel, D, G, P, tile tokens, dtype, device) 
 
 
 def _tuned(name, run, configs, query, G, P, tokens, config) -> None:
-    """``run(*config)``: the given configuration, the interpreter's, or the fastest of ``configs`` (timed once). In
-    float32 (IEEE dots: the precise path, not the fast one) the first that fits, untimed: compiling every
-    configuration in IEEE precision took minutes per shape."""
-    key = (name, query.shape[-1], G, P, tokens, query.dtype, query.device)
     interpreter_config = INTERPRETER_CONFIG if len(configs[0]) == 3 else INTERPRETER_CONFIG[1:]
-    tuned_run(run, configs, _BEST, key, query.device, f"sparse_train_attention ({name})", config=config,
-              interpreter_config=interpreter_config, timed=query.dtype != torch.float32)
+    tuned(_BEST, name, run, configs, query, G, P, tokens, config, interpreter_config)
 
 
 def _common(query, key, value, bias, bitmap, plan: SplitPlan, block_size):
