@@ -1,12 +1,12 @@
 """Where one retrofit step's device memory goes, layer by layer: dense sdpa against NOSA training attention.
 
 The step of ``benchmarks/train_step.py`` (same model shapes, LoRA recipe, gradient checkpointing, bf16 autocast),
-run once after one warm-up step, with hooks on every decoder layer's attention and MLP (a decoder layer's own hooks
-stay outside its checkpoint and miss the backward's rerun). Each event (a layer's attention starting or ending, its
-MLP ending, in the first forward or in the backward's rerun; the loss; the end of the backward) records the memory
-allocated then and the peak since the previous event, so the timeline shows which stretch of the step sets the
-peak and how NOSA's differs from dense's. A mode that does not fit is recorded with the allocator's message and the
-frames it failed in, beside the events that ran before.
+run after one warm-up step (``--steps``), with hooks on every decoder layer's attention and MLP (a decoder layer's
+own hooks stay outside its checkpoint and miss the backward's rerun). Each event (a layer's attention starting or
+ending, its MLP ending, in the first forward or in the backward's rerun; the loss; the end of the backward) records
+the memory allocated then and the peak since the previous event, so the timeline shows which stretch of the step
+sets the peak and how NOSA's differs from dense's. A mode that does not fit is recorded with the allocator's message
+and the frames it failed in, beside the events that ran before.
 
     PYTHONPATH=. python benchmarks/train_memory.py --shape 8b --length 65536 --out benchmarks/results
     python benchmarks/train_memory.py --smoke        # tiny sizes on the CPU (no memory numbers)
@@ -64,7 +64,7 @@ def _layers(model):
     return model.get_base_model().model.layers
 
 
-def measure(mode: str, shape: dict, cfg: NosaConfig, recipe: dict, seq_len: int, device, dtype) -> dict:
+def measure(mode: str, shape: dict, cfg: NosaConfig, recipe: dict, seq_len: int, device, dtype, steps: int) -> dict:
     _reset_peak(device)
     model, optimizer = build(mode, shape, cfg, recipe, device, dtype)
     timeline = Timeline(device)
@@ -77,7 +77,7 @@ def measure(mode: str, shape: dict, cfg: NosaConfig, recipe: dict, seq_len: int,
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     row = dict(mode=mode, seq_len=seq_len)
     try:
-        for step in range(2):  # the first tunes the kernels; its events are dropped
+        for step in range(steps):  # the first tunes the kernels; only the last step's events are kept
             timeline.events.clear()
             _reset_peak(device)
             timeline.mark("step_start")
@@ -109,11 +109,15 @@ def main() -> int:
     parser.add_argument("--shape", default="1b", choices=sorted(SHAPES), help="model shape (default 1b)")
     parser.add_argument("--length", type=int, default=65536, help="sequence length (default 65536)")
     parser.add_argument("--modes", default="dense,nosa", help="comma-separated among dense, nosa")
+    parser.add_argument("--steps", type=int, default=2,
+                        help="steps run; the last one's events are recorded (1: the step that tunes the kernels)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     parser.add_argument("--out", default=None, help="folder for train_memory_<shape>_<length>[_<tag>].json")
     parser.add_argument("--tag", default="", help="suffix of the file name (e.g. the allocator setting tried)")
     args = parser.parse_args()
     modes = args.modes.split(",")
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps} is invalid: it must be at least 1")
     if any(m not in ("dense", "nosa") for m in modes):
         parser.error(f"--modes {args.modes!r} is not supported; allowed values are dense, nosa")
     shape, recipe_name = SHAPES[args.shape]
@@ -128,7 +132,7 @@ def main() -> int:
     report = dict(environment(), shape=args.shape if not args.smoke else "smoke",
                   allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), results=[])
     for mode in modes:
-        row = measure(mode, shape, cfg, recipe, seq_len, device, dtype)
+        row = measure(mode, shape, cfg, recipe, seq_len, device, dtype, args.steps)
         report["results"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "events"})[:1500], flush=True)
     if args.out:
