@@ -9,8 +9,9 @@ heads, so the selection is not trivial). Also times the attention of one layer a
 folded layout puts a GQA group's heads in the rows, and also runs with key tiles of one NOSA block). Then its parts
 (the selection through the torch rule and through the kernels of ``kernels/train_select.py``, flex's block table),
 and the tile coverage per length: the share of the tiles causal attention computes that a union of each tile's
-selections visits, for 128x128 tiles and, as a what-if, 64-key tiles. Weights are random: nothing is downloaded. Every length and shape runs in one command; a run that does not
-fit the device is recorded as ``oom``, one that fails as ``error``.
+selections visits, for 128x128 tiles and, as a what-if, 64-key tiles. Weights are random: nothing is downloaded.
+Every length and shape runs in one command; a run that does not fit the device is recorded as ``oom`` with the
+allocator's message, one that fails as ``error``.
 
     PYTHONPATH=. python benchmarks/train_step.py --out benchmarks/results            # 1b at 16K, 32K, 64K
     PYTHONPATH=. python benchmarks/train_step.py --shapes 1b,8b --out benchmarks/results
@@ -363,8 +364,9 @@ def main() -> int:
                 for mode, backend in runs:
                     try:
                         row = model_step(mode, seq_len, args, shape, cfg, recipe, device, dtype, backend)
-                    except torch.OutOfMemoryError:
-                        row = dict(kind="model_step", mode=mode, seq_len=seq_len, oom=True, backend=backend)
+                    except torch.OutOfMemoryError as error:  # the allocator's line says reserved against allocated
+                        row = dict(kind="model_step", mode=mode, seq_len=seq_len, oom=True, backend=backend,
+                                   message=str(error).split("\n")[0][:400])
                         _reset_peak(device)
                     except Exception as error:  # recorded, so that the other lengths and shapes still run
                         row = dict(kind="model_step", mode=mode, seq_len=seq_len, backend=backend,
