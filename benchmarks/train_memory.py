@@ -53,9 +53,10 @@ class Timeline:
         if not rows:
             return {}
         top = max(range(len(rows)), key=lambda i: rows[i]["peak_since_last_gb"])
+        # the peak falls in the stretch from the event before ``top`` to ``top``
         return dict(peak_gb=rows[top]["peak_since_last_gb"],
-                    reserved_peak_gb=max(e["reserved_peak_since_last_gb"] for e in rows), peak_before=rows[top],
-                    peak_after=rows[top - 1] if top else None,
+                    reserved_peak_gb=max(e["reserved_peak_since_last_gb"] for e in rows),
+                    peak_from=rows[top - 1] if top else None, peak_to=rows[top],
                     first_forward_peak_gb=max((e["peak_since_last_gb"] for e in rows if not e["backward"]), default=0),
                     backward_peak_gb=max((e["peak_since_last_gb"] for e in rows if e["backward"]), default=0))
 
@@ -75,7 +76,7 @@ def measure(mode: str, shape: dict, cfg: NosaConfig, recipe: dict, seq_len: int,
         handles.append(layer.mlp.register_forward_hook(lambda m, a, o, i=i: timeline.mark("mlp_end", i)))
     ids = torch.randint(3, shape["vocab_size"], (1, seq_len), device=device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-    row = dict(mode=mode, seq_len=seq_len)
+    row, loss = dict(mode=mode, seq_len=seq_len), None
     try:
         for step in range(steps):  # the first tunes the kernels; only the last step's events are kept
             timeline.events.clear()
@@ -99,7 +100,7 @@ def measure(mode: str, shape: dict, cfg: NosaConfig, recipe: dict, seq_len: int,
     finally:
         for h in handles:
             h.remove()
-        del model, optimizer
+        del model, optimizer, loss  # a step that failed in its backward leaves its graph on the loss
         _reset_peak(device)
     return row
 
