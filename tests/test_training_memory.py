@@ -16,14 +16,14 @@ SPARSE = dict(budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16
 
 
 def _live_tensor_bytes(skip: set[int]) -> dict:
-    """Bytes of every live tensor storage outside ``skip`` (storage pointers) by (shape, dtype), parameters left
-    out."""
+    """Bytes of every live plain tensor storage outside ``skip`` (storage pointers) by (shape, dtype)."""
     import gc
 
     gc.collect()
     seen, out = set(skip), {}
     for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter):
+        # exactly torch.Tensor: parameters, and the fake tensors earlier compiles may leave, hold no memory of a step
+        if type(obj) is torch.Tensor:
             ptr = obj.untyped_storage().data_ptr()
             if ptr not in seen:
                 seen.add(ptr)
