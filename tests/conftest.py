@@ -54,6 +54,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+# Windows that make small_nosa_config's budget bite: sink 1 + local 1 + query 1 + eviction 1 blocks of 16 tokens,
+# far below the sequences the tests run.
+SPARSE = dict(budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16)
+
+
 def small_nosa_config(**overrides) -> NosaConfig:
     """Block 16, windows 8/4: every rule of the paper, at sizes a CPU test can afford."""
     base = dict(

@@ -8,14 +8,10 @@ from hf_nosa.modeling import eviction_heads, randomize_eviction_heads
 from hf_nosa.selection import nosa_token_mask
 from hf_nosa.training import BACKENDS, flex_block_mask, nosa_training_attention, selected_blocks
 
-from .conftest import small_nosa_config, tiny_model
+from .conftest import SPARSE, small_nosa_config, tiny_model
 from .utils import assert_close
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-# A budget far below the sequence: sink 1 + local 1 + query 1 + eviction 1 blocks of 16 tokens.
-SPARSE = dict(budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16)
 
 
 def _sparse_model(family, seed=0, **windows):

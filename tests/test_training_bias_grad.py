@@ -11,9 +11,7 @@ from torch.testing import assert_close
 
 from hf_nosa.training import nosa_training_attention
 
-from .conftest import small_nosa_config
-
-SPARSE = dict(budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16)
+from .conftest import SPARSE, small_nosa_config
 
 
 def _run(backend, *, H, padded, fold, seed):

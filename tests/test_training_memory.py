@@ -7,12 +7,9 @@ from hf_nosa import to_nosa
 from hf_nosa.modeling import randomize_eviction_heads
 from hf_nosa.training import nosa_training_attention
 
-from .conftest import small_nosa_config, tiny_model
+from .conftest import SPARSE, small_nosa_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-# A budget far below the sequence: sink 1 + local 1 + query 1 + eviction 1 blocks of 16 tokens.
-SPARSE = dict(budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16)
 
 
 def _live_tensor_bytes(skip: set[int]) -> dict:

@@ -31,12 +31,11 @@ from hf_nosa.selection import (
     windows_available,
 )
 
-from ..conftest import small_nosa_config
+from ..conftest import SPARSE, small_nosa_config
 from ..utils import assert_close
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-SPARSE = dict(budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16)  # sink 1, local 1, query 1, K 4
 SMALL = small_nosa_config()  # block 16, windows 8 / 4 (window 4n - 1 shared with block n - 1), K 8
 NARROW = small_nosa_config(compress_kernel=2, compress_stride=1)  # 17 windows a block; block c - 1 always complete
 FLUSH = small_nosa_config(compress_kernel=4, compress_stride=4)  # windows inside blocks: no block moves
