@@ -160,6 +160,10 @@ case "${1:-}" in
   train-memory-8b)  # why the 8b NOSA step at 64K ran out of memory where dense fits (126.3 GB): its memory event by event with the allocator's message, then the same with expandable segments (no fragmentation), dense beside it (about 6 minutes)
     timeout 200 python benchmarks/train_memory.py --shape 8b --length 65536 --modes nosa --steps 1 --out "$OUT" --tag default 2>&1 | grep -E '^\{' | cut -c1-1500
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 340 python benchmarks/train_memory.py --shape 8b --length 65536 --modes nosa,dense --out "$OUT" --tag expandable 2>&1 | grep -E '^\{' | cut -c1-1500 ;;
+  train-memory-32k)  # the same question where an H100 can ask it: the 8b step at 32K peaks at 70.8 GB (H200), close to the H100's 79 as 64K's 126.3 is to the H200's 140; dense and NOSA with the default allocator, then with expandable segments, then the 1b 32K step timed with expandable segments (about 7 minutes)
+    timeout 170 python benchmarks/train_memory.py --shape 8b --length 32768 --modes dense,nosa --out "$OUT" --tag default 2>&1 | grep -E '^\{' | cut -c1-900
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 170 python benchmarks/train_memory.py --shape 8b --length 32768 --modes dense,nosa --out "$OUT" --tag expandable 2>&1 | grep -E '^\{' | cut -c1-900
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 150 python benchmarks/train_step.py --shapes 1b --lengths 32768 --backends sparse --steps-only --out "$OUT/train_expandable_1b_32k" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-150 ;;
   train-expandable)  # the retrofit step with expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) for dense and NOSA alike: 8b at 64K, then the 1b targets at 32K and 64K (about 7 minutes)
     export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
     timeout 300 python benchmarks/train_step.py --shapes 8b --lengths 65536 --backends sparse --steps-only --out "$OUT/train_expandable_8b" 2>&1 | grep -E '"kind": "model_step"' | cut -c1-150
@@ -174,5 +178,5 @@ case "${1:-}" in
     done
     HF_NOSA_WRITE_PROGRAMS=8 timeout 80 python benchmarks/prefill_breakdown.py --context 65536 --batch 1 --fetch-parts 1 --out "$OUT/b1_w8" 2>&1 | tail -9 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-sparse-64k|train-split|train-step|train-sites|train-plan|train-verify|train-gaps|train-lengths-1b|train-lengths-8b|train-memory-8b|train-expandable|selection-tiles|prefill-whole|prefill-whole-2|prefill-whole-3|write-programs" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|memory-peak|prefill-breakdown|prefill-breakdown-b1|prefill-breakdown-8b|pinning|quoka-attention|generate-64k-chunk2048|fp8-engine-1b|fp8-fetch-blocks|fp8-engine-8b|fp8-generate-64k|fp8-generate-32k|generate-8b|prefill|prefill-8b|retrofit-profile|prefill-chunks|train-sparse|train-sparse-64k|train-split|train-step|train-sites|train-plan|train-verify|train-gaps|train-lengths-1b|train-lengths-8b|train-memory-8b|train-memory-32k|train-expandable|selection-tiles|prefill-whole|prefill-whole-2|prefill-whole-3|write-programs" >&2; exit 2 ;;
 esac

@@ -42,7 +42,12 @@ class Timeline:
     def mark(self, event: str, layer: int | None = None) -> None:
         row = dict(event=event, layer=layer, backward=in_backward())
         if self.device.type == "cuda":
+            stats = torch.cuda.memory_stats()
+            # reserved but not allocated, and the part of it inside segments that also hold live tensors: what
+            # fragmentation strands (a wholly free segment goes back to the driver before an allocation fails)
             row.update(allocated_gb=torch.cuda.memory_allocated() / GB,
+                       reserved_gb=stats.get("reserved_bytes.all.current", 0) / GB,
+                       inactive_split_gb=stats.get("inactive_split_bytes.all.current", 0) / GB,
                        peak_since_last_gb=torch.cuda.max_memory_allocated() / GB,
                        reserved_peak_since_last_gb=torch.cuda.max_memory_reserved() / GB)
             torch.cuda.reset_peak_memory_stats()
@@ -54,7 +59,9 @@ class Timeline:
             return {}
         top = max(range(len(rows)), key=lambda i: rows[i]["peak_since_last_gb"])
         # the peak falls in the stretch from the event before ``top`` to ``top``
-        return dict(peak_gb=rows[top]["peak_since_last_gb"],
+        loss = next((e for e in rows if e["event"] == "loss"), {})
+        return dict(peak_gb=rows[top]["peak_since_last_gb"], inactive_split_at_loss_gb=loss.get("inactive_split_gb"),
+                    max_inactive_split_gb=max(e["inactive_split_gb"] for e in rows),
                     reserved_peak_gb=max(e["reserved_peak_since_last_gb"] for e in rows),
                     peak_from=rows[top - 1] if top else None, peak_to=rows[top],
                     first_forward_peak_gb=max((e["peak_since_last_gb"] for e in rows if not e["backward"]), default=0),
