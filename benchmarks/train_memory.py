@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.train_step import SHAPE_SMOKE, SHAPES, SMOKE_NOSA, _reset_peak, build  # noqa: E402
 from hf_nosa import NosaConfig  # noqa: E402
+from hf_nosa.allocator import allocator_setting, use_expandable_segments  # noqa: E402
 from hf_nosa.held_forward import in_backward  # noqa: E402
 from hf_nosa.retrofit import load_recipe  # noqa: E402
 
@@ -137,8 +138,9 @@ def main() -> int:
         shape, cfg, dtype, seq_len = SHAPE_SMOKE, NosaConfig(**SMOKE_NOSA), torch.float32, 256
     elif device.type != "cuda":
         parser.error("the full benchmark needs a GPU; use --smoke on the CPU")
-    report = dict(environment(), shape=args.shape if not args.smoke else "smoke",
-                  allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), results=[])
+    use_expandable_segments(device)  # as ``retrofit`` runs; PYTORCH_ALLOC_CONF=expandable_segments:False for the default
+    report = dict(environment(), shape=args.shape if not args.smoke else "smoke", allocator=allocator_setting(),
+                  results=[])
     for mode in modes:
         row = measure(mode, shape, cfg, recipe, seq_len, device, dtype, args.steps)
         report["results"].append(row)

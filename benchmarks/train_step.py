@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
+from hf_nosa.allocator import allocator_setting, use_expandable_segments  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 from hf_nosa import training  # noqa: E402
 from hf_nosa.kernels.sparse_train_plan import split_plan, split_work  # noqa: E402
@@ -348,8 +349,9 @@ def main() -> int:
         if args.tile_rows < 16 or args.tile_rows & (args.tile_rows - 1):
             parser.error(f"--tile-rows {args.tile_rows} is invalid: it must be a power of two >= 16")
         sparse_module.TILE_ROWS = args.tile_rows  # what sparse_train_attention takes when no tile is given
+    use_expandable_segments(device)  # the allocator ``retrofit`` runs with, for both modes
     report = dict(environment(), flex_tile=FLEX_TILE, tile_rows=sparse_module.TILE_ROWS, shapes={}, results=[],
-                  targets={})
+                  targets={}, allocator=allocator_setting())
     for name in shapes:
         shape, recipe_name = SHAPES[name]
         recipe = load_recipe(recipe_name)

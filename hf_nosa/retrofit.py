@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .allocator import use_expandable_segments
 from .config import NosaConfig
 from .distill import distill_kl, teacher_logits
 from .modeling import FAMILIES, eviction_heads, family_of, to_nosa
@@ -330,6 +331,7 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
     cuda = torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
     accelerator = Accelerator(mixed_precision="bf16" if cuda else "no", step_scheduler_with_optimizer=False)
     _device_memory_check(recipe, accelerator.device)
+    use_expandable_segments(accelerator.device)  # long sequences otherwise strand memory between the step's tensors
     if isinstance(base, nn.Module):
         eos_id = base.config.eos_token_id
     elif isinstance(base, dict):
