@@ -6,7 +6,9 @@ own hooks stay outside its checkpoint and miss the backward's rerun). Each event
 ending, its MLP ending, in the first forward or in the backward's rerun; the loss; the end of the backward) records
 the memory allocated then and the peak since the previous event, so the timeline shows which stretch of the step
 sets the peak and how NOSA's differs from dense's. A mode that does not fit is recorded with the allocator's message
-and the frames it failed in, beside the events that ran before.
+and the frames it failed in, beside the events that ran before. The allocator runs as ``retrofit`` runs it (expandable
+segments, ``hf_nosa/allocator.py``) unless ``PYTORCH_ALLOC_CONF`` says otherwise; each event records the memory
+reserved and the part of it stranded inside segments that also hold live tensors (``inactive_split_gb``).
 
     PYTHONPATH=. python benchmarks/train_memory.py --shape 8b --length 65536 --out benchmarks/results
     python benchmarks/train_memory.py --smoke        # tiny sizes on the CPU (no memory numbers)
@@ -138,7 +140,7 @@ def main() -> int:
         shape, cfg, dtype, seq_len = SHAPE_SMOKE, NosaConfig(**SMOKE_NOSA), torch.float32, 256
     elif device.type != "cuda":
         parser.error("the full benchmark needs a GPU; use --smoke on the CPU")
-    use_expandable_segments(device)  # as ``retrofit`` runs; PYTORCH_ALLOC_CONF=expandable_segments:False for the default
+    use_expandable_segments(device)  # as retrofit runs; PYTORCH_ALLOC_CONF=expandable_segments:False for the default
     report = dict(environment(), shape=args.shape if not args.smoke else "smoke", allocator=allocator_setting(),
                   results=[])
     for mode in modes:

@@ -1,7 +1,8 @@
 """One retrofit step of a 1B- (or 8B-) shaped Llama: NOSA training attention against dense sdpa.
 
 A step is what ``hf-nosa retrofit`` runs: forward + backward + AdamW on LoRA (llama-3.2-1b recipe) and the
-eviction heads, bf16 autocast, gradient checkpointing, batch 1. "dense" is the stock model with the same LoRA
+eviction heads, bf16 autocast, gradient checkpointing, batch 1, the allocator with expandable segments (unless
+``PYTORCH_ALLOC_CONF`` is set; recorded as ``allocator``). "dense" is the stock model with the same LoRA
 and sdpa attention; "nosa" is the converted model training with ``hf_nosa.training`` (random nonzero eviction
 heads, so the selection is not trivial). Also times the attention of one layer alone (forward + backward): with
 ``--backends sparse`` the split path (the default) and the union path beside it, with the split path's work per part
