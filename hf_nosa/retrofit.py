@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .allocator import use_expandable_segments
+from .allocator import allocator_setting, use_expandable_segments
 from .config import NosaConfig
 from .distill import distill_kl, teacher_logits
 from .modeling import FAMILIES, eviction_heads, family_of, to_nosa
@@ -445,7 +445,8 @@ def retrofit(recipe, data=None, output_dir=None, *, base_model=None, resume: boo
         else:
             base_name = base if isinstance(base, str) else RECIPE_MODEL
         run = dict(base_model=base_name, family=family, nosa_config=cfg.to_dict(), recipe=recipe, steps=steps_done,
-                   final_loss=final_loss, tokens_per_second=speed, hf_nosa_version=hf_nosa.__version__)
+                   final_loss=final_loss, tokens_per_second=speed, hf_nosa_version=hf_nosa.__version__,
+                   allocator=allocator_setting() if cuda else None)
         if time_limit is not None:
             run.update(time_limit_s=float(time_limit), schedule_steps=plan["steps"],
                        seconds=time.perf_counter() - called)

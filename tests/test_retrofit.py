@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hf_nosa import NosaConfig, to_nosa
+from hf_nosa.allocator import EXPANDABLE_SEGMENTS, allocator_setting, user_setting
 from hf_nosa.modeling import eviction_heads
 from hf_nosa.retrofit import (
     data_files,
@@ -31,7 +32,7 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 SHIPPED = ["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-1.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-4b",
            "qwen3-8b", "smollm2-135m", "tiny"]
 RUN_KEYS = {"base_model", "family", "nosa_config", "recipe", "steps", "final_loss", "tokens_per_second",
-            "hf_nosa_version"}
+            "hf_nosa_version", "allocator"}
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -73,6 +74,7 @@ def test_tiny_recipe_trains_and_writes_the_adapter(tiny_run):
     assert set(run) == RUN_KEYS
     assert run["family"] == "llama" and run["steps"] == 30 and run["base_model"] == "recipe:model"
     assert run["final_loss"] == pytest.approx(losses[-1]) and run["tokens_per_second"] > 0
+    assert run["allocator"] is None  # the CUDA allocator's setting; this run trained on the CPU
     assert NosaConfig.from_dict(run["nosa_config"]) == NosaConfig.from_dict(load_recipe("tiny")["nosa"])
     assert json.loads((out / "adapter_config.json").read_text())["modules_to_save"] == ["eviction_head"]
     # the eviction heads trained (A starts at zero)
@@ -373,6 +375,8 @@ def test_tiny_recipe_on_gpu_bf16_with_the_eviction_loss(data, tmp_path):
     recipe = {**load_recipe("tiny"), "gradient_checkpointing": False, "eviction_loss": 0.5}
     result = retrofit(recipe, data, tmp_path / "gpu")
     assert next(result.model.parameters()).is_cuda
+    expected = allocator_setting() if user_setting() else EXPANDABLE_SEGMENTS  # the user's setting is kept
+    assert read_run(tmp_path / "gpu")["allocator"] == expected
     assert all(loss == loss for loss in result.losses)  # bf16 autocast, flex attention and the loss: no NaN
     assert sum(result.losses[-5:]) / 5 < sum(result.losses[:5]) / 5 - 0.3, result.losses
     scales = torch.cat([m.eviction_head.A.detach().flatten() for m in result.model.modules() if hasattr(m, "eviction_head")])

@@ -1,7 +1,8 @@
 """Retrofit adapter folders (PEFT LoRA + eviction heads + ``nosa_retrofit.json``) merged into their base for export.
 
 ``nosa_retrofit.json`` = {"base_model", "family", "nosa_config", "recipe", "steps", "final_loss",
-"tokens_per_second", "hf_nosa_version"}, written by ``hf_nosa.retrofit`` next to the PEFT files.
+"tokens_per_second", "hf_nosa_version", "allocator"}, written by ``hf_nosa.retrofit`` next to the PEFT files
+(``allocator``: the CUDA allocator setting the run trained with, None on the CPU).
 """
 
 from __future__ import annotations
