@@ -40,6 +40,14 @@ def allocator_setting() -> str:
     return user_setting() or _applied or "default"
 
 
+def set_allocator_settings(settings: str) -> None:
+    """Apply ``settings`` (``PYTORCH_ALLOC_CONF``'s syntax) to the running process's allocator."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # torch before 2.9
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(settings)
+
+
 def use_expandable_segments(device: torch.device) -> bool:
     """Turn on expandable segments for ``device``'s allocator (CUDA only), unless the user set the allocator through
     the environment; return whether they were turned on. Segments made before the call keep their kind."""
@@ -49,10 +57,7 @@ def use_expandable_segments(device: torch.device) -> bool:
     if given is not None:
         logger.info("allocator: keeping %s (hf-nosa would use %s)", given, EXPANDABLE_SEGMENTS)
         return False
-    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if setter is None:  # torch before 2.9
-        setter = torch.cuda.memory._set_allocator_settings
-    setter(EXPANDABLE_SEGMENTS)
+    set_allocator_settings(EXPANDABLE_SEGMENTS)
     global _applied
     _applied = EXPANDABLE_SEGMENTS
     logger.info("allocator: %s for this process (set PYTORCH_ALLOC_CONF to choose another setting)",

@@ -37,3 +37,19 @@ def test_the_users_setting_is_kept(calls, monkeypatch, name):
 def test_the_cpu_is_left_alone(calls):
     assert allocator.use_expandable_segments(torch.device("cpu")) is False
     assert calls == [] and allocator.allocator_setting() == "default"
+
+
+@pytest.mark.gpu
+def test_segments_made_after_the_switch_are_expandable(monkeypatch):
+    if allocator.user_setting():
+        pytest.skip(f"the allocator is set by the environment ({allocator.user_setting()})")
+    monkeypatch.setattr(allocator, "_applied", None)
+    torch.randn(1024, device="cuda")  # the allocator has run before the switch, as when a model was loaded first
+    try:
+        assert allocator.use_expandable_segments(torch.device("cuda")) is True
+        after = torch.randn(4096, 4096, device="cuda")
+        segments = torch.cuda.memory._snapshot()["segments"]
+        home = max((s for s in segments if s["address"] <= after.data_ptr()), key=lambda s: s["address"])
+        assert home["is_expandable"]
+    finally:
+        allocator.set_allocator_settings("expandable_segments:False")  # the rest of the suite runs as it did
