@@ -1,9 +1,10 @@
 """The CUDA caching allocator's setting for a retrofit run: expandable segments, unless the user chose a setting.
 
-A retrofit step at long context allocates tensors of many odd sizes (a layer's selection, its float32 partial
-output, the kernels' plan) between the checkpointed hidden states it keeps, then the loss's logits buffers, the
-largest of the step. With the default allocator a freed stretch of a segment that still holds a kept tensor can
-only serve smaller requests, so the device may hold enough free memory for the logits and still fail to place them.
+A retrofit step at long context allocates tensors of many sizes (a layer's selection, its float32 partial output,
+the kernels' plan, the MLP's activations) between the checkpointed hidden states it keeps. With the default allocator
+a freed stretch of a segment that still holds a kept tensor can only serve smaller requests: in the 8b shape at 64K
+up to 36 GB sits stranded that way during the backward's reruns (``benchmarks/train_memory.py``), and whether the
+step fits then depends on what ran before it in the process.
 Expandable segments map memory into one growing range per stream and unmap what is freed, which removes that
 stranding (PyTorch's notes on ``PYTORCH_CUDA_ALLOC_CONF``). The setting is process-wide, so hf-nosa applies it only
 where it starts the training itself (``retrofit``), and never over a user's own ``PYTORCH_ALLOC_CONF`` /
