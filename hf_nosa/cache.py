@@ -8,8 +8,12 @@ block being written). Every update hands the attention what to attend to (``Atte
   (``kernels/fetch.py``);
 - a prefill chunk (the prompt arrives chunk by chunk, ``modeling/chunked.py``): by ``NosaConfig.prefill``, every
   earlier token ("dense", "nosa") or QUOKA's blocks in the slot pool ("quoka", ``prefill.py``), then the chunk;
-- several tokens after a prompt (assisted decoding, prompt lookup): every earlier token, masked by the decode rule
-  token by token, so they see what one-token decoding would.
+- a few tokens after a prompt (at most ``decode_rule_tokens``: the candidates assisted decoding and prompt lookup
+  verify): every earlier token, masked by the decode rule token by token, so they see what one-token decoding would;
+- more tokens after a prompt (a new turn of a conversation): the prefill again, from the cache's length, chunk by
+  chunk, so the device holds what a first prompt's chunks hold.
+
+A call on the cache is one turn (``NosaCache.turn``): if it raises part-way, every layer is rebuilt as it was.
 
 Rows of a left-padded batch are stored from their first real token (``padding.py``): ``offset [B]`` on the device
 says by how much each row's row-relative index trails the cache index.
@@ -17,6 +21,7 @@ says by how much each row's row-relative index trails the cache index.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -234,12 +239,20 @@ class NosaLayer(PrefillPaths, DecodePaths, CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         scale = scaling if scaling is not None else key_states.shape[-1] ** -0.5
         bias = bias.float()
+        Tq = key_states.shape[2]
         prefilling = self.state.prefill_end is not None or self.seen == 0
-        if key_states.shape[2] == 1 and not prefilling:
+        if Tq == 1 and not prefilling:
             return self._decode(key_states, value_states, query, bias, scale)
-        if prefilling:
-            return self._prefill(key_states, value_states, query, bias, attention_mask, scale)
-        return self._extend_by_decode_rule(key_states, value_states, query, bias, attention_mask, scale)
+        if not prefilling and Tq <= self.base_cfg.decode_rule_tokens:  # candidates of assisted decoding: exact
+            return self._extend_by_decode_rule(key_states, value_states, query, bias, attention_mask, scale)
+        if self.seen > 0 and self.padded:
+            raise ValueError(
+                f"NosaCache layer {self.layer_idx}: {Tq} new tokens continue a left-padded batch (rows of different "
+                f"lengths). Continuing prompts longer than NosaConfig.decode_rule_tokens="
+                f"{self.base_cfg.decode_rule_tokens} are supported on caches without left padding: keep one "
+                "conversation per cache, or batch conversations of equal length."
+            )
+        return self._prefill(key_states, value_states, query, bias, attention_mask, scale)
 
     def _wait_writer(self) -> None:
         """Later work reads the host store: make the current stream wait for the side-stream writes."""
@@ -307,16 +320,45 @@ class NosaLayer(PrefillPaths, DecodePaths, CacheLayerMixin):
         new_length = max(0, min(new_length, self.seen))
         if new_length == self.seen:
             return
+        self.rewind(new_length)
+
+    def rewind(self, length: int) -> None:
+        """Hold the first ``length`` tokens (at most ``seen``) and rebuild from the host store what depends on the
+        last ones: the compressed keys and their rings, and the slot pool (emptied but for each row's partly written
+        block). Unlike ``crop`` it always rebuilds, so it also repairs a layer that an update left half done."""
         self._wait_writer()
-        self.seen = self.host.length = new_length
+        self.staging = None
+        self.previous_chunk = None
+        self.seen = self.host.length = length
         if self.padded:  # a row cut inside its padding keeps no token
-            self._set_offsets(torch.minimum(self.offsets_host, torch.tensor(new_length)))
+            self._set_offsets(torch.minimum(self.offsets_host, torch.tensor(length)))
         lengths = self.row_lengths()
         keys, values, bias = self._read_counted(0, int(lengths.max()))
         self.compressed.rebuild(keys, bias, lengths)
         self._settle_rows((keys, values, bias, 0))
+        self._step_value = -1  # the device step counter is set again before the next fused step
         if self.selector is not None:
             self.selector.observe(self, keys, bias, 0)
+
+    def checkpoint(self) -> tuple | None:
+        """What ``restore`` needs to bring this layer back to now (None: not initialized)."""
+        if not self.is_initialized:
+            return None
+        return (self.seen, self.counters.counts.clone(), self.counters.locality.clone(), self.decode_steps,
+                self.peak_device_tokens)
+
+    def restore(self, saved: tuple | None) -> None:
+        """Back to ``checkpoint()``'s state: the tokens after it dropped, counters as they were."""
+        if saved is None:
+            self.reset()
+            return
+        seen, counts, locality, decode_steps, peak = saved
+        if self.seen < seen:
+            raise RuntimeError(f"layer {self.layer_idx} holds {self.seen} tokens, fewer than the {seen} to restore")
+        self.rewind(seen)
+        self.counters.counts.copy_(counts)
+        self.counters.locality.copy_(locality)
+        self.decode_steps, self.peak_device_tokens = decode_steps, peak
 
     def _index_batch(self, index: torch.Tensor) -> None:
         if not self.is_initialized:
@@ -384,6 +426,8 @@ class NosaCache(Cache):
         self.selector = selector
         self.state = CacheState(max_cache_len)
         self.workspace_lost = False
+        self.broken: str | None = None  # why the cache cannot be used (a failed call it could not be restored from)
+        self._turns = 0  # nesting depth of ``turn()``: only the outermost checkpoints and restores
         text_config = config.get_text_config(decoder=True) if config is not None else None
         n_layers = getattr(text_config, "num_hidden_layers", None)
         if n_layers is not None:
@@ -435,7 +479,59 @@ class NosaCache(Cache):
         if self.get_seq_length() == 0:
             self.state.workspace = workspace
 
+    @contextlib.contextmanager
+    def turn(self):
+        """One call on this cache (a ``generate``, a forward) as a unit: if it raises part-way (an error in a layer,
+        KeyboardInterrupt), every layer is put back as it was when the call began (tokens after it dropped, compressed
+        keys and slot pool rebuilt from the host store, counters restored) and the error goes on. Should that repair
+        fail too, the cache is marked and every later use raises, saying why, until ``reset()``. Nested turns (the
+        forwards of a generate) leave it to the outermost."""
+        if self._turns:
+            self._turns += 1
+            try:
+                yield self
+            finally:
+                self._turns -= 1
+            return
+        self._check_usable()
+        saved = [layer.checkpoint() for layer in self.layers]
+        length = self.get_seq_length()
+        self._turns = 1
+        try:
+            yield self
+        except BaseException as error:
+            self._restore(saved, length, error)
+            raise
+        finally:
+            self._turns = 0
+
+    def _restore(self, saved: list, length: int, error: BaseException) -> None:
+        self.end_prefill()
+        try:
+            for layer, checkpoint in zip(self.layers, saved + [None] * (len(self.layers) - len(saved))):
+                layer.restore(checkpoint)
+        except Exception as repair:
+            self.broken = (
+                f"a call on this NosaCache raised {type(error).__name__} ({error}) part-way, and restoring the "
+                f"{length} tokens it held before failed too ({type(repair).__name__}: {repair})"
+            )
+            logger.error("NosaCache: %s", self.broken)
+            return
+        logger.warning("NosaCache: a call raised %s part-way; the cache was restored to the %d tokens it held before.",
+                       type(error).__name__, length)
+
+    def _check_usable(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"This NosaCache cannot be used: {self.broken}. Call cache.reset() (or build a new "
+                               "NosaCache) and send the whole conversation again.")
+
+    def reset(self) -> None:
+        """Forget every token of every layer (and a failure the cache was marked with)."""
+        super().reset()
+        self.broken = None
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs) -> AttentionInputs:
+        self._check_usable()
         if self.workspace_lost:
             raise RuntimeError(
                 "This NosaCache's device buffers were taken over by a later generate(cache_implementation='nosa') "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -34,15 +35,22 @@ class NosaConfig:
     first answer token and the keys decoding reads first. The other queries of their chunk keep QUOKA's blocks. 0:
     every chunk attends to its QUOKA blocks only.
 
-    ``prefill_batch_tokens`` (default 32768; 0: off) and ``prefill_max_chunk_size`` (default 4096) let a batch take
-    longer chunks than ``prefill_chunk_size`` while its chunk step stays under ``prefill_batch_tokens`` tokens: a chunk
-    is ``max(prefill_chunk_size, min(prefill_max_chunk_size, prefill_batch_tokens // batch))`` tokens (rounded down to
-    whole blocks). Every chunk costs the same fixed launches and host work per layer whatever its length, and every
-    QUOKA chunk fetches most of its budget again, so fewer, longer chunks reach the first token sooner until the
-    chunk's own causal part grows (``prefill_chunk``): on an H200 (``benchmarks/prefill.py``) one 64K prompt reached
-    its first token in 1.08 s in 2048-token chunks, 0.63 s in 4096-token ones and 0.62 s in 8192-token ones; four in
-    2.04, 1.98 and 2.10 s. At the defaults chunks are 4096 tokens up to 8 rows and shorter from there (2048 at 16,
-    512 from 64 rows), so large batches keep their memory.
+    ``prefill_chunk_size`` (default 2048) fixes QUOKA's chunks per row: a prompt's chunks start at its first token
+    (a continued one's at the cache's length, its first chunk ending on a block boundary), whatever the batch, so a
+    row's tokens and logits never depend on the other rows of its batch. Longer chunks reach the first token sooner
+    (every chunk costs the same fixed launches and fetches most of its budget again; on an H200 one 64K prompt took
+    1.08 s in 2048-token chunks and 0.63 s in 4096-token ones, ``benchmarks/prefill.py``) and hold more activations
+    per forward (rows x chunk tokens).
+
+    ``prefill_batch_tokens`` and ``prefill_max_chunk_size`` are kept so that configs saved with them still load; they
+    no longer change anything (they used to lengthen the chunks of small batches, which made a row's answer depend on
+    its batch), and a value other than their old default is warned about.
+
+    ``decode_rule_tokens`` (default 64): an update of at most this many tokens to a cache that holds a sequence (the
+    candidates assisted decoding and prompt lookup verify) attends by the per-token decode rule, exactly as decoding
+    the tokens one at a time would, reading the sequence's K/V back; a longer one (a new turn of a conversation) goes
+    through the same chunked prefill as a new prompt, starting at the cache's length, with the device memory of a
+    first prompt.
 
     ``prefill_whole_prompt_tokens`` (default 262144; 0: never) sends a new QUOKA prompt of at most that many tokens
     over the batch (rows x length) through each layer whole instead of through the whole model one chunk at a time:
@@ -77,7 +85,7 @@ class NosaConfig:
     compress_stride: int = 16
     prefill: str = "auto"
     offload: bool = True
-    prefill_chunk_size: int = 512
+    prefill_chunk_size: int = 2048
     quoka_queries: int = 16
     prefill_budget_tokens: int | None = None
     host_dtype: str = "auto"
@@ -86,6 +94,7 @@ class NosaConfig:
     prefill_max_chunk_size: int = 4096
     prefill_whole_prompt_tokens: int = 262144
     resident_margin: float = 0.0
+    decode_rule_tokens: int = 64
 
     def __post_init__(self):
         def fail(name: str, rule: str, fix: str = ""):
@@ -107,6 +116,7 @@ class NosaConfig:
             "prefill_batch_tokens",
             "prefill_max_chunk_size",
             "prefill_whole_prompt_tokens",
+            "decode_rule_tokens",
         )
         for name in int_fields:
             value = getattr(self, name)
@@ -150,6 +160,15 @@ class NosaConfig:
         margin = self.resident_margin
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin) or margin < 0:
             fail("resident_margin", "it must be a finite number >= 0 (0: the stateless NOSA rule)")
+        if self.decode_rule_tokens < 0:
+            fail("decode_rule_tokens", "it must be 0 (every update of several tokens is prefilled) or a positive "
+                                       "number of tokens")
+        for name, old_default in (("prefill_batch_tokens", 32768), ("prefill_max_chunk_size", 4096)):
+            if getattr(self, name) != old_default:
+                warnings.warn(
+                    f"NosaConfig.{name} no longer changes anything: QUOKA's chunks are fixed per row by "
+                    "prefill_chunk_size, so that a row's answer does not depend on its batch. Set prefill_chunk_size "
+                    "instead.", FutureWarning, stacklevel=3)
         if self.quoka_queries < 1:
             fail("quoka_queries", "it must be at least 1")
         if self.prefill_dense_tail_tokens < 0:
@@ -166,11 +185,10 @@ class NosaConfig:
                     "Raise it, or leave it None to use budget_tokens.",
                 )
 
-    def prefill_chunk(self, batch: int) -> int:
-        """Prompt tokens per prefill chunk at ``batch`` rows: ``prefill_chunk_size``, or longer (up to
-        ``prefill_max_chunk_size``) while the batch's chunk step stays under ``prefill_batch_tokens``."""
-        grown = min(self.prefill_max_chunk_size, self.prefill_batch_tokens // max(1, batch))
-        return max(self.prefill_chunk_size, grown // self.block_size * self.block_size)
+    def prefill_chunk(self, batch: int = 1) -> int:
+        """Prompt tokens per QUOKA chunk: ``prefill_chunk_size`` at every batch (``batch`` is accepted for callers of
+        the older rule and ignored: a row's chunks never depend on its batch)."""
+        return self.prefill_chunk_size
 
     def prefill_whole(self, batch: int, length: int) -> bool:
         """Whether a new prompt of ``length`` tokens in ``batch`` rows goes through each layer whole (its QUOKA

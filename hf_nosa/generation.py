@@ -3,7 +3,9 @@
 transformers keeps its cache strings in a fixed tuple and builds caches in
 ``GenerationMixin._prepare_cache_for_generation``; neither has a public hook. ``register()`` adds "nosa" to the
 tuple and wraps that one method: for "nosa" it lets transformers build its default cache (so every version
-puts it under its own keyword), then swaps in a NosaCache. Idempotent and version-checked.
+puts it under its own keyword), then swaps in a NosaCache. It also wraps ``GenerationMixin.generate`` so that a
+call on a user's NosaCache is one turn (``NosaCache.turn``): a generate that raises part-way leaves the cache as it
+was before the call, where transformers would leave it half written. Idempotent and version-checked.
 """
 
 from __future__ import annotations
@@ -93,14 +95,34 @@ def _prepare_cache_wrapper(original):
     return _prepare_cache_for_generation
 
 
+def _generate_wrapper(original):
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        if getattr(getattr(self, "config", None), "nosa", None) is not None:
+            from .modeling import check_eviction_heads
+
+            check_eviction_heads(self)  # every call, even one whose new input is a single token
+        cache = next((kwargs[key] for key in _CACHE_KWARGS if isinstance(kwargs.get(key), NosaCache)), None)
+        if cache is None:
+            return original(self, *args, **kwargs)
+        with cache.turn():  # a generate that raises part-way leaves the user's cache as it was before the call
+            return original(self, *args, **kwargs)
+
+    generate._hf_nosa_wrapped = True
+    return generate
+
+
 def register() -> None:
-    """Make ``generate(..., cache_implementation="nosa", cache_config={...})`` build a NosaCache."""
+    """Make ``generate(..., cache_implementation="nosa", cache_config={...})`` build a NosaCache, and make a
+    generate on a user's NosaCache one turn (``NosaCache.turn``: restored as it was if the call raises)."""
     check_transformers_version()
     if CACHE_IMPLEMENTATION not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS:
         configuration_utils.ALL_CACHE_IMPLEMENTATIONS = (*configuration_utils.ALL_CACHE_IMPLEMENTATIONS, CACHE_IMPLEMENTATION)
     current = GenerationMixin._prepare_cache_for_generation
     if not getattr(current, "_hf_nosa_wrapped", False):
         GenerationMixin._prepare_cache_for_generation = _prepare_cache_wrapper(current)
+    if not getattr(GenerationMixin.generate, "_hf_nosa_wrapped", False):
+        GenerationMixin.generate = _generate_wrapper(GenerationMixin.generate)
 
 
 def generate(model, *args, **kwargs):

@@ -130,7 +130,9 @@ class PrefillPaths:
     A prompt arrives one chunk per update (``modeling.chunked``), or whole under "quoka" when it is small enough
     (``whole_prompt``: the layer cuts the same chunks); by the layer's prefill mode a chunk attends to
     every earlier token ("dense", "nosa": a device staging of the prompt) or to QUOKA's blocks fetched into the slot
-    pool ("quoka"), then to itself. Several tokens after a prompt attend by the decode rule, token by token.
+    pool ("quoka"), then to itself. A prompt that continues a held sequence (a new turn) is prefilled the same way
+    from the cache's length: its first chunk may start inside a block, whose earlier tokens every query of that chunk
+    sees. A few tokens after a prompt (``decode_rule_tokens``) attend by the decode rule, token by token.
     """
 
     # ----- prefill: the prompt, one chunk per update -----
@@ -209,9 +211,18 @@ class PrefillPaths:
     def _quoka_inputs(self, k, v, q, b, valid, start) -> AttentionInputs:
         selected = quoka_select(self, q, valid, start)  # [B, Hk, K]
         n_selected = selected.shape[-1]
-        self.peak_device_tokens = max(self.peak_device_tokens, n_selected * self.cfg.block_size + k.shape[2])
+        P = self.cfg.block_size
+        lo = start // P * P
+        # A continued prompt (a new turn) may start inside a block: QUOKA's candidates are the complete blocks before
+        # it, so the block's earlier tokens lo .. start - 1 (fewer than a block, read from the host store) are seen
+        # by every query of the chunk, as a new prompt's chunk sees its own block from its start.
+        partial = self._read_counted(lo, start) if start > lo else None
+        self.peak_device_tokens = max(self.peak_device_tokens, n_selected * P + (start - lo) + k.shape[2])
         if n_selected == 0:
-            return AttentionInputs(k, v, b, None, 0, causal=True)
+            if partial is None:
+                return AttentionInputs(k, v, b, None, 0, causal=True)
+            joined = (torch.cat([x, y], 2) for x, y in zip(partial, (k, v, b)))
+            return AttentionInputs(*joined, None, start - lo, causal=True)
         self._move_in_previous_chunk(start, selected)
         S = self.n_slots
 
@@ -221,8 +232,11 @@ class PrefillPaths:
             pool = SlotPool(self.slot_k[b0:b1], self.slot_v[b0:b1], self.slot_b[b0:b1], self.slot_block[b0:b1],
                             self.tail_slot[b0:b1])
             fetch_selection(selected[b0:b1], pool, self.host, self.counters, row0=b0)
-            return (self.slot_k[b0:b1, :, :S].flatten(2, 3), self.slot_v[b0:b1, :, :S].flatten(2, 3),
+            held = (self.slot_k[b0:b1, :, :S].flatten(2, 3), self.slot_v[b0:b1, :, :S].flatten(2, 3),
                     self.slot_b[b0:b1, :, :S].flatten(2))
+            if partial is None:
+                return held
+            return tuple(torch.cat([x, y[b0:b1]], 2) for x, y in zip(held, partial))
 
         return AttentionInputs(k, v, b, None, 0, causal=True, blocks=PoolBlocks(fetch, fetch_parts(k.device, self.batch)))
 

@@ -69,7 +69,7 @@ def small_nosa_config(**overrides) -> NosaConfig:
         local_tokens=32,
         compress_kernel=8,
         compress_stride=4,
-        prefill_batch_tokens=0,  # chunks of exactly prefill_chunk_size at every batch: the sizes the tests choose
+        prefill_chunk_size=512,
         prefill_whole_prompt_tokens=0,  # chunk by chunk through the model (tests/test_whole_prompt.py: each layer)
     )
     base.update(overrides)

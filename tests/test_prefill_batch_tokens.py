@@ -1,5 +1,6 @@
-"""prefill_batch_tokens and prefill_max_chunk_size: longer prefill chunks while the batch allows, the same tokens and
-logits as that fixed chunk."""
+"""prefill_batch_tokens and prefill_max_chunk_size: kept so that saved configs load, validated, warned about, and
+without effect: QUOKA's chunks are prefill_chunk_size tokens at every batch, so a row's answer never depends on its
+batch (tests/test_conversations.py holds rows against batches)."""
 
 import pytest
 import torch
@@ -9,25 +10,21 @@ from hf_nosa.modeling import randomize_eviction_heads
 
 from .conftest import padded_batch, small_nosa_config, tiny_model
 
+pytestmark = pytest.mark.filterwarnings("ignore:NosaConfig.prefill_:FutureWarning")
 
-def test_the_chunk_grows_at_small_batches_in_whole_blocks():
+
+def test_the_chunk_is_the_same_at_every_batch():
     cfg = NosaConfig(prefill_chunk_size=512, prefill_batch_tokens=4096, prefill_max_chunk_size=4096)
-    assert [cfg.prefill_chunk(b) for b in (1, 2, 3, 4, 8, 9, 64)] == [4096, 2048, 1344, 1024, 512, 512, 512]
-    assert NosaConfig(prefill_chunk_size=512, prefill_batch_tokens=0).prefill_chunk(1) == 512  # 0: off
-    # the default: 4096-token chunks up to 8 rows, then shorter, prefill_chunk_size from 64 rows on
-    assert [NosaConfig().prefill_chunk(b) for b in (1, 2, 4, 8, 9, 16, 17, 38, 64, 100)] == [
-        4096, 4096, 4096, 4096, 3584, 2048, 1920, 832, 512, 512]
-    assert NosaConfig(prefill_chunk_size=512, prefill_batch_tokens=256).prefill_chunk(1) == 512  # never shorter
+    assert [cfg.prefill_chunk(b) for b in (1, 2, 3, 4, 8, 9, 64)] == [512] * 7
+    assert [NosaConfig().prefill_chunk(b) for b in (1, 8, 38, 100)] == [NosaConfig().prefill_chunk_size] * 4
 
 
-def test_the_chunk_stops_at_its_maximum():
-    cfg = NosaConfig(prefill_chunk_size=512, prefill_batch_tokens=65536, prefill_max_chunk_size=1024)
-    assert [cfg.prefill_chunk(b) for b in (1, 32, 64, 128, 200)] == [1024, 1024, 1024, 512, 512]
-    # a floor above the maximum wins: chunks are never shorter than prefill_chunk_size
-    assert NosaConfig(prefill_chunk_size=4096, prefill_max_chunk_size=2048).prefill_chunk(1) == 4096
-    # a configuration saved before the maximum existed keeps its chunks (the default maximum is above its batch-1 chunk)
-    old = NosaConfig.from_dict({"prefill_chunk_size": 512, "prefill_batch_tokens": 2048})
-    assert [old.prefill_chunk(b) for b in (1, 2, 4)] == [2048, 1024, 512]
+def test_a_saved_config_with_the_old_knobs_loads_and_says_they_do_nothing():
+    with pytest.warns(FutureWarning, match="prefill_batch_tokens no longer changes anything"):
+        old = NosaConfig.from_dict({"prefill_chunk_size": 512, "prefill_batch_tokens": 2048})
+    assert [old.prefill_chunk(b) for b in (1, 2, 4)] == [512] * 3
+    with pytest.warns(FutureWarning, match="prefill_max_chunk_size no longer changes anything"):
+        NosaConfig(prefill_max_chunk_size=1024)
 
 
 @pytest.mark.parametrize("bad", [0, -64, 100, True, 1.5])
@@ -54,20 +51,19 @@ def _generate(model, ids, mask, **cache_config):
                           return_dict_in_generate=True, cache_implementation="nosa", cache_config=cache_config)
 
 
-@pytest.mark.parametrize("pads,chunk", [((0,), 192), ((0, 9), 96)])
-def test_generate_takes_the_grown_chunk(pads, chunk):
-    """QUOKA prefill, sparse budget: with prefill_batch_tokens=192 and 64-token chunks, one row prefills in chunks of
-    192 tokens and two rows (one left-padded) in chunks of 96 (whole 16-token blocks); either way the tokens and logits
-    are those of the fixed chunk it chose."""
+@pytest.mark.parametrize("pads", [(0,), (0, 9)])
+def test_generate_ignores_the_old_knobs(pads):
+    """QUOKA prefill, sparse budget: with prefill_batch_tokens=192 the chunks are still prefill_chunk_size tokens,
+    and the tokens and logits those of the same config without it."""
     model = to_nosa(tiny_model("llama", seed=5), small_nosa_config(prefill="quoka", prefill_budget_tokens=64))
     randomize_eviction_heads(model, generator=torch.Generator().manual_seed(6))
     ids, mask = padded_batch(400, pads, seed=7)
     lengths = _chunk_lengths(model)
-    grown = _generate(model, ids, mask, prefill_chunk_size=64, prefill_batch_tokens=192)
-    assert lengths[:2] == [chunk] * 2 and max(lengths) == chunk
+    knobs = _generate(model, ids, mask, prefill_chunk_size=64, prefill_batch_tokens=192, prefill_max_chunk_size=256)
+    assert lengths[:2] == [64] * 2 and max(lengths) == 64
     lengths.clear()
-    fixed = _generate(model, ids, mask, prefill_chunk_size=chunk)
-    assert lengths[:2] == [chunk] * 2
-    assert torch.equal(grown.sequences, fixed.sequences)
-    for a, b in zip(grown.logits, fixed.logits):
+    plain = _generate(model, ids, mask, prefill_chunk_size=64)
+    assert lengths[:2] == [64] * 2
+    assert torch.equal(knobs.sequences, plain.sequences)
+    for a, b in zip(knobs.logits, plain.logits):
         torch.testing.assert_close(a, b, atol=0, rtol=0)

@@ -103,15 +103,24 @@ def to_nosa(model: nn.Module, nosa_config: NosaConfig | None = None) -> nn.Modul
 
 def check_eviction_heads(model: nn.Module) -> None:
     """ValueError naming the layer and parameter when an eviction head holds NaN or inf (it would turn every
-    logit into NaN without an error)."""
-    for i, head in eviction_heads(model).items():
-        for name, param in (("A", head.A), ("delta.weight", head.delta.weight), ("delta.bias", head.delta.bias)):
-            if param is not None and param.device.type != "meta" and not bool(torch.isfinite(param).all()):
-                raise ValueError(
-                    f"layer {i}: eviction_head.{name} holds NaN or inf values, so every logit would be NaN. The "
-                    "checkpoint or the training run that wrote it is broken: reload the weights, or reset the heads "
-                    "(A = 0 is the untrained head)."
-                )
+    logit into NaN without an error). One host sync when every head is finite (the forward checks before every
+    prompt)."""
+    named = [(i, name, param) for i, head in eviction_heads(model).items()
+             for name, param in (("A", head.A), ("delta.weight", head.delta.weight), ("delta.bias", head.delta.bias))
+             if param is not None and param.device.type != "meta"]
+    if not named:
+        return
+    with torch.no_grad():
+        finite = [torch.isfinite(param).all().to(named[0][2].device) for _, _, param in named]
+        if bool(torch.stack(finite).all()):
+            return
+    for i, name, param in named:
+        if not bool(torch.isfinite(param).all()):
+            raise ValueError(
+                f"layer {i}: eviction_head.{name} holds NaN or inf values, so every logit would be NaN. The "
+                "checkpoint or the training run that wrote it is broken: reload the weights, or reset the heads "
+                "(A = 0 is the untrained head)."
+            )
 
 
 def eviction_heads(model: nn.Module) -> dict[int, EvictionHead]:

@@ -1,11 +1,16 @@
 """The causal LM forward of a NOSA model with a NosaCache: model-level chunked prefill and graph-replayed decode.
 
-Prefill: a prompt longer than a chunk (``NosaConfig.prefill_chunk``: ``prefill_chunk_size`` tokens, more at small
-batches under ``prefill_batch_tokens``) goes through the whole model one chunk at a time (every layer
-finishes chunk i before any layer sees chunk i + 1), so device memory holds the weights, the cache's working set
-and one chunk's activations whatever the prompt length; logits are computed only where ``logits_to_keep`` asks.
-A new QUOKA prompt of at most ``prefill_whole_prompt_tokens`` (rows x length) goes through each layer whole
-instead, and the layers cut the same chunks (``whole_prompt``).
+Prefill: a prompt longer than a chunk (``prefill_chunk_size`` tokens, the same at every batch, so a row's answer
+never depends on its batch) goes through the whole model one chunk at a time (every layer finishes chunk i before
+any layer sees chunk i + 1), so device memory holds the weights, the cache's working set and one chunk's
+activations whatever the prompt length; logits are computed only where ``logits_to_keep`` asks. A new QUOKA prompt
+of at most ``prefill_whole_prompt_tokens`` (rows x length) goes through each layer whole instead, and the layers cut
+the same chunks (``whole_prompt``). A prompt that continues a held sequence by more than ``decode_rule_tokens`` (a
+new turn of a conversation) is prefilled the same way from the cache's length; its first chunk ends on a block
+boundary, so the later ones start on blocks as a new prompt's do.
+
+Every call on a NosaCache is one turn (``NosaCache.turn``): one that raises part-way leaves the cache as it was.
+Eviction heads are checked for NaN and inf before every prompt and new turn, whatever the cache.
 
 Decode: a one-token step on CUDA replays a CUDA graph of the model's decode forward (``kernels.cuda_graph``),
 captured once per shapes and buffers; caches built by ``generate(cache_implementation="nosa")`` draw their buffers
@@ -70,7 +75,13 @@ class NosaForward:
             )
         cache_name = "cache" if kwargs.get("cache") is not None else "past_key_values"
         cache = kwargs.get(cache_name)
+        inputs = kwargs.get("input_ids")
+        if inputs is None:
+            inputs = kwargs.get("inputs_embeds")
+        T = inputs.shape[1] if inputs is not None else 0
         if not isinstance(cache, NosaCache):
+            if cache is None or T != 1 or cache.get_seq_length() == 0:  # every prompt; decode steps follow one
+                self._check_heads()
             return self.original(**kwargs)
         layers = getattr(self.model.config.get_text_config(decoder=True), "num_hidden_layers", None)
         if cache.state.n_layers is not None and layers is not None and cache.state.n_layers != layers:
@@ -78,22 +89,29 @@ class NosaForward:
                 f"NosaCache was built for {cache.state.n_layers} layers, but this model has {layers}: a cache belongs "
                 "to one model. Build it from this model's config: NosaCache(model.config)."
             )
-        if cache.get_seq_length() == 0:
-            from . import check_eviction_heads  # the package imports this module
-
-            check_eviction_heads(self.model)  # once per new sequence: NaN heads would give NaN logits silently
-        inputs = kwargs.get("input_ids")
-        if inputs is None:
-            inputs = kwargs.get("inputs_embeds")
+        cache._check_usable()
+        past = cache.get_seq_length()
+        if past == 0 or T != 1:
+            self._check_heads()  # every prompt and every new turn: NaN heads would give NaN logits silently
         if inputs is None or kwargs.get("labels") is not None:
             return self.original(**kwargs)
-        T = inputs.shape[1]
-        if T == 1 and cache.get_seq_length() > 0 and self._graph_eligible(cache, kwargs):
-            return self._decode_with_graph(cache, cache_name, kwargs)
-        lead = self._left_padding(cache, kwargs)
-        if T <= cache.nosa_config.prefill_chunk(inputs.shape[0]) and lead is None:
-            return self.original(**kwargs)
-        return self._chunked(cache, cache_name, kwargs, lead)
+        if past and T > cache.nosa_config.decode_rule_tokens:
+            _check_continued(cache, kwargs.get("attention_mask"), T)
+        with cache.turn():  # a call that raises part-way leaves the cache as it was before it
+            if T == 1 and past > 0 and self._graph_eligible(cache, kwargs):
+                return self._decode_with_graph(cache, cache_name, kwargs)
+            lead = self._left_padding(cache, kwargs)
+            continuing = past > 0 and T > cache.nosa_config.decode_rule_tokens
+            if T <= cache.nosa_config.prefill_chunk() and lead is None and not continuing:
+                return self.original(**kwargs)
+            return self._chunked(cache, cache_name, kwargs, lead)
+
+    def _check_heads(self) -> None:
+        if torch.compiler.is_compiling():
+            return
+        from . import check_eviction_heads  # the package imports this module
+
+        check_eviction_heads(self.model)
 
     @staticmethod
     def _left_padding(cache: NosaCache, kwargs: dict) -> torch.Tensor | None:
@@ -114,9 +132,14 @@ class NosaForward:
         inputs = kwargs.pop(ids_name)
         B, T = inputs.shape[:2]
         past = cache.get_seq_length()
-        C = cache.nosa_config.prefill_chunk(B)
+        C = cache.nosa_config.prefill_chunk()
+        P = cache.nosa_config.block_size
         if past == 0 and not cache.has_selector and cache.nosa_config.prefill_whole(B, T):
             C = T  # through each layer whole: the layers cut QUOKA's chunks (whole_prompt)
+        # Chunk edges: a new prompt's at multiples of C; a continued one's first chunk ends on a block boundary (the
+        # block it starts in, plus C - P tokens), so that its later chunks start on blocks as a new prompt's do.
+        first = min(T, C - past % P) if past else min(T, C)
+        edges = [0, *range(first, T, C), T] if first < T else [0, T]
         position_ids = kwargs.pop("position_ids", None)
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=inputs.device).expand(B, T)
@@ -138,7 +161,7 @@ class NosaForward:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         decoder_cache = cache_keyword(decoder)
 
-        starting = past == 0
+        starting = past == 0 or T > cache.nosa_config.decode_rule_tokens  # a new prompt, or a new turn's
         if starting:
             padding = True  # a 4D mask of the caller's own goes to the layers chunk by chunk
             if attention_mask is None or attention_mask.dim() == 2:
@@ -146,14 +169,13 @@ class NosaForward:
                 # would expand it to [B, 1, chunk, context] in every chunk. One host read per prompt spares an
                 # all-ones mask (generate's, unpadded) the padding work in every layer and chunk.
                 padding = False
-                if attention_mask is not None and not bool(attention_mask.all()):
+                if attention_mask is not None and not past and not bool(attention_mask.all()):
                     padding = attention_mask[:, :T].bool()
-                attention_mask = None
-            cache.begin_prefill(T, lead, padding=padding)
+                attention_mask = None  # a continued prompt's has no padding (_check_continued)
+            cache.begin_prefill(past + T, lead, padding=padding)
         hidden_parts, layer_states = [], []
         try:
-            for a in range(0, T, C):
-                b = min(T, a + C)
+            for a, b in zip(edges[:-1], edges[1:]):
                 chunk = dict(kwargs)
                 chunk[ids_name] = inputs[:, a:b]
                 chunk["position_ids"] = position_ids[..., a:b]
@@ -234,6 +256,21 @@ class NosaForward:
             return self.original(**kwargs)
         result = CausalLMOutputWithPast(logits=logits, **{_OUTPUT_CACHE_FIELD: cache})
         return result if kwargs.get("return_dict", True) else result.to_tuple()
+
+
+def _check_continued(cache: NosaCache, attention_mask: torch.Tensor | None, T: int) -> None:
+    """A continued prompt (a new turn: more than ``decode_rule_tokens`` tokens on a cache holding a sequence) is
+    prefilled from the cache's length in every row at once: rows must hold no left padding, and the new tokens none."""
+    past = cache.get_seq_length()
+    allowed = (f"continued prompts longer than NosaConfig.decode_rule_tokens={cache.nosa_config.decode_rule_tokens} "
+               "are supported on caches without left padding. Keep one conversation per cache, or batch "
+               "conversations of equal length.")
+    if any(layer.is_initialized and layer.padded for layer in cache.layers):
+        raise ValueError(f"{T} new tokens continue a left-padded batch on this NosaCache (rows of different "
+                         f"lengths): {allowed}")
+    if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask[:, -T:].all()):
+        raise ValueError(f"A continued prompt ({T} new tokens on a NosaCache holding {past}) has padding in its "
+                         f"attention_mask: {allowed}")
 
 
 def _graph_device(inputs: torch.Tensor) -> bool:
