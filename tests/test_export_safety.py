@@ -1,6 +1,8 @@
 """Export and verify never leak or lose files: reads stay inside the inputs (symbolic links, ``_name_or_path``, shard
 paths), verification runs none of the folder's code, an overwrite either completes or leaves the old folder intact
-(failures injected at each step of the swap), and created files follow the umask."""
+(failures injected at each step of the swap), and created files follow the umask. Export never touches its inputs
+(tests/test_first_hour_export.py: an out_dir that is, contains or lies inside one; overwrite keeps what it did not
+write)."""
 
 from __future__ import annotations
 
@@ -206,9 +208,11 @@ def test_verify_command(exported, capsys):
 # --------------------------------------------------------------------------- atomic overwrite
 
 
-def _old_out(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+def _old_out(tmp_path: Path, exported) -> tuple[Path, dict[str, bytes]]:
+    """A previous export, with two files of the user's beside what it wrote: (folder, its files)."""
     out = tmp_path / "out"
-    (out / "sub").mkdir(parents=True)
+    shutil.copytree(exported[0], out)
+    (out / "sub").mkdir()
     (out / "keep.txt").write_text("old")
     (out / "sub" / "data.bin").write_bytes(b"\x00\x01")
     return out, listing(out)
@@ -231,8 +235,8 @@ def _failing_rename(monkeypatch, folder: Path, fail_calls: set[int]):
 
 
 @pytest.mark.parametrize("step", [1, 2], ids=["rename-old-aside", "rename-new-in"])
-def test_failed_swap_leaves_the_old_out_dir_intact(tmp_path, monkeypatch, step):
-    out, before = _old_out(tmp_path)
+def test_failed_swap_leaves_the_old_out_dir_intact(tmp_path, monkeypatch, step, exported):
+    out, before = _old_out(tmp_path, exported)
     calls = _failing_rename(monkeypatch, tmp_path, {step})
     with pytest.raises(OSError, match=f"injected failure of rename #{step}"):
         export(nosa_model(), out, overwrite=True)
@@ -241,8 +245,8 @@ def test_failed_swap_leaves_the_old_out_dir_intact(tmp_path, monkeypatch, step):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no stage, no hidden old folder
 
 
-def test_failed_swap_and_failed_restore_say_where_the_old_content_is(tmp_path, monkeypatch):
-    out, before = _old_out(tmp_path)
+def test_failed_swap_and_failed_restore_say_where_the_old_content_is(tmp_path, monkeypatch, exported):
+    out, before = _old_out(tmp_path, exported)
     _failing_rename(monkeypatch, tmp_path, {2, 3})
     with pytest.raises(OSError, match="the old content is in") as caught:
         export(nosa_model(), out, overwrite=True)
@@ -250,8 +254,8 @@ def test_failed_swap_and_failed_restore_say_where_the_old_content_is(tmp_path, m
     assert aside.parent == tmp_path and listing(aside) == before
 
 
-def test_failed_removal_of_the_old_folder_keeps_the_new_export(tmp_path, monkeypatch, caplog):
-    out, _ = _old_out(tmp_path)
+def test_failed_removal_of_the_old_folder_keeps_the_new_export(tmp_path, monkeypatch, caplog, exported):
+    out, _ = _old_out(tmp_path, exported)
 
     def rmtree(path, *args, **kwargs):
         raise OSError("injected failure of rmtree")
@@ -259,7 +263,7 @@ def test_failed_removal_of_the_old_folder_keeps_the_new_export(tmp_path, monkeyp
     monkeypatch.setattr(files.shutil, "rmtree", rmtree)
     with caplog.at_level(logging.WARNING, logger="hf_nosa.hub.files"):
         export(nosa_model(), out, overwrite=True)
-    assert (out / "model.safetensors").is_file() and not (out / "keep.txt").exists()
+    assert (out / "model.safetensors").is_file() and (out / "keep.txt").read_text() == "old"
     assert "removing the replaced folder" in caplog.text
 
 
@@ -276,8 +280,8 @@ def test_failure_before_the_swap_removes_created_parents(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("target", [".", "..", "./"])
-def test_export_to_the_current_folder_is_refused_up_front(tmp_path, monkeypatch, target):
-    out, before = _old_out(tmp_path)
+def test_export_to_the_current_folder_is_refused_up_front(tmp_path, monkeypatch, target, exported):
+    out, before = _old_out(tmp_path, exported)
     monkeypatch.chdir(out)
     with pytest.raises(ValueError, match="current folder"):
         export(nosa_model(), target, overwrite=True)
@@ -285,18 +289,18 @@ def test_export_to_the_current_folder_is_refused_up_front(tmp_path, monkeypatch,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-def test_export_command_to_the_current_folder_fails_cleanly(tmp_path, monkeypatch, capsys, source):
+def test_export_command_to_the_current_folder_fails_cleanly(tmp_path, monkeypatch, capsys, source, exported):
     from hf_nosa.cli import main
 
-    out, before = _old_out(tmp_path)
+    out, before = _old_out(tmp_path, exported)
     monkeypatch.chdir(out)
     assert main(["export", str(source), ".", "--overwrite"]) == 2
     assert "current folder" in capsys.readouterr().err
     assert listing(out) == before
 
 
-def test_out_dir_that_is_a_link_is_refused(tmp_path):
-    out, before = _old_out(tmp_path)
+def test_out_dir_that_is_a_link_is_refused(tmp_path, exported):
+    out, before = _old_out(tmp_path, exported)
     (tmp_path / "link").symlink_to(out)
     with pytest.raises(ValueError, match="symbolic link"):
         export(nosa_model(), tmp_path / "link", overwrite=True)
@@ -308,11 +312,11 @@ def test_out_dir_that_is_a_link_is_refused(tmp_path):
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_created_files_and_folders_follow_the_umask(tmp_path, umask, overwrite):
+def test_created_files_and_folders_follow_the_umask(tmp_path, umask, overwrite, exported):
     out = tmp_path / "new" / "out"
     if overwrite:
-        out.mkdir(parents=True)
-        (out / "old.txt").write_text("old")
+        shutil.copytree(exported[0], out)
+        out.chmod(0o700)
     previous = os.umask(umask)
     try:
         export(nosa_model(), out, overwrite=overwrite)

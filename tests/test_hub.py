@@ -29,7 +29,7 @@ NOSA = dict(block_size=16, budget_tokens=64, query_tokens=16, sink_tokens=16, lo
 PROMPT, NEW = 150, 8  # prompt > budget: selection and the eviction heads decide what is attended
 EXPECTED_FILES = {
     "README.md", "config.json", "generation_config.json", "model.safetensors",
-    "custom_generate/generate.py", "custom_generate/requirements.txt",
+    "custom_generate/generate.py", "custom_generate/requirements.txt", "nosa_export.json",
 }
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -343,8 +343,9 @@ def test_failure_midway_leaves_out_dir_untouched(tmp_path, monkeypatch):
     from hf_nosa.hub import card
 
     out = tmp_path / "out"
-    out.mkdir()
+    export(nosa_model("llama"), out)
     (out / "keep.txt").write_text("old")
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     with pytest.raises(ValueError, match="not empty"):
         export(nosa_model("llama"), out)
 
@@ -353,12 +354,13 @@ def test_failure_midway_leaves_out_dir_untouched(tmp_path, monkeypatch):
 
     monkeypatch.setattr(card, "render_model_card", broken)
     with pytest.raises(RuntimeError, match="card failed"):
-        export(nosa_model("llama"), out, overwrite=True)
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+        export(nosa_model("llama", seed=1), out, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     monkeypatch.undo()
-    export(nosa_model("llama"), out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    export(nosa_model("llama", seed=1), out, overwrite=True)
+    assert (out / "keep.txt").read_text() == "old"  # not written by the export: kept
+    assert (out / "model.safetensors").read_bytes() != before["model.safetensors"]
 
 
 def test_bad_sources(tmp_path):

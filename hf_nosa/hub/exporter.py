@@ -6,7 +6,9 @@ generation_config.json stock transformers loads, tokenizer files when there is a
 Everything is written to a temporary folder next to ``out_dir`` and moved into place only once it verifies, so a
 failed export leaves ``out_dir`` untouched; files and folders get the modes the umask gives. Export reads only
 inside its inputs: no symbolic link out of a source folder is followed, weight shards must lie inside the folder,
-and a folder's recorded ``_name_or_path`` is never read from.
+and a folder's recorded ``_name_or_path`` is never read from. It never touches its inputs either: an ``out_dir``
+that is, contains or lies inside anything it reads is refused before any work, and ``overwrite`` replaces only the
+files a previous export wrote there (its manifest, ``nosa_export.json``), keeping any other file.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from .files import (
     check_links_stay_inside,
     check_out_dir,
     discard_stage,
+    foreign_entries,
     inside,
     stage_dir,
     swap_into_place,
+    write_manifest,
 )
 from .verify import (
     check_weights,
@@ -128,6 +132,38 @@ def _copy_tokenizer(tokenizer: Any, search: list[Path | None], stage: Path) -> b
     return False
 
 
+def _built_tokenizer(record: dict | None, base: Any):
+    """The tokenizer of a base that keeps none in a folder, or None: the byte-level tokenizer of a run whose recipe
+    names ``tokenizer: bytes`` (the ``tiny`` recipe), or the one a GGUF base embeds."""
+    recipe = (record or {}).get("recipe") or {}
+    if recipe.get("tokenizer") == "bytes":
+        from ..tokenizer import build_tokenizer
+
+        return build_tokenizer()
+    from ..loading import is_gguf, load_tokenizer
+
+    return load_tokenizer(base) if is_gguf(base) else None
+
+
+def _inputs(source: Any, base_model: Any, tokenizer: Any, metrics: Any) -> dict[str, Path]:
+    """What an export reads from the file system, named for error messages (name -> path): the source folder (or
+    an in-memory model's folder), the base model given or recorded by an adapter, the tokenizer folder and the
+    metrics file. Read before any model loads, so that a bad out_dir is refused first."""
+    from torch import nn
+
+    found: dict[str, Any] = {}
+    if isinstance(source, nn.Module):
+        name = getattr(source.config, "_name_or_path", None) or getattr(source, "name_or_path", None)
+        found["model's folder"] = name
+    elif isinstance(source, (str, Path)):
+        found["source folder"] = source
+        if is_adapter_folder(Path(source)):
+            found["base model recorded in nosa_retrofit.json"] = read_retrofit_record(Path(source)).get("base_model")
+    found.update({"base model": base_model, "tokenizer folder": tokenizer, "metrics file": metrics})
+    return {what: Path(path) for what, path in found.items()
+            if isinstance(path, (str, Path)) and str(path) and Path(path).exists()}
+
+
 def _write_config(model, stage: Path, family: str, cfg: NosaConfig, version: str, requirement: str) -> None:
     config = read_config(stage)  # what save_pretrained wrote: the family's config, dtype included
     configuration_file, modeling_file = remote_code_files(family)
@@ -184,16 +220,18 @@ def export(
     Args:
         model_or_adapter_dir: a converted model (``to_nosa``), a folder it was saved to, or a retrofit adapter
             folder (PEFT files + ``nosa_retrofit.json``), which is merged into its base.
-        out_dir: the folder to create; an existing non-empty one needs ``overwrite=True`` (it is replaced by a swap
-            that leaves it intact on failure). The current folder, or one containing it, is refused.
+        out_dir: the folder to create; an existing non-empty one must be a previous export and needs
+            ``overwrite=True``: the files that export wrote are replaced by a swap that leaves them intact on failure,
+            other files stay. The current folder, one containing it, and one that is, contains or lies inside an
+            input (source, base, tokenizer folder, metrics file) are refused before any work.
         base_model: for an adapter, the base to merge into (path, Hub id or model) instead of the recorded one; a
             model passed here is converted and merged in place. For a model, the base it came from (path or Hub
             id; default: an in-memory model's ``name_or_path``; for a model folder none, as its config.json's
             ``_name_or_path`` is only named on the card, never read): the card's base_model and license and the
             tokenizer come from it.
         tokenizer: a tokenizer, or a folder holding tokenizer files; by default the source's folder, the base's
-            folder or the base's local Hub-cache snapshot is searched and its tokenizer files copied (none found:
-            no tokenizer files).
+            folder or the base's local Hub-cache snapshot is searched and its tokenizer files copied; else the byte
+            tokenizer of a ``tokenizer: bytes`` recipe or a GGUF base's tokenizer is saved (none: no tokenizer).
         nosa_config: the NosaConfig to store as the checkpoint's default (default: the model's).
         metrics: a metrics JSON path or object for the card's evaluation table (formats in ``hub/card.py``).
         repo_id: the Hub id the card's usage snippet names (default: the folder's name).
@@ -202,11 +240,11 @@ def export(
         license: the card's license (default: read from the base model's card when it is local or cached).
         hf_nosa_requirement: the version specifier the remote code checks (default ``>=<this>,<<next major>``).
         max_shard_size: passed to ``save_pretrained``.
-        overwrite: replace a non-empty ``out_dir``.
+        overwrite: replace a previous export in ``out_dir`` (only the files it wrote).
     """
     import hf_nosa
 
-    out_dir = check_out_dir(Path(out_dir), overwrite)
+    out_dir = check_out_dir(Path(out_dir), overwrite, _inputs(model_or_adapter_dir, base_model, tokenizer, metrics))
     if nosa_config is not None and not isinstance(nosa_config, NosaConfig):
         raise TypeError(f"nosa_config must be a NosaConfig, got {type(nosa_config).__name__}")
     version = hf_nosa.__version__
@@ -235,7 +273,10 @@ def export(
         _write_config(model, stage, family, cfg, version, requirement)
         _write_generation_config(model, stage)
         _write_code(stage, family, version, requirement)
-        _copy_tokenizer(tokenizer, [source_folder, base_folder, _cached_snapshot(base)], stage)
+        if not _copy_tokenizer(tokenizer, [source_folder, base_folder, _cached_snapshot(base)], stage):
+            built = _built_tokenizer(record, base)
+            if built is not None:
+                built.save_pretrained(str(stage))
         readme = card_module.render_model_card(
             family=family,
             model_type=MODEL_TYPE_PREFIX + family,
@@ -250,8 +291,10 @@ def export(
         )
         (stage / "README.md").write_text(readme, encoding="utf-8")
         verify_folder(stage)
+        write_manifest(stage, version)
         apply_umask(stage)
-        swap_into_place(stage, out_dir)
+        keep = foreign_entries(out_dir) if out_dir.is_dir() and any(out_dir.iterdir()) else ()
+        swap_into_place(stage, out_dir, tuple(keep))
     except BaseException:
         discard_stage(stage, created)
         raise

@@ -1,11 +1,13 @@
-"""File rules of export and push: which files an export writes, reads that stay inside their folder, permissions
-that follow the umask, and the swap that moves a finished export into place.
+"""File rules of export and push: which files an export writes, reads that stay inside their folder, an out_dir
+apart from every input, permissions that follow the umask, the manifest of what an export wrote, and the swap that
+moves a finished export into place (keeping what the export did not write).
 
 Nothing here imports torch: push, verify and the command line use it before any model code loads.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -19,6 +21,8 @@ WEIGHTS_INDEX = "model.safetensors.index.json"
 CUSTOM_GENERATE = "custom_generate/generate.py"
 CUSTOM_GENERATE_REQUIREMENTS = "custom_generate/requirements.txt"
 RETROFIT_RECORD = "nosa_retrofit.json"
+# The names of the files an export wrote, written last into the folder: what a later --overwrite may replace.
+MANIFEST = "nosa_export.json"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -41,6 +45,7 @@ EXPORT_FILES = (
     CUSTOM_GENERATE,
     CUSTOM_GENERATE_REQUIREMENTS,
     RETROFIT_RECORD,
+    MANIFEST,
     *TOKENIZER_FILES,
 )
 
@@ -140,9 +145,24 @@ def apply_umask(tree: Path) -> None:
             os.chmod(Path(current) / entry, 0o666 & ~mask)
 
 
-def check_out_dir(out_dir: Path, overwrite: bool) -> Path:
-    """``out_dir`` made absolute, after refusing what export cannot replace safely: a file, a link, a non-empty
-    folder without ``overwrite``, and the current folder or one that contains it (it cannot be renamed away)."""
+def _overlap(out_dir: Path, path: Path) -> str | None:
+    """How ``out_dir`` and an input ``path`` overlap ("is", "contains", "lies inside"), or None; both resolved."""
+    out_dir, path = Path(os.path.realpath(out_dir)), Path(os.path.realpath(path))
+    if out_dir == path:
+        return "is"
+    if out_dir in path.parents:
+        return "contains"
+    if path in out_dir.parents:
+        return "lies inside"
+    return None
+
+
+def check_out_dir(out_dir: Path, overwrite: bool, inputs: dict[str, Path] | None = None) -> Path:
+    """``out_dir`` made absolute, after refusing what export cannot replace safely: a file, a link, the current folder
+    or one that contains it (it cannot be renamed away), a folder that is, contains or lies inside one of ``inputs``
+    (what export reads, name -> path: replacing it would delete the input, writing into it would change it), a
+    non-empty folder without ``overwrite``, and with ``overwrite`` a non-empty folder that is not a previous export
+    (no :data:`MANIFEST`): ``overwrite`` replaces only what an export wrote. Nothing is written."""
     out_dir = Path(out_dir)
     absolute = Path(os.path.abspath(out_dir))
     if not absolute.name or absolute.parent == absolute:
@@ -157,9 +177,60 @@ def check_out_dir(out_dir: Path, overwrite: bool) -> Path:
             f"out_dir {str(out_dir)!r} is the current folder or contains it: export writes a new folder and swaps it "
             "in, which cannot be done to the folder you are in; pass a subfolder such as 'nosa-model'"
         )
-    if absolute.is_dir() and any(absolute.iterdir()) and not overwrite:
-        raise ValueError(f"out_dir {str(out_dir)!r} is not empty; pass overwrite=True (--overwrite) to replace it")
+    for what, path in (inputs or {}).items():
+        how = _overlap(absolute, Path(path))
+        if how is not None:
+            raise ValueError(
+                f"out_dir {str(out_dir)!r} {how} the {what} {str(path)!r}: export never writes where it reads; pass "
+                "an out_dir outside every input, e.g. a sibling folder"
+            )
+    if absolute.is_dir() and any(absolute.iterdir()):
+        if not overwrite:
+            raise ValueError(f"out_dir {str(out_dir)!r} is not empty; pass overwrite=True (--overwrite) to replace a "
+                             "previous export there")
+        read_manifest(absolute)
     return absolute
+
+
+def write_manifest(stage: Path, version: str) -> None:
+    """Record every file now in ``stage`` as written by this export (:data:`MANIFEST`, written last)."""
+    names = [name for name in all_files(stage) if name != MANIFEST]
+    text = json.dumps({"hf_nosa_version": version, "files": names}, indent=1) + "\n"
+    (Path(stage) / MANIFEST).write_text(text, encoding="utf-8")
+
+
+def read_manifest(folder: Path) -> list[str]:
+    """The files a previous export wrote into ``folder`` (its :data:`MANIFEST`, the manifest itself included);
+    ValueError when the folder has no valid manifest, i.e. it is not a previous export."""
+    folder = Path(folder)
+    path = folder / MANIFEST
+    if not path.is_file() or path.is_symlink():
+        raise ValueError(
+            f"out_dir {str(folder)!r} is not empty and is not a previous export (it has no {MANIFEST}): --overwrite "
+            "replaces only what an export wrote. Pass a new folder, or empty this one yourself"
+        )
+    try:
+        names = json.loads(path.read_text(encoding="utf-8"))["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise ValueError(f"{str(path)!r} is not a valid export manifest ({error!r}); remove the folder yourself") from None
+    if not isinstance(names, list):
+        raise ValueError(f"{str(path)!r}: 'files' must be a list of file names")
+    return [relative_name(name, str(path)).as_posix() for name in names] + [MANIFEST]
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """Names (relative, POSIX) of what a previous export in ``folder`` did not write: files and symbolic links at
+    any depth, and empty folders, outside its manifest. These stay when the export is replaced."""
+    folder = Path(folder)
+    written = set(read_manifest(folder))
+    found = []
+    for current, dirs, files in os.walk(folder, followlinks=False):
+        here = Path(current)
+        for entry in files + [d for d in dirs if (here / d).is_symlink() or not any((here / d).iterdir())]:
+            name = (here / entry).relative_to(folder).as_posix()
+            if name not in written:
+                found.append(name)
+    return sorted(found)
 
 
 def stage_dir(out_dir: Path) -> tuple[Path, list[Path]]:
@@ -185,15 +256,20 @@ def discard_stage(stage: Path, created: list[Path]) -> None:
             break
 
 
-def swap_into_place(stage: Path, out_dir: Path) -> None:
+def swap_into_place(stage: Path, out_dir: Path, keep: tuple[str, ...] = ()) -> None:
     """Move the finished ``stage`` folder (a sibling of ``out_dir``) to ``out_dir``. An existing ``out_dir`` is
-    renamed aside, the stage renamed in, then the old one removed; if the second rename fails the old folder is
+    renamed aside, the stage renamed in, the entries named in ``keep`` (what the previous export did not write) moved
+    back from the old folder into the new one, then the old one removed; if the second rename fails the old folder is
     renamed back, so ``out_dir`` holds either the new export or its old content. On failure ``stage`` is left for
     the caller to remove."""
     stage, out_dir = Path(stage), Path(out_dir)
     if not out_dir.exists():
         os.rename(stage, out_dir)
         return
+    clash = sorted(name for name in keep if os.path.lexists(stage / name))
+    if clash:
+        raise ValueError(f"out_dir {str(out_dir)!r} holds {clash}, which the previous export did not write and this "
+                         "one would replace; move them away, or export to a new folder")
     aside = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
     os.rmdir(aside)  # only the unique name is needed: renaming onto an existing folder is not portable
     os.rename(out_dir, aside)
@@ -208,6 +284,14 @@ def swap_into_place(stage: Path, out_dir: Path) -> None:
                 f"({error}); the old content is in {str(aside)!r}"
             ) from error
         raise
+    try:
+        for name in keep:
+            (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            os.rename(aside / name, out_dir / name)
+    except OSError as error:
+        logger.warning("the export is in %s; moving the files it did not write back from %s failed (%s): they are "
+                       "still there", out_dir, aside, error)
+        return
     try:
         shutil.rmtree(aside)
     except OSError as error:
