@@ -483,8 +483,15 @@ def load_adapter(model_or_base, adapter_dir: str | Path):
     Raises:
         ValueError: the model has no eviction heads, its family or NosaConfig differs from the adapter's, or an
             eviction head of the adapter did not land in the model. Weights are never dropped silently.
+        MissingExtraError: peft, a dependency of hf-nosa, is not installed.
     """
-    from peft import PeftModel
+    try:
+        from peft import PeftModel
+    except ModuleNotFoundError:
+        from .loading import MissingExtraError
+
+        raise MissingExtraError('loading a retrofit adapter needs peft, a dependency of hf-nosa that is not installed: '
+                                'pip install "peft>=0.17" (or reinstall hf-nosa)') from None
     from safetensors.torch import load_file
 
     adapter_dir = Path(adapter_dir)

@@ -94,3 +94,14 @@ def test_a_module_missing_at_run_time_names_its_extra(monkeypatch, capsys):
     assert cli.main(["demo"]) == 2
     assert 'this command needs the datasets package, which is not installed: pip install "hf-nosa[train]"' in \
         capsys.readouterr().err
+
+
+def test_missing_peft_is_one_line(monkeypatch, tmp_path):
+    import sys
+
+    from hf_nosa.loading import MissingExtraError
+    from hf_nosa.retrofit import load_adapter
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ModuleNotFoundError
+    with pytest.raises(MissingExtraError, match=r'needs peft.*pip install "peft>=0.17"'):
+        load_adapter("base", tmp_path)
