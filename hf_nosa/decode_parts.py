@@ -128,7 +128,8 @@ class CacheRows(NosaCache):
             LayerRows(layer, b0, b1, events[i][part - 1] if part > 0 else None, events[i][part])
             for i, layer in enumerate(cache.layers)])
         self.nosa_config, self.selector, self.state = cache.nosa_config, cache.selector, cache.state
-        self.workspace_lost = cache.workspace_lost
+        self.workspace_lost, self.broken = cache.workspace_lost, cache.broken
+        self._turns = 1  # a part of its cache's call: that call's turn restores the whole cache
 
 
 def forward_by_parts(forward, cache: NosaCache, input_ids: torch.Tensor, position_ids: torch.Tensor, parts: int,

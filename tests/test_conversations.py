@@ -221,6 +221,42 @@ def test_a_generate_that_raises_leaves_the_cache_as_it_was(family, where):
     torch.testing.assert_close(retried[1], clean[1], atol=1e-5, rtol=0)
 
 
+def _interrupt_at(step: int):
+    """A stopping criterion that raises KeyboardInterrupt at generate's ``step``-th check (a user's Ctrl-C)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class Interrupt(StoppingCriteria):
+        calls = 0
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.calls += 1
+            if self.calls == step:
+                raise KeyboardInterrupt
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([Interrupt()])
+
+
+def test_an_interrupted_generate_leaves_the_cache_as_it_was():
+    cfg = small_nosa_config(**SPARSE, prefill="quoka", prefill_chunk_size=64, prefill_budget_tokens=64)
+    model = _model("qwen2", cfg, seed=4)
+    g = torch.Generator().manual_seed(5)
+    turn1 = torch.randint(3, 97, (1, 200), generator=g)
+    cache = NosaCache(model.config)
+    answer, _ = _greedy(model, turn1, 4, past_key_values=cache)
+    before = _state(cache)
+    turn2 = torch.cat([answer, torch.randint(3, 97, (1, 90), generator=g)], 1)
+    with pytest.raises(KeyboardInterrupt):
+        _greedy(model, turn2, 8, past_key_values=cache, stopping_criteria=_interrupt_at(3))
+    assert _state(cache) == before
+    retried = _greedy(model, turn2, 8, past_key_values=cache)
+    clean_cache = NosaCache(model.config)
+    _greedy(model, turn1, 4, past_key_values=clean_cache)
+    clean = _greedy(model, turn2, 8, past_key_values=clean_cache)
+    assert torch.equal(retried[0], clean[0])
+    torch.testing.assert_close(retried[1], clean[1], atol=1e-5, rtol=0)
+
+
 def test_a_forward_that_raises_leaves_the_cache_as_it_was():
     cfg = small_nosa_config(**SPARSE, prefill="quoka", prefill_chunk_size=64, prefill_budget_tokens=64)
     model = _model("llama", cfg, seed=4)
@@ -291,3 +327,55 @@ def test_non_finite_heads_are_refused_on_every_path(name, path):
             _greedy(model, ids, 3, past_key_values=DynamicCache(config=model.config))
         else:
             _greedy(model, ids, 3, past_key_values=cache)
+
+
+# ----- on the GPU: the kernels' paths (fetch, flash_biased with the partial block, graph-replayed decode) -----
+
+def _gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
+
+@_gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("second", [40, 333])
+def test_a_new_turn_on_the_gpu_equals_stock_generate_at_full_budget(family, second, monkeypatch):
+    monkeypatch.delenv("HF_NOSA_KERNELS", raising=False)
+    stock = tiny_model(family, seed=7).cuda()
+    model = to_nosa(tiny_model(family, seed=7), small_nosa_config(budget_tokens=1024, prefill_chunk_size=128)).cuda()
+    g = torch.Generator().manual_seed(8)
+    cache = NosaCache(model.config)
+    turn1 = torch.randint(3, 97, (2, 150), generator=g).cuda()
+    answer1, _ = _greedy(model, turn1, 6, past_key_values=cache)
+    turn2 = torch.cat([answer1, torch.randint(3, 97, (2, second), generator=g).cuda()], 1)
+    answer2, logits2 = _greedy(model, turn2, 6, past_key_values=cache)
+    expected, expected_logits = _greedy(stock, turn2, 6)
+    assert torch.equal(answer2, expected)
+    torch.testing.assert_close(logits2, expected_logits, atol=1e-3, rtol=1e-3)
+
+
+@_gpu
+def test_a_sparse_turn_on_the_gpu_equals_the_cpu_and_survives_a_failed_decode(monkeypatch):
+    """Sparse budget: the GPU's kernels give the CPU reference's tokens for both turns; a generate interrupted after
+    graph-replayed decode steps is rolled back, and the retry gives the same answer again."""
+    monkeypatch.delenv("HF_NOSA_KERNELS", raising=False)
+    cfg = small_nosa_config(**SPARSE, prefill="quoka", prefill_chunk_size=64, prefill_budget_tokens=64)
+    model = _model("llama", cfg, seed=1)
+    results = {}
+    for device in ("cpu", "cuda"):
+        model = model.to(device)
+        cache, held, turn2, answer2, logits2 = _turns(model, 300, 400, seed=2)
+        results[device] = (answer2.cpu(), logits2.cpu(), cache.stats()["device_tokens"])
+    assert torch.equal(results["cpu"][0], results["cuda"][0])
+    torch.testing.assert_close(results["cpu"][1], results["cuda"][1], atol=2e-3, rtol=2e-3)
+    assert results["cuda"][2] <= cfg.prefill_budget_blocks * 16 + cfg.prefill_chunk_size + 16
+    g = torch.Generator().manual_seed(2)
+    cache = NosaCache(model.config)
+    turn1 = torch.randint(3, 97, (1, 300), generator=g).cuda()
+    answer1, _ = _greedy(model, turn1, 6, past_key_values=cache)
+    turn2 = torch.cat([answer1, torch.randint(3, 97, (1, 400), generator=g).cuda()], 1)
+    with pytest.raises(KeyboardInterrupt):
+        _greedy(model, turn2, 6, past_key_values=cache, stopping_criteria=_interrupt_at(4))
+    assert cache.get_seq_length() == answer1.shape[1] - 1
+    retried, retried_logits = _greedy(model, turn2, 6, past_key_values=cache)
+    assert torch.equal(retried.cpu(), results["cuda"][0])
+    torch.testing.assert_close(retried_logits.cpu(), results["cuda"][1], atol=1e-3, rtol=1e-3)

@@ -95,11 +95,12 @@ def test_layer_state_after_quoka_prefill_is_the_dense_state():
 
 
 def test_tokens_after_the_prompt_attend_by_the_decode_rule():
-    """A second call of several tokens after a prompt (a new turn, assisted-decoding candidates) sees, token by
-    token, exactly what decoding each token alone would select."""
+    """A second call of several tokens after a prompt (assisted-decoding candidates, up to decode_rule_tokens) sees,
+    token by token, exactly what decoding each token alone would select."""
     model = _model("qwen3", seed=4)
     ids, mask = _prompt(2, 150, seed=3, left_pad=(0, 30))
-    config = small_nosa_config(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=32)
+    # 81 tokens after the prompt: the decode rule up to decode_rule_tokens (a longer new turn is prefilled)
+    config = small_nosa_config(prefill="quoka", prefill_budget_tokens=64, prefill_chunk_size=32, decode_rule_tokens=96)
     together, one_by_one = NosaCache(model.config, config), NosaCache(model.config, config)
     with torch.no_grad():
         model(ids[:, :69], attention_mask=mask[:, :69], past_key_values=together)

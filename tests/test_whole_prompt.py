@@ -146,10 +146,10 @@ def test_gather_blocks_against_a_loop():
 
 def test_the_threshold():
     cfg = NosaConfig(prefill="quoka", prefill_whole_prompt_tokens=16384)
-    assert cfg.prefill_chunk(1) == cfg.prefill_chunk(2) == 4096
+    assert cfg.prefill_chunk(1) == cfg.prefill_chunk(2) == cfg.prefill_chunk_size == 2048
     assert cfg.prefill_whole(1, 16384) and cfg.prefill_whole(2, 8192)
     assert not cfg.prefill_whole(1, 16384 + 64) and not cfg.prefill_whole(2, 8192 + 64)  # over the threshold
-    assert not cfg.prefill_whole(1, 4096)  # one chunk: nothing to cut
+    assert not cfg.prefill_whole(1, 2048)  # one chunk: nothing to cut
     assert not NosaConfig(prefill="dense").prefill_whole(1, 8192)
     assert not NosaConfig(prefill_whole_prompt_tokens=0).prefill_whole(1, 65536)
     assert NosaConfig().prefill_whole(4, 65536) and not NosaConfig().prefill_whole(5, 65536)  # the default: 262144
