@@ -279,6 +279,7 @@ def nosa_config(args) -> NosaConfig:
 def release_host_stores(model):
     """Let the previous batch's pinned host store go back to the OS before the next one is checked and pinned."""
     workspace_of(model).buffers.clear()
+    workspace_of(model).release_host()
     gc.collect()
     torch.cuda.empty_cache()
     torch._C._host_emptyCache()
