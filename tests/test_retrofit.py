@@ -64,6 +64,7 @@ def _logits(model, seed=0, length=100):
         return model(input_ids=ids).logits
 
 
+@pytest.mark.slow
 def test_tiny_recipe_trains_and_writes_the_adapter(tiny_run):
     losses = tiny_run.losses
     assert tiny_run.steps == len(losses) == 30
@@ -82,6 +83,7 @@ def test_tiny_recipe_trains_and_writes_the_adapter(tiny_run):
     assert all(float(h.modules_to_save["default"].A.detach().abs().sum()) > 0 for h in heads.values())
 
 
+@pytest.mark.slow
 def test_reloaded_adapter_gives_identical_outputs(tiny_run):
     recipe = load_recipe("tiny")
     base = to_nosa(load_base(recipe["model"]), NosaConfig.from_dict(recipe["nosa"]))
@@ -89,12 +91,14 @@ def test_reloaded_adapter_gives_identical_outputs(tiny_run):
     assert torch.equal(_logits(reloaded), _logits(tiny_run.model))
 
 
+@pytest.mark.slow
 def test_merged_model_equals_the_adapter_model(tiny_run):
     merged = merge_adapter(tiny_run.output_dir)
     assert not hasattr(merged, "peft_config") and len(eviction_heads(merged)) == 2
     torch.testing.assert_close(_logits(merged, seed=1), _logits(tiny_run.model, seed=1), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_loading_onto_a_model_without_heads_or_with_another_config_fails(tiny_run):
     recipe = load_recipe("tiny")
     with pytest.raises(ValueError, match="eviction heads"):
@@ -106,6 +110,7 @@ def test_loading_onto_a_model_without_heads_or_with_another_config_fails(tiny_ru
         load_adapter(to_nosa(tiny_model("qwen3"), NosaConfig.from_dict(recipe["nosa"])), tiny_run.output_dir)
 
 
+@pytest.mark.slow
 def test_resume_continues_the_step_count_and_the_loss_curve(tiny_run, data, tmp_path):
     out = tmp_path / "resumed"
     first = retrofit("tiny", data, out, max_steps=12)
@@ -125,6 +130,7 @@ def test_resume_continues_the_step_count_and_the_loss_curve(tiny_run, data, tmp_
     assert state["step"] == 30 and state["losses"] == second.losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("slow_from_step", [None, 7])
 def test_time_limit_plans_the_run_and_its_schedule_and_stops_early_when_steps_slow(data, tmp_path, monkeypatch,
                                                                                    slow_from_step):
@@ -164,6 +170,7 @@ def test_time_limit_plans_the_run_and_its_schedule_and_stops_early_when_steps_sl
         assert factor == pytest.approx(0.1)
 
 
+@pytest.mark.slow
 def test_local_folder_base_with_token_ids_and_two_learning_rates(tmp_path):
     from hf_nosa.retrofit import _build_model, _optimizer
 
@@ -185,6 +192,7 @@ def test_local_folder_base_with_token_ids_and_two_learning_rates(tmp_path):
     assert lrs == sorted([(recipe["lr_eviction"], 3 * layers), (recipe["lr_lora"], 2 * targets * layers)])
 
 
+@pytest.mark.slow
 def test_alignment_loss_weights_reach_the_training_step(data, tmp_path):
     recipe = {**load_recipe("tiny"), "steps": 3, "gradient_checkpointing": False}
     plain = retrofit(recipe, data, tmp_path / "plain")
@@ -281,6 +289,7 @@ def launches(started_launches):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["cpu", "ddp"])
 def test_accelerate_launch_runs_the_tiny_recipe_to_the_end(launches, mode):
     returncode, stdout, stderr, out, world = launches[mode]

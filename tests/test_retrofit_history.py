@@ -19,6 +19,7 @@ def _recipe(**overrides):
     return recipe
 
 
+@pytest.mark.slow
 def test_history_records_aux_distill_losses_and_grad_norms_and_survives_a_resume(tmp_path):
     data = _write_text_data(tmp_path / "train.jsonl", n=40)
     recipe = _recipe(eviction_loss=0.1, distill_loss=1.0, max_grad_norm=1.0)

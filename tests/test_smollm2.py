@@ -54,7 +54,7 @@ def smollm2(smollm2_file):
 # A 135M model at batch 1: prefills of a few hundred to 2K rows, decode steps of many small operations. On the 2-core
 # CPU machine these tests ran on one thread (with the other core busy) at least as fast as on two (idle), and two
 # threads run several times slower once something else takes a core (tests/conftest.py).
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.download]  # the GGUF comes from PyPI
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 The folder is verified (config, weights, remote-code hashes, card) before any network call, without running its
 code unless ``load_check=True``. Only the files an export writes are uploaded (weights and index, config, generation
-config, tokenizer files, remote-code files, custom_generate/, README.md, nosa_retrofit.json); anything else in the
-folder is left out and listed, and a folder holding a symbolic link is refused. A repo that already has files at the
+config, tokenizer files, remote-code files, custom_generate/, README.md, nosa_retrofit.json, nosa_export.json);
+anything else in the folder is left out and listed, and a folder holding a symbolic link is refused. A repo that already has files at the
 target revision is left alone unless ``overwrite=True``, which replaces them (stale files are deleted in the same
 commit).
 """
