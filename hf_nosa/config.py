@@ -11,6 +11,7 @@ from typing import Any
 PREFILL_MODES = ("auto", "dense", "nosa", "quoka")
 # "auto": the host store keeps K/V in the model's dtype; the others are hf_nosa.host_quant's formats.
 HOST_DTYPES = ("auto", "float8_e4m3fn", "int8")
+_WARNED: set[str] = set()  # retired fields already warned about in this process
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -164,7 +165,8 @@ class NosaConfig:
             fail("decode_rule_tokens", "it must be 0 (every update of several tokens is prefilled) or a positive "
                                        "number of tokens")
         for name, old_default in (("prefill_batch_tokens", 32768), ("prefill_max_chunk_size", 4096)):
-            if getattr(self, name) != old_default:
+            if getattr(self, name) != old_default and name not in _WARNED:
+                _WARNED.add(name)  # once per process: every copy of a config (sized_for, replace) repeats the field
                 warnings.warn(
                     f"NosaConfig.{name} no longer changes anything: QUOKA's chunks are fixed per row by "
                     "prefill_chunk_size, so that a row's answer does not depend on its batch. Set prefill_chunk_size "

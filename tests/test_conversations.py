@@ -28,7 +28,8 @@ def _model(family: str, cfg: NosaConfig, seed: int = 0, **overrides):
 
 def _greedy(model, ids, new_tokens, **kwargs):
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                         do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
+                         min_new_tokens=new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         **kwargs)  # min_new_tokens: a row that meets EOS alone goes on as it does in a batch
     return out.sequences, torch.stack(out.logits, 1)  # [B, T + new], [B, new, vocab]
 
 
@@ -58,7 +59,8 @@ def test_the_chunk_never_depends_on_the_batch():
     assert {cfg.prefill_chunk(batch) for batch in (1, 3, 16, 64)} == {cfg.prefill_chunk_size}
 
 
-def test_the_retired_batch_knobs_warn_that_they_do_nothing():
+def test_the_retired_batch_knobs_warn_that_they_do_nothing(monkeypatch):
+    monkeypatch.setattr("hf_nosa.config._WARNED", set())
     with pytest.warns(FutureWarning, match="prefill_batch_tokens no longer changes anything"):
         cfg = NosaConfig(prefill_batch_tokens=0)
     assert cfg.prefill_chunk(64) == cfg.prefill_chunk_size

@@ -19,7 +19,8 @@ def test_the_chunk_is_the_same_at_every_batch():
     assert [NosaConfig().prefill_chunk(b) for b in (1, 8, 38, 100)] == [NosaConfig().prefill_chunk_size] * 4
 
 
-def test_a_saved_config_with_the_old_knobs_loads_and_says_they_do_nothing():
+def test_a_saved_config_with_the_old_knobs_loads_and_says_they_do_nothing(monkeypatch):
+    monkeypatch.setattr("hf_nosa.config._WARNED", set())
     with pytest.warns(FutureWarning, match="prefill_batch_tokens no longer changes anything"):
         old = NosaConfig.from_dict({"prefill_chunk_size": 512, "prefill_batch_tokens": 2048})
     assert [old.prefill_chunk(b) for b in (1, 2, 4)] == [512] * 3
