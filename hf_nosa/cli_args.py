@@ -102,8 +102,9 @@ def demo(parser: argparse.ArgumentParser) -> None:
 
 def export(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", help="a NOSA model folder, or a retrofit adapter folder (merged into its base)")
-    parser.add_argument("out_dir", help="the checkpoint folder to write (a new folder, or an existing one with "
-                                        "--overwrite; not the current folder)")
+    parser.add_argument("out_dir", help="the checkpoint folder to write: a new folder, or a previous export with "
+                                        "--overwrite; never the current folder, nor one that is, contains or lies "
+                                        "inside the source, the base model, --tokenizer or --metrics")
     parser.add_argument("--base-model", "--model", dest="base_model", default=None,
                         help="(--model is the same) base model (folder, Hub id, .gguf file or smollm2): for an "
                              "adapter, the base to merge into; for a model, "
@@ -125,8 +126,9 @@ def export(parser: argparse.ArgumentParser) -> None:
                              "source's own NosaConfig)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 500MB")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace a non-empty out_dir: the new export is written beside it and swapped in, so a "
-                             "failure leaves the old content in place")
+                        help="replace a previous export in out_dir: only the files it wrote (listed in its "
+                             "nosa_export.json) are replaced and other files stay; the new export is written beside "
+                             "it and swapped in, so a failure leaves the old content in place")
 
 
 def _load_check(parser: argparse.ArgumentParser) -> None:

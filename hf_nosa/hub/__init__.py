@@ -1,4 +1,4 @@
-"""Export and Hub publishing of NOSA checkpoints (``pip install "hf-nosa[hub]"``).
+"""Export and Hub publishing of NOSA checkpoints (in the core install: export, verify and push need no extra).
 
 ``export`` turns a NOSA model or a retrofit adapter into a self-describing checkpoint folder that loads with
 ``AutoModelForCausalLM.from_pretrained(folder_or_repo, trust_remote_code=True)`` and decodes with
