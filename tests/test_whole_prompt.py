@@ -185,3 +185,26 @@ def test_whole_prompt_on_cuda_matches_chunk_by_chunk():
     whole = _generate(model, ids, mask, new_tokens=1)
     chunked = _generate(model, ids, mask, new_tokens=1, prefill_whole_prompt_tokens=0)
     torch.testing.assert_close(whole.logits[0].float(), chunked.logits[0].float(), atol=3e-2, rtol=3e-2)
+
+
+def test_the_whole_prompt_path_is_taken_only_when_its_activations_fit(monkeypatch):
+    """On CUDA the whole-prompt path also asks the device: free bytes, the allocator's cached ones and the process's
+    memory fraction (a 24 GB cap on a larger card); on the CPU the threshold alone decides."""
+    from types import SimpleNamespace
+
+    from hf_nosa.modeling import chunked
+
+    model = tiny_model("llama")
+    per_token = (6 * 64 + (4 + 2 * 2) * 16) * 4  # fp32 tiny llama: 6 hidden + q, k, v
+    assert chunked.whole_prompt_bytes(model.config, 2, 100, 4) == 2 * 100 * per_token
+    assert chunked._whole_prompt_fits(model, torch.zeros(1, 4), 1, 10**9)  # the CPU: the threshold decides
+    cuda = SimpleNamespace(is_cuda=True, device="cuda:0")
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 4 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 6 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)
+    fits = lambda tokens: chunked._whole_prompt_fits(model, cuda, 1, tokens)  # noqa: E731
+    assert fits(int(0.79 * 62 * gib / per_token)) and not fits(int(0.81 * 62 * gib / per_token))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.3)  # a 24 GB cap
+    assert fits(int(0.79 * 20 * gib / per_token)) and not fits(int(0.81 * 20 * gib / per_token))

@@ -4,8 +4,8 @@ Prefill: a prompt longer than a chunk (``prefill_chunk_size`` tokens, the same a
 never depends on its batch) goes through the whole model one chunk at a time (every layer finishes chunk i before
 any layer sees chunk i + 1), so device memory holds the weights, the cache's working set and one chunk's
 activations whatever the prompt length; logits are computed only where ``logits_to_keep`` asks. A new QUOKA prompt
-of at most ``prefill_whole_prompt_tokens`` (rows x length) goes through each layer whole instead, and the layers cut
-the same chunks (``whole_prompt``). A prompt that continues a held sequence by more than ``decode_rule_tokens`` (a
+of at most ``prefill_whole_prompt_tokens`` (rows x length) whose activations fit the device's free memory goes
+through each layer whole instead, and the layers cut the same chunks (``whole_prompt``). A prompt that continues a held sequence by more than ``decode_rule_tokens`` (a
 new turn of a conversation) is prefilled the same way from the cache's length; its first chunk ends on a block
 boundary, so the later ones start on blocks as a new prompt's do.
 
@@ -134,7 +134,8 @@ class NosaForward:
         past = cache.get_seq_length()
         C = cache.nosa_config.prefill_chunk()
         P = cache.nosa_config.block_size
-        if past == 0 and not cache.has_selector and cache.nosa_config.prefill_whole(B, T):
+        if (past == 0 and not cache.has_selector and cache.nosa_config.prefill_whole(B, T)
+                and _whole_prompt_fits(model, inputs, B, T)):
             C = T  # through each layer whole: the layers cut QUOKA's chunks (whole_prompt)
         # Chunk edges: a new prompt's at multiples of C; a continued one's first chunk ends on a block boundary (the
         # block it starts in, plus C - P tokens), so that its later chunks start on blocks as a new prompt's do.
@@ -256,6 +257,33 @@ class NosaForward:
             return self.original(**kwargs)
         result = CausalLMOutputWithPast(logits=logits, **{_OUTPUT_CACHE_FIELD: cache})
         return result if kwargs.get("return_dict", True) else result.to_tuple()
+
+
+def whole_prompt_bytes(config, batch: int, length: int, element_size: int) -> int:
+    """Device bytes a prompt that goes through each layer whole holds at once besides the weights and the cache: about
+    six hidden-size tensors and the layer's queries, keys and values per token (the MLP runs in slices of
+    ``fused.MLP_SLICE_TOKENS`` tokens; about 26 KB a token in the 1b shape was measured, this gives 30)."""
+    text = config.get_text_config(decoder=True)
+    h, H, Hk = text.hidden_size, text.num_attention_heads, text.num_key_value_heads
+    D = getattr(text, "head_dim", None) or h // H
+    return batch * length * (6 * h + (H + 2 * Hk) * D) * element_size
+
+
+def _whole_prompt_fits(model, inputs: torch.Tensor, batch: int, length: int) -> bool:
+    """Whether a whole prompt's activations fit the device's free memory now (its allocator's cache, the process's
+    memory fraction and the device's free bytes counted), so the whole-prompt path never runs a prompt out of
+    memory that chunks would fit. Always on the CPU (host memory is checked by the host store)."""
+    if not inputs.is_cuda:
+        return True
+    device = inputs.device
+    free, total = torch.cuda.mem_get_info(device)
+    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    available = free + reserved - allocated
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    if fraction < 1.0:
+        available = min(available, int(fraction * total) - allocated)
+    element_size = next(model.parameters()).element_size()
+    return whole_prompt_bytes(model.config, batch, length, element_size) <= 0.8 * available
 
 
 def _check_continued(cache: NosaCache, attention_mask: torch.Tensor | None, T: int) -> None:

@@ -1,0 +1,104 @@
+"""A stream of batch-1 requests of different lengths through ``generate``: stock static cache + compile against
+``cache_implementation="nosa"``, wall time per call and whether a call of a new shape pays a warm-up.
+
+Random-weight Llama of ``--shape`` (bf16, sdpa), the device capped as in ``generate.py`` (24 GB for "1b"). The
+stream: ``--requests`` prompt lengths drawn uniformly from ``--min``-``--max`` tokens (``--seed``), ``--new-tokens``
+greedy tokens each, one after the other. Each method runs a first request untimed (compilation, graph capture,
+first pinning), then the stream twice: the first pass is the measurement, the second the repeat each call is held
+against (a call slower than its repeat paid for something its shape brought: pinning, a recompile, a recapture).
+Stock static runs with one ``max_cache_len`` for the whole stream (the longest request), so it never recompiles.
+
+    python benchmarks/request_stream.py --shape 1b --out benchmarks/results/request_stream.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.decode_throughput import CAP_GB, build_model  # noqa: E402
+from benchmarks.environment import environment  # noqa: E402
+from hf_nosa import NosaConfig, to_nosa  # noqa: E402
+from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
+
+
+def one_call(model, length, new_tokens, method, max_cache_len, seed) -> float:
+    ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+    ids = ids.to("cuda")
+    kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                  min_new_tokens=new_tokens, do_sample=False)
+    if method == "static":
+        kwargs.update(cache_implementation="static", cache_config={"max_cache_len": max_cache_len})
+    else:
+        kwargs.update(cache_implementation="nosa")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(**kwargs)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def run_stream(model, method, lengths, args) -> dict:
+    max_cache_len = max(lengths) + args.new_tokens
+    first = one_call(model, lengths[0], args.new_tokens, method, max_cache_len, seed=0)
+    passes = []
+    for _ in range(2):
+        passes.append([one_call(model, n, args.new_tokens, method, max_cache_len, seed=i + 1)
+                       for i, n in enumerate(lengths[1:])])
+        gc.collect()
+    calls, repeats = passes
+    ratios = [a / b for a, b in zip(calls, repeats)]
+    row = dict(method=method, first_call_s=first, lengths=lengths[1:], calls_s=calls, repeats_s=repeats,
+               total_s=sum(calls), repeat_total_s=sum(repeats), worst_call_over_repeat=max(ratios),
+               call_over_repeat=ratios)
+    print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}), flush=True)
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="1b", help="model shape of benchmarks/batch_plan.py (default: 1b)")
+    parser.add_argument("--requests", type=int, default=10, help="requests in the stream, timed (default: 10)")
+    parser.add_argument("--min", type=int, default=8192, help="shortest prompt (default: 8192)")
+    parser.add_argument("--max", type=int, default=65536, help="longest prompt (default: 65536)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per request (default: 128)")
+    parser.add_argument("--seed", type=int, default=0, help="draws the lengths (default: 0)")
+    parser.add_argument("--methods", nargs="+", default=["static", "nosa"], choices=["static", "nosa"])
+    parser.add_argument("--cap-gb", type=float, default=None, help="device cap in GB (default: the shape's)")
+    parser.add_argument("--out", default=None, help="JSON file to write")
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    lengths = [rng.randint(args.min, args.max) for _ in range(args.requests + 1)]  # the first: untimed
+    cap = args.cap_gb or CAP_GB[args.shape]
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total))
+    model = build_model(args.shape, "cuda", torch.bfloat16)
+    rows = []
+    for method in args.methods:
+        if method == "nosa":
+            torch._dynamo.reset()  # the stock static run's compiled graphs and pools go first
+            gc.collect()
+            torch.cuda.empty_cache()
+            to_nosa(model, NosaConfig())
+            randomize_eviction_heads(model, scale=0.5, generator=torch.Generator().manual_seed(0))
+        rows.append(run_stream(model, method, lengths, args))
+    result = dict(environment(), shape=args.shape, cap_gb=cap, new_tokens=args.new_tokens, rows=rows)
+    if len(rows) == 2:
+        result["nosa_over_static_total"] = rows[1]["total_s"] / rows[0]["total_s"]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
