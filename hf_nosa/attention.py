@@ -15,6 +15,7 @@ from .dense_attention import biased_attention
 from .masks import additive_mask
 from .selection import eviction_bias
 from .selection_loss import alignment_enabled, layer_alignment_loss
+from .serving.attention import is_serving_cache, serving_attention
 from .training import nosa_training_attention
 
 
@@ -63,6 +64,8 @@ def nosa_attention(
     mode or when the model's NosaConfig says ``prefill="nosa"``, the decode rule applied to every query token
     (``training.nosa_training_attention``; it equals NosaCache decoding).
     """
+    if is_serving_cache(cache):  # transformers' continuous batching: a packed step, request by request
+        return serving_attention(module, query, key, value, value_flat, cache)
     bias = module.eviction_head(value_flat)  # [B, Hk, Tq]
     if isinstance(cache, NosaCache):
         inputs = cache.update(

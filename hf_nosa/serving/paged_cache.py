@@ -1,0 +1,122 @@
+"""transformers' ``PagedAttentionCache`` for a NOSA model: a token ledger on the device, K/V in per-request caches.
+
+transformers builds one allocator per attention type (``ATTN_TYPE_TO_ALLOCATOR``) over one flat device tensor, and
+its scheduler, request states and model runner only talk to the cache through a few methods. ``NosaPagedCache``
+keeps all of that and changes the cache at its narrowest points:
+
+- ``_create_allocator``: every layer group gets a ``NosaLedgerAllocator``, which keeps transformers' block
+  bookkeeping (blocks per request, sectors, the pool) over a nominal byte per token and layer, so the paged tensor
+  holds no K/V. The K/V of a request live in its own NosaCache (``requests.RequestCaches``): host store plus slot pool.
+- ``can_store_request_tokens``: a request is admitted when its host store and device working set fit the serving
+  budget (``RequestCaches.admit``), then the ledger is asked as before.
+- ``extend_read_and_write_indices``: records the step's plan ``(request_id, past_length, query_length)`` in batch
+  order instead of building per-token read / write indices (the attention reads no paged K/V).
+- ``free_blocks`` / ``free_all_requests``: also drop the requests' NosaCaches (finished, cancelled, offloaded).
+- ``update`` is refused: NOSA layers attend through ``serving.attention``, never through a paged attention function.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
+
+from .requests import RequestCaches
+
+
+class NosaLedgerAllocator(FullAttentionCacheAllocator):
+    """transformers' full-attention block bookkeeping over a nominal byte per token and layer: no K/V on the device.
+
+    Blocks still count each request's tokens (so the scheduler's budgets and sector accounting stay stock); nothing
+    is read or written through them. No block sharing (prefix caching) and no kernel block table (decode fast path):
+    a request's K/V live in its own NosaCache.
+    """
+
+    supports_block_sharing = False
+    supports_block_table = False
+
+    def __init__(self, index: int, config, num_key_value_heads: int, cache_dtype: torch.dtype, page_size: int,
+                 layer_indices: list[int], allow_block_sharing: bool) -> None:
+        self.head_dim = 0
+        self.num_key_value_heads = num_key_value_heads
+        self.cache_dtype = torch.uint8
+        self._before_cache_tensor_init(index=index, layer_indices=layer_indices, tokens_per_page=page_size,
+                                       bytes_per_page=page_size, allow_block_sharing=False)
+
+    @classmethod
+    def get_bytes_per_page(cls, num_key_value_heads: int, head_dim: int, cache_dtype: torch.dtype,
+                           page_size: int) -> int:
+        return page_size
+
+    def register_cache_tensor(self, bytes_per_sector: int, non_trash_bytes: int, cache_tensor: torch.Tensor,
+                              pool) -> None:
+        self.bytes_per_sector = bytes_per_sector
+        self._copy_view = cache_tensor.view(-1, self.bytes_per_block)
+        self._after_cache_tensor_init(non_trash_bytes, bytes_per_sector, cache_tensor, pool)
+
+    def get_read_indices(self, request_id: str, past_length: int, query_length: int) -> list[int]:
+        return []
+
+    def get_write_indices(self, request_id: str, past_length: int, query_length: int) -> list[int]:
+        return []
+
+    def update(self, *args, **kwargs):
+        raise TypeError("NosaLedgerAllocator holds no K/V: NOSA layers attend through hf_nosa.serving.attention.")
+
+    def get_cache_for_block_table(self, layer_idx: int):
+        raise TypeError("NosaLedgerAllocator has no kernel block table: NOSA decodes from its own slot pools.")
+
+
+class NosaPagedCache(PagedAttentionCache):
+    """``PagedAttentionCache`` whose K/V live in one NosaCache per request (see the module docstring).
+
+    Args: those of ``PagedAttentionCache``, and ``requests``: the manager's ``RequestCaches``.
+    """
+
+    def __init__(self, *args, requests: RequestCaches, **kwargs) -> None:
+        self.nosa_requests = requests
+        super().__init__(*args, **kwargs)
+
+    def _create_allocator(self, continuous_batching_config, attn_type: str, index: int, layer_indices: list[int],
+                          num_key_value_heads: int):
+        return NosaLedgerAllocator(index=index, config=self.config, num_key_value_heads=num_key_value_heads,
+                                   cache_dtype=self.dtype, page_size=continuous_batching_config.page_size,
+                                   layer_indices=layer_indices, allow_block_sharing=False)
+
+    def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
+        if state.request_id:  # the warm-up's probe (an empty id) asks about the ledger alone
+            prompt = getattr(state, "_true_initial_tokens", 0) or len(state.initial_tokens)
+            if not self.nosa_requests.admit(state.request_id, prompt, state.max_new_tokens, dry_run=dry_run):
+                return False
+        return super().can_store_request_tokens(state, request_len, dry_run)
+
+    def begin_step(self) -> None:
+        """A new batch is being scheduled: forget the previous step's plan."""
+        self.nosa_requests.plan = []
+
+    def extend_read_and_write_indices(self, request_id: str, past_length: int, query_length: int,
+                                      read_index, write_index) -> None:
+        self.nosa_requests.plan.append((request_id, past_length, query_length))
+
+    def fill_block_table(self, request_id: str, past_length: int, query_length: int, block_table) -> None:
+        raise TypeError("NOSA serving has no decode fast path (kernel block table): set max_blocks_per_request=0.")
+
+    def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
+        super().free_blocks(request_id, no_cache)
+        self.nosa_requests.release(request_id)
+
+    def free_all_requests(self, clear_ledgers: bool = False) -> None:
+        super().free_all_requests(clear_ledgers)
+        self.nosa_requests.release_all()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens the admitted requests hold (what a NOSA forward asks a cache before checking eviction heads)."""
+        return self.nosa_requests.held_tokens()
+
+    def update(self, key_states, value_states, layer_idx: int, kwargs: dict[str, Any]):
+        raise TypeError(
+            "NosaPagedCache holds no paged K/V: a NOSA model's layers attend through hf_nosa.serving.attention. A "
+            "stock attention layer reached it; convert the model with hf_nosa.to_nosa first."
+        )

@@ -1,0 +1,183 @@
+"""Per-request NOSA state under continuous batching: one NosaCache of batch 1 per request, and what it may hold.
+
+transformers' continuous batching keeps one ``RequestState`` per request (its prompt, its generated tokens, its
+``position_offset``) and asks the cache, request by request, whether the request's next tokens fit
+(``PagedAttentionCache.can_store_request_tokens``). For a NOSA model the answer is host memory and the device slot
+pool, not device KV pages: ``RequestCaches.admit`` reserves a request's planned host store (prompt + max_new_tokens,
+every layer) and its device working set (slot pool and compressed keys) against ``ServingBudget`` the first time the
+request is scheduled, and ``release`` gives both back when the request finishes, is cancelled or is dropped
+(``PagedAttentionCache.free_blocks``). A request that could never fit, even alone, is refused when it is added
+(``check_fits``), so it fails with a clear error while the others run.
+
+Each step, the scheduled requests' new tokens arrive packed in one sequence; ``plan`` lists them in order as
+``(request_id, past_length, query_length)``, recorded by the cache as transformers prepares the batch
+(``paged_cache.NosaPagedCache.extend_read_and_write_indices``) and read by every layer (``serving.attention``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import NosaCache
+from ..config import NosaConfig
+from ..host_store import HostStore, available_host_memory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ServingBudget:
+    """What the requests of one continuous-batching manager may hold at once.
+
+    ``host_bytes``: host memory for the requests' host stores (full K/V and eviction scores of every layer); None:
+    what the OS can hand out when the manager starts (``host_store.available_host_memory``), or no limit where that
+    cannot be read. ``device_bytes``: device memory for their working sets (slot pools and compressed keys); None: no
+    limit beyond the device itself.
+    """
+
+    host_bytes: int | None = None
+    device_bytes: int | None = None
+
+    def __post_init__(self):
+        for name in ("host_bytes", "device_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"ServingBudget.{name}={value!r} is invalid: it must be a positive int or None.")
+
+    def resolved(self) -> "ServingBudget":
+        """This budget with ``host_bytes`` read from the OS when it was left None."""
+        if self.host_bytes is not None:
+            return self
+        return ServingBudget(host_bytes=available_host_memory(), device_bytes=self.device_bytes)
+
+
+@dataclass
+class RequestEntry:
+    """One admitted request: its NosaCache (built at its first layer update) and what it reserved."""
+
+    prompt_length: int
+    max_tokens: int  # prompt + max_new_tokens: the host store and slot pool are sized once for it
+    host_bytes: int
+    device_bytes: int
+    cache: NosaCache | None = None
+    prefilling: bool = False  # between NosaCache.begin_prefill and end_prefill
+
+
+@dataclass
+class RequestCaches:
+    """The NOSA state of every admitted request of one manager, keyed by request id (see the module docstring).
+
+    Args:
+        model_config: the model's config (its "nosa" section is the default NosaConfig; layers, KV heads, head dim).
+        nosa_config: overrides the model's NosaConfig for every request.
+        budget: host and device bytes the requests may hold at once.
+        dtype: the model's dtype (the host store keeps K/V in it unless ``host_dtype`` says otherwise).
+    """
+
+    model_config: object
+    nosa_config: NosaConfig | None = None
+    budget: ServingBudget = field(default_factory=ServingBudget)
+    dtype: torch.dtype = torch.float32
+    entries: dict[str, RequestEntry] = field(default_factory=dict)
+    plan: list[tuple[str, int, int]] = field(default_factory=list)
+    host_reserved: int = 0
+    device_reserved: int = 0
+
+    def __post_init__(self):
+        self.nosa_config = NosaConfig.from_model_config(self.model_config, self.nosa_config)
+        text = self.model_config.get_text_config(decoder=True)
+        self.n_layers = text.num_hidden_layers
+        self.kv_heads = text.num_key_value_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.max_positions = getattr(text, "max_position_embeddings", None)
+        self.budget = self.budget.resolved()
+
+    # ----- sizes -----
+
+    def request_tokens(self, prompt_length: int, max_new_tokens: int | None) -> int:
+        """Longest sequence a request can reach: its prompt and max_new_tokens (the model's context when None)."""
+        if max_new_tokens is None:
+            return max(prompt_length + 1, self.max_positions or prompt_length + 1)
+        return prompt_length + max_new_tokens
+
+    def host_bytes(self, tokens: int) -> int:
+        """Host store bytes of one request of ``tokens`` tokens, every layer (``HostStore.planned_bytes``)."""
+        cfg = self.nosa_config.sized_for(tokens)
+        return self.n_layers * HostStore.planned_bytes(1, self.kv_heads, self.head_dim, self.dtype, cfg.block_size,
+                                                       cfg.host_dtype, tokens)
+
+    def device_bytes(self, tokens: int) -> int:
+        """Device bytes of one request's working set, every layer: the slot pool (selected blocks, the block being
+        written and a scratch slot; K, V in the model's dtype, scores fp32) and the compressed keys of the whole
+        sequence (one key per ``compress_stride`` tokens). An estimate used for admission, not an allocation."""
+        cfg = self.nosa_config.sized_for(tokens)
+        P, D, Hk = cfg.block_size, self.head_dim, self.kv_heads
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        slots = max(cfg.budget_blocks, cfg.prefill_budget_blocks) + 2
+        pool = Hk * slots * P * (2 * D * itemsize + 4)
+        compressed = Hk * (-(-tokens // cfg.compress_stride)) * (D * itemsize + 4)
+        return self.n_layers * (pool + compressed)
+
+    # ----- admission -----
+
+    def check_fits(self, request_id: str, prompt_length: int, max_new_tokens: int | None) -> None:
+        """Raise a MemoryError naming the request when it could not fit the budget even alone."""
+        tokens = self.request_tokens(prompt_length, max_new_tokens)
+        host, device = self.host_bytes(tokens), self.device_bytes(tokens)
+        for what, need, limit in (("host", host, self.budget.host_bytes), ("device", device, self.budget.device_bytes)):
+            if limit is not None and need > limit:
+                raise MemoryError(
+                    f"NOSA serving: request {request_id} (prompt {prompt_length} + max_new_tokens {max_new_tokens} = "
+                    f"{tokens} tokens) needs {need:,} bytes of {what} memory, but the whole {what} budget is "
+                    f"{limit:,} bytes. Shorten the request, or raise ServingBudget.{what}_bytes."
+                )
+
+    def admit(self, request_id: str, prompt_length: int, max_new_tokens: int | None, *, dry_run: bool = False) -> bool:
+        """Whether the request fits beside the admitted ones; reserves its bytes unless ``dry_run``."""
+        if request_id in self.entries:
+            return True
+        tokens = self.request_tokens(prompt_length, max_new_tokens)
+        host, device = self.host_bytes(tokens), self.device_bytes(tokens)
+        fits = all(limit is None or reserved + need <= limit for need, reserved, limit in (
+            (host, self.host_reserved, self.budget.host_bytes),
+            (device, self.device_reserved, self.budget.device_bytes)))
+        if fits and not dry_run:
+            self.entries[request_id] = RequestEntry(prompt_length, tokens, host, device)
+            self.host_reserved += host
+            self.device_reserved += device
+        return fits
+
+    def release(self, request_id: str) -> None:
+        """Drop a request's NosaCache (its host store and slot pool) and give back what it reserved."""
+        entry = self.entries.pop(request_id, None)
+        if entry is None:
+            return
+        self.host_reserved -= entry.host_bytes
+        self.device_reserved -= entry.device_bytes
+        entry.cache = None
+
+    def release_all(self) -> None:
+        for request_id in list(self.entries):
+            self.release(request_id)
+        self.plan = []
+
+    # ----- the request's cache -----
+
+    def cache_of(self, request_id: str) -> tuple[RequestEntry, NosaCache]:
+        """The request's entry and NosaCache (built on first use, sized for the request's whole length)."""
+        entry = self.entries.get(request_id)
+        if entry is None:
+            raise RuntimeError(
+                f"NOSA serving: request {request_id} reached the attention without being admitted (no host budget was "
+                "reserved for it). Its cache was freed while the step was planned; this is a bug."
+            )
+        if entry.cache is None:
+            entry.cache = NosaCache(self.model_config, self.nosa_config, max_cache_len=entry.max_tokens)
+        return entry, entry.cache
+
+    def held_tokens(self) -> int:
+        """Tokens the admitted requests' caches hold (layer 0)."""
+        return sum(entry.cache.get_seq_length() for entry in self.entries.values() if entry.cache is not None)

@@ -1,0 +1,161 @@
+"""NOSA under transformers' continuous batching (``hf_nosa.serving``): generate_batch and the manager's add / cancel /
+stream give each request the tokens of NOSA ``generate`` on it alone, at a sparse budget, with prompts split across
+steps and interleaved with other requests' decoding; at a budget covering the context they equal stock continuous
+batching; admission counts host memory, and a request that cannot fit is refused while the others finish."""
+
+import time
+
+import pytest
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+from hf_nosa import to_nosa
+from hf_nosa.modeling import randomize_eviction_heads
+from hf_nosa.serving import ServingBudget, enable, init_continuous_batching
+from hf_nosa.serving.attention import chunk_edges
+
+from .conftest import SPARSE, small_nosa_config, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW_TOKENS = 12
+CHUNK = 64  # QUOKA's chunks; max_batch_tokens below splits the longer prompts across steps
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 97, (n,), generator=g).tolist() for n in lengths]
+
+
+def _sparse_model(family, seed=0):
+    model = to_nosa(tiny_model(family, seed=seed), small_nosa_config(**SPARSE, prefill_chunk_size=CHUNK))
+    return randomize_eviction_heads(model, generator=torch.Generator().manual_seed(seed + 1))
+
+
+def _generation_config(new_tokens=NEW_TOKENS):
+    return GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def _alone(model, prompt, new_tokens=NEW_TOKENS):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
+                         pad_token_id=0, cache_implementation="nosa")
+    return out[0, len(prompt):].tolist()
+
+
+def _record_plans(model):
+    """The plan of every step, as layer 0 sees it."""
+    plans = []
+
+    def hook(module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        plans.append([entry for entry in cache.nosa_requests.plan if entry[2] > 0])
+
+    model.model.layers[0].self_attn.register_forward_pre_hook(hook, with_kwargs=True)
+    return plans
+
+
+def test_chunk_edges_follow_the_grid_from_the_first_token():
+    assert chunk_edges(0, 150, 150, 64, whole=False) == [(0, 64), (64, 128), (128, 150)]
+    assert chunk_edges(64, 86, 150, 64, whole=False) == [(0, 64), (64, 86)]
+    assert chunk_edges(0, 150, 150, 64, whole=True) == [(0, 150)]
+    assert chunk_edges(150, 1, 150, 64, whole=False) == [(0, 1)]  # decoding
+
+
+def test_generate_batch_equals_generate_alone_at_a_sparse_budget(family):
+    """Prompts of 40, 150 and 300 tokens under a 128-token step: the long ones arrive in chunk-aligned pieces beside
+    the others' decode tokens, and each request gets the tokens NOSA generate gives it alone."""
+    model = _sparse_model(family)
+    prompts = _prompts((40, 150, 300))
+    expected = [_alone(model, p) for p in prompts]
+    enable(model)
+    plans = _record_plans(model)
+    out = model.generate_batch(prompts, generation_config=_generation_config(),
+                               continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128))
+    got = [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+    assert all(out[f"req_{i}"].error is None for i in range(len(prompts)))
+    assert got == expected
+    pieces = [(rid, past, n) for plan in plans for rid, past, n in plan if n > 1]
+    assert any(past > 0 for _, past, _ in pieces), "a prompt should have been split across steps"
+    assert all(past % CHUNK == 0 for _, past, _ in pieces), pieces  # every piece starts on the chunk grid
+    assert any(len(plan) > 1 and any(n == 1 for _, _, n in plan) and any(n > 1 for _, _, n in plan) for plan in plans)
+
+
+def test_full_budget_equals_stock_continuous_batching(family):
+    """A budget covering every context and fresh eviction heads (A = 0): the tokens of stock continuous batching."""
+    prompts = _prompts((30, 90, 200), seed=3)
+    config = ContinuousBatchingConfig(max_batch_tokens=128, num_blocks=64)
+    stock = tiny_model(family, seed=4).generate_batch(prompts, generation_config=_generation_config(),
+                                                      continuous_batching_config=config)
+    model = enable(to_nosa(tiny_model(family, seed=4), small_nosa_config(budget_tokens=512, prefill_chunk_size=CHUNK)))
+    nosa = model.generate_batch(prompts, generation_config=_generation_config(), continuous_batching_config=config)
+    for i in range(len(prompts)):
+        assert nosa[f"req_{i}"].generated_tokens == stock[f"req_{i}"].generated_tokens
+
+
+def _wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the manager did not get there in time")
+        time.sleep(0.01)
+
+
+def test_requests_join_while_others_decode_and_a_cancelled_one_frees_its_caches():
+    """add_request while another request decodes (streamed), then a cancel: the others equal generate alone, the
+    cancelled one's host reservation and NosaCache are gone at once, and nothing is held at the end."""
+    model = _sparse_model("llama", seed=5)
+    long_run = 40
+    first, second, cancelled = _prompts((100, 170, 260), seed=6)
+    expected_first = _alone(model, first, long_run)
+    expected_second = _alone(model, second)
+    manager = init_continuous_batching(model, _generation_config(),
+                                       ContinuousBatchingConfig(max_batch_tokens=128, num_blocks=64))
+    requests = manager.nosa_requests
+    manager.start()
+    try:
+        manager.add_request(first, request_id="first", max_new_tokens=long_run, streaming=True)
+        streamed = []
+        for output in manager.request_id_iter("first"):
+            streamed.append(list(output.generated_tokens))
+            if len(output.generated_tokens) >= 3:
+                break
+        manager.add_request(second, request_id="second")
+        manager.add_request(cancelled, request_id="cancelled", max_new_tokens=200)
+        _wait_for(lambda: "cancelled" in requests.entries)
+        held = requests.host_reserved
+        manager.cancel_request("cancelled")
+        _wait_for(lambda: "cancelled" not in requests.entries)
+        assert requests.host_reserved < held
+        results = {}
+        _wait_for(lambda: results.update({r.request_id: r for r in [manager.get_result(timeout=0.05)] if r
+                                          and r.is_finished()}) or {"first", "second"} <= set(results), timeout=60)
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert streamed[0] and all(a == b[:len(a)] for a, b in zip(streamed, streamed[1:]))
+    assert results["first"].generated_tokens == expected_first
+    assert results["second"].generated_tokens == expected_second
+    assert requests.entries == {} and requests.host_reserved == 0 and requests.device_reserved == 0
+
+
+def test_a_request_too_big_for_the_host_budget_is_refused_and_the_others_finish():
+    """A host budget that holds one small request at a time: the small ones run one after another (admission counts
+    host bytes) and equal generate alone; one that could not fit even alone fails at once with a clear error."""
+    model = _sparse_model("qwen2", seed=7)
+    small_a, huge, small_b = _prompts((60, 900, 80), seed=8)
+    expected = [_alone(model, p) for p in (small_a, small_b)]
+    budget = int(1.5 * model_host_bytes(model, 80 + NEW_TOKENS))
+    enable(model, budget=ServingBudget(host_bytes=budget))
+    plans = _record_plans(model)
+    out = model.generate_batch([small_a, huge, small_b], generation_config=_generation_config(),
+                               continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128,
+                                                                                   num_blocks=64))
+    assert out["req_1"].error is not None and "host" in out["req_1"].error and "budget" in out["req_1"].error
+    assert out["req_1"].generated_tokens == []
+    assert [out["req_0"].generated_tokens, out["req_2"].generated_tokens] == expected
+    assert max(len(plan) for plan in plans) == 1  # never two requests admitted at once
+
+
+def model_host_bytes(model, tokens):
+    from hf_nosa.serving import RequestCaches
+
+    return RequestCaches(model.config, dtype=model.dtype).host_bytes(tokens)
