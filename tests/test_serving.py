@@ -71,6 +71,7 @@ def test_generate_batch_equals_generate_alone_at_a_sparse_budget(family):
     plans = _record_plans(model)
     out = model.generate_batch(prompts, generation_config=_generation_config(),
                                continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128))
+    assert model.config._attn_implementation == "sdpa"  # the session's "nosa_paged" is switched back
     got = [out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
     assert all(out[f"req_{i}"].error is None for i in range(len(prompts)))
     assert got == expected
@@ -153,6 +154,16 @@ def test_a_request_too_big_for_the_host_budget_is_refused_and_the_others_finish(
     assert out["req_1"].generated_tokens == []
     assert [out["req_0"].generated_tokens, out["req_2"].generated_tokens] == expected
     assert max(len(plan) for plan in plans) == 1  # never two requests admitted at once
+
+
+def test_without_enable_every_request_fails_with_a_message_naming_enable():
+    """transformers' own manager on a NOSA model (hf_nosa.serving.enable not called): a clear error, not an
+    AttributeError from deep inside the attention."""
+    model = _sparse_model("llama", seed=9)
+    out = model.generate_batch(_prompts((20, 30), seed=9), generation_config=_generation_config(),
+                               continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128,
+                                                                                   num_blocks=16))
+    assert all("hf_nosa.serving.enable(model)" in (output.error or "") for output in out.values()), out
 
 
 def model_host_bytes(model, tokens):

@@ -9,7 +9,13 @@ streaming, ``generate_batch`` on top); it differs in three places:
 - ``add_request`` refuses a request that could not fit the host (or device) budget even alone: it fails at once
   with a MemoryError naming its size, and the others run;
 - the continuous-batching config is set for the Python per-request attention of this version: no CUDA graphs, no
-  compile, no asynchronous batching, no decode fast path, no block sharing (each logged when the caller asked).
+  compile, no asynchronous batching, no decode fast path, no block sharing (each logged when the caller asked);
+- ``switch_to_cb_friendly_attn`` sets the model's attention implementation to ``"nosa_paged"`` for the session
+  (restored by ``stop``, as transformers restores its own switch): NOSA layers never dispatch to an attention
+  implementation, and with a name that is not eager / sdpa transformers' inputs build no
+  ``[max_batch_tokens, ledger + max_batch_tokens]`` mask (allocated once and refilled every step). The name is
+  registered in transformers' ``AttentionInterface`` (its public hook for custom attention) with a function that
+  refuses to run: only a layer that is not NOSA's could reach it.
 
 ``enable(model)`` binds ``init_continuous_batching`` on the model instance to build this manager, so transformers'
 own ``model.generate_batch``, ``model.init_continuous_batching`` and ``continuous_batching_context_manager`` (and
@@ -22,6 +28,7 @@ import copy
 import logging
 import types
 
+from transformers import AttentionInterface
 from transformers.generation.configuration_utils import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import continuous_api
 from transformers.generation.continuous_batching.continuous_api import (
@@ -48,6 +55,21 @@ _FORCED = dict(use_cuda_graph=False, use_async_batching=False, varlen_compile_co
 _DEFAULTS_OF_FORCED = dict(use_cuda_graph=None, use_async_batching=None, varlen_compile_config=None,
                            decode_compile_config=None, default_compile_level=0, max_blocks_per_request=None,
                            allow_block_sharing=True)
+
+
+NOSA_PAGED = "nosa_paged"  # the attention implementation a NOSA model runs under continuous batching
+
+
+def _refuse_stock_attention(module, *args, **kwargs):
+    raise TypeError(
+        f"attention implementation {NOSA_PAGED!r} is set while a NOSA model runs under continuous batching, but a "
+        f"layer that is not NOSA's ({type(module).__name__}) dispatched to it: convert the model with hf_nosa.to_nosa."
+    )
+
+
+def register_attention() -> None:
+    """Register ``NOSA_PAGED`` in transformers' ``AttentionInterface`` (idempotent)."""
+    AttentionInterface.register(NOSA_PAGED, _refuse_stock_attention)
 
 
 def nosa_batching_config(config: ContinuousBatchingConfig | None, requests: RequestCaches) -> ContinuousBatchingConfig:
@@ -95,6 +117,15 @@ class NosaBatchingManager(ContinuousBatchingManager):
         self.nosa_requests = RequestCaches(model.config, nosa_config, budget or ServingBudget(), model.dtype)
         config = nosa_batching_config(continuous_batching_config, self.nosa_requests)
         super().__init__(model, generation_config, config, workload_hints)
+
+    def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
+        """Set the model's attention implementation to ``NOSA_PAGED`` for the session (module docstring)."""
+        register_attention()
+        if model.config._attn_implementation != NOSA_PAGED:
+            original = model.config._attn_implementation
+            model.set_attn_implementation(NOSA_PAGED)
+            if self._original_attn_impl is None:
+                self._original_attn_impl = original
 
     def add_request(self, input_ids: list[int], request_id: str | None = None, max_new_tokens: int | None = None,
                     streaming: bool = False, record_timestamps: bool = False, eos_token_id=None,
