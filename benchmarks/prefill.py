@@ -205,7 +205,7 @@ def main(argv=None):
         (chunk, whole): NosaConfig(
             block_size=block, budget_tokens=args.budget, query_tokens=args.budget // 4, sink_tokens=block,
             local_tokens=args.budget // 4, compress_kernel=block // 2, compress_stride=block // 4, prefill="quoka",
-            prefill_chunk_size=chunk, quoka_queries=args.queries, prefill_batch_tokens=0,  # exactly `chunk` at any batch
+            prefill_chunk_size=chunk, quoka_queries=args.queries,  # exactly `chunk` at any batch
             prefill_whole_prompt_tokens=whole,
         )
         for chunk in chunks

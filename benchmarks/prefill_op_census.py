@@ -242,7 +242,7 @@ def run(args, batch: int) -> dict:
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(dtype).eval()
-    to_nosa(model, NosaConfig(prefill_batch_tokens=0))  # 512-token chunks at every batch: comparable across commits
+    to_nosa(model, NosaConfig(prefill_chunk_size=512))  # 512-token chunks: comparable across commits
     randomize_eviction_heads(model, scale=0.5, generator=torch.Generator().manual_seed(0))
     import hf_nosa
     import transformers

@@ -153,7 +153,7 @@ def test_tracker_sets_the_host_store_apart():
 
 def test_formula_is_the_largest_moment(monkeypatch):
     monkeypatch.setenv(PARTS_ENV_VAR, "2")
-    projected = projected_formula("1b", 65536, 512, 38, NosaConfig(prefill_batch_tokens=0))
+    projected = projected_formula("1b", 65536, 512, 38, NosaConfig(prefill_chunk_size=512))
     assert projected["fetch_parts"] == 2
     moments = projected["moments_gib"]
     assert set(moments) == {"mlp", "quoka_attention", "tail_attention"}
