@@ -26,13 +26,26 @@ class EvictionHead(nn.Module):
     converted model is exactly the original one.
     """
 
+    # Under transformers' tensor parallelism: this rank's KV heads (``modeling.tensor_parallel.KVHeadShard``, set by
+    # to_nosa / from_pretrained after sharding); its parameters stay whole, it computes the rank's rows.
+    tensor_parallel = None
+
     def __init__(self, kv_heads: int, head_dim: int, device=None, dtype=None):
         super().__init__()
         self.delta = nn.Linear(kv_heads * head_dim, kv_heads, device=device, dtype=dtype)
         self.A = nn.Parameter(torch.zeros(kv_heads, device=device, dtype=dtype))
 
     def forward(self, value_flat: torch.Tensor) -> torch.Tensor:
-        """``[B, T, Hk * D]`` -> ``[B, Hk, T]`` float32."""
+        """``[B, T, Hk * D]`` -> ``[B, Hk, T]`` float32; on a tensor-parallel rank ``[B, T, Hk_local * D]`` (its
+        own KV heads' values) -> ``[B, Hk_local, T]``."""
+        if self.tensor_parallel is not None:
+            return self.tensor_parallel(self, value_flat)
+        if value_flat.shape[-1] != self.delta.in_features:
+            raise ValueError(
+                f"eviction head: the values are {tuple(value_flat.shape)}, but delta reads Hk * D = "
+                f"{self.delta.in_features} features. A model sharded by tensor parallelism after its conversion must "
+                "be converted again on every rank: hf_nosa.to_nosa(model)."
+            )
         return eviction_bias(value_flat, self.delta.weight, self.delta.bias, self.A)
 
 

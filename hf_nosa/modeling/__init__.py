@@ -13,6 +13,7 @@ from . import llama, qwen2, qwen3
 from .base import NosaAttentionMixin
 from .chunked import install_forward
 from .fused import fuse_modules
+from .tensor_parallel import shard_eviction_heads
 
 FAMILIES = {
     "llama": llama,
@@ -89,14 +90,16 @@ def to_nosa(model: nn.Module, nosa_config: NosaConfig | None = None) -> nn.Modul
     is trained. The NosaConfig is stored in ``model.config.nosa``.
 
     Args:
-        model: a ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (CPU, GPU, or dispatched by
-            accelerate), possibly already converted (then only the config is updated).
+        model: a ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (CPU, GPU, dispatched by
+            accelerate, or sharded by ``from_pretrained(..., tp_plan="auto")``: then call it on every rank, see
+            ``modeling.tensor_parallel``), possibly already converted (then only the config is updated).
         nosa_config: defaults to the model's "nosa" config section, else ``NosaConfig()``.
     """
     family_of(model)
     cfg = NosaConfig.from_model_config(model.config, nosa_config)
     check_convertible(model.config)
     convert_layers(model, cfg)
+    shard_eviction_heads(model)  # a model sharded by transformers' tp_plan: each rank's KV heads (tensor_parallel.py)
     check_eviction_heads(model)
     return model
 

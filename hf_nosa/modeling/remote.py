@@ -29,6 +29,7 @@ from transformers import (
 
 from ..config import NosaConfig
 from . import check_convertible, check_eviction_heads, convert_layers, eviction_heads, to_nosa
+from .tensor_parallel import shard_eviction_heads
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ class _NosaCausalLMMixin:
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         model = super().from_pretrained(*args, **kwargs)
+        # with tp_plan the model is sharded after __init__ converted it: give the eviction heads their ranks' KV heads
+        shard_eviction_heads(model)
         check_eviction_heads(model)  # a broken checkpoint fails at load, not as NaN logits at decode
         return model
 
