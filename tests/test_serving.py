@@ -166,6 +166,18 @@ def test_without_enable_every_request_fails_with_a_message_naming_enable():
     assert all("hf_nosa.serving.enable(model)" in (output.error or "") for output in out.values()), out
 
 
+def test_the_ledger_holds_what_the_host_budget_admits():
+    """transformers' block ledger is re-sized to the tokens the host budget admits, so it never starves (and makes
+    transformers offload or re-prefill) a request the budget took."""
+    model = _sparse_model("llama", seed=10)
+    budget = ServingBudget(host_bytes=model_host_bytes(model, 10_000))
+    manager = init_continuous_batching(model, _generation_config(), ContinuousBatchingConfig(max_batch_tokens=128),
+                                       budget=budget)
+    cache = manager._create_batch_processor().cache
+    assert 10_000 <= cache.max_tokens_read < 10_000 + cache.tokens_per_sector
+    assert cache.cache_tensor.numel() < 10_000  # a nominal byte per page and layer: no K/V on the device
+
+
 def model_host_bytes(model, tokens):
     from hf_nosa.serving import RequestCaches
 

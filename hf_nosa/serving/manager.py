@@ -45,9 +45,11 @@ from .scheduler import NOSA_SCHEDULERS
 
 logger = logging.getLogger(__name__)
 
-# Tokens the device ledger counts at most when the caller sets no num_blocks: transformers sizes its index tensors
-# (and, for eager / sdpa, a [max_batch_tokens, ledger + max_batch_tokens] mask) by the ledger (docs/serving.md).
-DEFAULT_LEDGER_TOKENS = 1 << 16
+# Tokens the device ledger holds (all requests together) when the caller sets no num_blocks: what the host budget
+# admits, at most MAX_LEDGER_TOKENS (transformers keeps an int64 index buffer of that length on the device), or
+# DEFAULT_LEDGER_TOKENS when the host budget is unknown (docs/serving.md).
+DEFAULT_LEDGER_TOKENS = 1 << 20
+MAX_LEDGER_TOKENS = 1 << 23
 
 _FORCED = dict(use_cuda_graph=False, use_async_batching=False, varlen_compile_config=None,
                decode_compile_config=None, default_compile_level=0, max_blocks_per_request=0,
@@ -72,8 +74,18 @@ def register_attention() -> None:
     AttentionInterface.register(NOSA_PAGED, _refuse_stock_attention)
 
 
+def ledger_tokens(requests: RequestCaches) -> int:
+    """Tokens the ledger holds when the caller sets no ``num_blocks``: what the host budget admits (capped)."""
+    if requests.budget.host_bytes is None:
+        return DEFAULT_LEDGER_TOKENS
+    P = requests.nosa_config.block_size
+    per_token = max(1, requests.host_bytes(P) // P)
+    return max(P, min(requests.budget.host_bytes // per_token, MAX_LEDGER_TOKENS))
+
+
 def nosa_batching_config(config: ContinuousBatchingConfig | None, requests: RequestCaches) -> ContinuousBatchingConfig:
-    """A copy of ``config`` set for NOSA serving (see the module docstring); the caller's is left as it was."""
+    """A copy of ``config`` set for NOSA serving (see the module docstring); the caller's is left as it was. Without
+    ``num_blocks``, transformers sizes a one-block ledger and ``NosaPagedCache`` re-sizes it (``ledger_tokens``)."""
     config = copy.deepcopy(config) if config is not None else ContinuousBatchingConfig()
     for name, value in _FORCED.items():
         given = getattr(config, name)
@@ -89,11 +101,6 @@ def nosa_batching_config(config: ContinuousBatchingConfig | None, requests: Requ
             f"prefill_chunk_size={chunk}: a prompt is scheduled a whole chunk at a time. Raise max_batch_tokens or "
             "lower prefill_chunk_size."
         )
-    if config.num_blocks is None:
-        per_token = max(1, requests.host_bytes(requests.nosa_config.block_size) // requests.nosa_config.block_size)
-        host_tokens = DEFAULT_LEDGER_TOKENS if requests.budget.host_bytes is None else (
-            requests.budget.host_bytes // per_token)
-        config.num_blocks = max(1, min(host_tokens, DEFAULT_LEDGER_TOKENS) // config.page_size)
     return config
 
 
@@ -116,6 +123,10 @@ class NosaBatchingManager(ContinuousBatchingManager):
             )
         self.nosa_requests = RequestCaches(model.config, nosa_config, budget or ServingBudget(), model.dtype)
         config = nosa_batching_config(continuous_batching_config, self.nosa_requests)
+        self.nosa_ledger_tokens = None
+        if config.num_blocks is None:
+            self.nosa_ledger_tokens = ledger_tokens(self.nosa_requests)
+            config.num_blocks = 1  # transformers' sizing sees one block; NosaPagedCache re-sizes the ledger
         super().__init__(model, generation_config, config, workload_hints)
 
     def switch_to_cb_friendly_attn(self, model, auto_switch_to_flash: bool = True) -> None:
@@ -167,6 +178,7 @@ class NosaBatchingManager(ContinuousBatchingManager):
             dtype=self.model.dtype,
             model_supports_logits_to_keep=callable(supports_logits_to_keep) and supports_logits_to_keep(),
             requests=self.nosa_requests,
+            ledger_tokens=self.nosa_ledger_tokens,
         )
         self._use_prefix_sharing = False
         update_cb_config_after_cache_creation(cb_config=self.continuous_batching_config, num_blocks=cache.num_blocks,

@@ -5,8 +5,12 @@ its scheduler, request states and model runner only talk to the cache through a 
 keeps all of that and changes the cache at its narrowest points:
 
 - ``_create_allocator``: every layer group gets a ``NosaLedgerAllocator``, which keeps transformers' block
-  bookkeeping (blocks per request, sectors, the pool) over a nominal byte per token and layer, so the paged tensor
+  bookkeeping (blocks per request, sectors, the pool) over a nominal byte per page and layer, so the paged tensor
   holds no K/V. The K/V of a request live in its own NosaCache (``requests.RequestCaches``): host store plus slot pool.
+- the ledger's size: transformers fits its sectors to the free device memory and charges every cache token the
+  activations of reading it back (``PagedAttentionMemoryHandler``), which NOSA never does; given ``ledger_tokens``,
+  the ledger is re-sized after transformers' set-up to hold that many tokens (what the host budget admits), so the
+  ledger never starves a request the host budget took (transformers would then offload or re-prefill it).
 - ``can_store_request_tokens``: a request is admitted when its host store and device working set fit the serving
   budget (``RequestCaches.admit``), then the ledger is asked as before.
 - ``extend_read_and_write_indices``: records the step's plan ``(request_id, past_length, query_length)`` in batch
@@ -21,13 +25,13 @@ from typing import Any
 
 import torch
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
-from transformers.generation.continuous_batching.cache_allocators import FullAttentionCacheAllocator
+from transformers.generation.continuous_batching.cache_allocators import CachePool, FullAttentionCacheAllocator
 
 from .requests import RequestCaches
 
 
 class NosaLedgerAllocator(FullAttentionCacheAllocator):
-    """transformers' full-attention block bookkeeping over a nominal byte per token and layer: no K/V on the device.
+    """transformers' full-attention block bookkeeping over a nominal byte per page and layer: no K/V on the device.
 
     Blocks still count each request's tokens (so the scheduler's budgets and sector accounting stay stock); nothing
     is read or written through them. No block sharing (prefix caching) and no kernel block table (decode fast path):
@@ -43,12 +47,12 @@ class NosaLedgerAllocator(FullAttentionCacheAllocator):
         self.num_key_value_heads = num_key_value_heads
         self.cache_dtype = torch.uint8
         self._before_cache_tensor_init(index=index, layer_indices=layer_indices, tokens_per_page=page_size,
-                                       bytes_per_page=page_size, allow_block_sharing=False)
+                                       bytes_per_page=1, allow_block_sharing=False)
 
     @classmethod
     def get_bytes_per_page(cls, num_key_value_heads: int, head_dim: int, cache_dtype: torch.dtype,
                            page_size: int) -> int:
-        return page_size
+        return 1
 
     def register_cache_tensor(self, bytes_per_sector: int, non_trash_bytes: int, cache_tensor: torch.Tensor,
                               pool) -> None:
@@ -72,12 +76,28 @@ class NosaLedgerAllocator(FullAttentionCacheAllocator):
 class NosaPagedCache(PagedAttentionCache):
     """``PagedAttentionCache`` whose K/V live in one NosaCache per request (see the module docstring).
 
-    Args: those of ``PagedAttentionCache``, and ``requests``: the manager's ``RequestCaches``.
+    Args: those of ``PagedAttentionCache``, and keyword-only ``requests`` (the manager's ``RequestCaches``) and
+    ``ledger_tokens`` (tokens the ledger holds for all requests together; None: as transformers sized it).
     """
 
-    def __init__(self, *args, requests: RequestCaches, **kwargs) -> None:
+    def __init__(self, *args, requests: RequestCaches, ledger_tokens: int | None = None, **kwargs) -> None:
         self.nosa_requests = requests
         super().__init__(*args, **kwargs)
+        if ledger_tokens is not None:
+            self._size_ledger(ledger_tokens)
+
+    def _size_ledger(self, tokens: int) -> None:
+        """Re-make the (nominal) paged tensor and its pool to hold ``tokens`` tokens; before any request."""
+        num_sectors = max(1, -(-int(tokens) // self.tokens_per_sector))
+        non_trash_bytes = num_sectors * self.bytes_per_sector
+        self.num_sectors = num_sectors
+        self.cache_tensor = torch.zeros(non_trash_bytes + 2 * self.bytes_per_sector, dtype=torch.uint8,
+                                        device=self.device)
+        self.pool = CachePool(num_sectors, len(self.cache_allocators))
+        for allocator in self.cache_allocators.values():
+            allocator.register_cache_tensor(self.bytes_per_sector, non_trash_bytes, self.cache_tensor, self.pool)
+        self.num_blocks = non_trash_bytes // sum(ca.bytes_per_block for ca in self.cache_allocators.values())
+        self.max_tokens_read = max(ca.tokens_per_page * ca.num_blocks for ca in self.cache_allocators.values())
 
     def _create_allocator(self, continuous_batching_config, attn_type: str, index: int, layer_indices: list[int],
                           num_key_value_heads: int):
@@ -87,7 +107,9 @@ class NosaPagedCache(PagedAttentionCache):
 
     def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
         if state.request_id:  # the warm-up's probe (an empty id) asks about the ledger alone
-            prompt = getattr(state, "_true_initial_tokens", 0) or len(state.initial_tokens)
+            # a request transformers re-queued after freeing it (soft reset) is prefilled again from its prompt and
+            # the tokens it had generated: those are its prompt now
+            prompt = len(state.initial_tokens)
             if not self.nosa_requests.admit(state.request_id, prompt, state.max_new_tokens, dry_run=dry_run):
                 return False
         return super().can_store_request_tokens(state, request_len, dry_run)
