@@ -7,10 +7,11 @@ the cache's stats and KV heads on this rank, and the logits of a plain forward o
 every rank recorded to OUT (torch.save).
 
 ARGS: a JSON object: ``folder`` (the checkpoint), ``path`` ("to_nosa": a stock checkpoint, converted after loading
-and its eviction heads randomised with ``seed``; "checkpoint": an exported NOSA checkpoint, trust_remote_code),
+with the NosaConfig fields ``nosa`` and its eviction heads randomised with ``seed``; "checkpoint": an exported NOSA
+checkpoint, trust_remote_code),
 ``cases`` (name -> NosaConfig fields), ``cache`` ("explicit": a NosaCache passed to generate; "nosa":
 ``cache_implementation="nosa"`` with the case's fields as ``cache_config``), ``prompt`` (token ids), ``new`` (tokens
-to generate), ``out``.
+to generate), ``serving`` (optional: ``prompts``, ``new``, ``max_batch_tokens`` for ``generate_batch``), ``out``.
 """
 
 from __future__ import annotations
@@ -31,9 +32,8 @@ def main(spec: dict) -> None:
     if spec["path"] == "checkpoint":
         kwargs["trust_remote_code"] = True
     model = AutoModelForCausalLM.from_pretrained(spec["folder"], **kwargs).eval()
-    first_cfg = hf_nosa.NosaConfig.from_dict(next(iter(spec["cases"].values())))
     if spec["path"] == "to_nosa":
-        hf_nosa.to_nosa(model, first_cfg)
+        hf_nosa.to_nosa(model, hf_nosa.NosaConfig.from_dict(spec["nosa"]))
         randomize_eviction_heads(model, scale=2.0, generator=torch.Generator().manual_seed(spec["seed"]))
     ids = torch.tensor([spec["prompt"]])
     heads = eviction_heads(model)
@@ -63,12 +63,28 @@ def main(spec: dict) -> None:
                 "kv_heads": layer.kv_heads,
                 "slot_k": tuple(layer.slot_k.shape),
             }
+    if spec.get("serving"):
+        record["serving"] = serve(model, **spec["serving"])
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, record)
     if dist.get_rank() == 0:
         torch.save(gathered, spec["out"])
     dist.barrier()
     dist.destroy_process_group()
+
+
+def serve(model, prompts: list, new: int, max_batch_tokens: int) -> list:
+    """transformers' continuous batching on the sharded model (rank 0 schedules, the others follow): each request's
+    generated tokens, or its error."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from hf_nosa.serving import enable
+
+    enable(model)
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    out = model.generate_batch(prompts, generation_config=config,
+                               continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens))
+    return [out[f"req_{i}"].error or out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
 
 
 if __name__ == "__main__":

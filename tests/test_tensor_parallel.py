@@ -39,12 +39,12 @@ ADDITIVE_STATS = ("blocks_loaded", "bytes_to_device", "host_bytes", "full_kv_byt
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models (tests/conftest.py)
 
 
-def nosa_reference(family: str, folder: Path, path: str) -> torch.nn.Module:
+def nosa_reference(family: str, folder: Path, path: str, nosa: dict) -> torch.nn.Module:
     """The unsharded NOSA model; saves what the ranks load (a stock model, or the NOSA model exported)."""
     model = tiny_model(family, seed=0, vocab_size=VOCAB)
     if path == "to_nosa":
         model.save_pretrained(folder)
-    hf_nosa.to_nosa(model, small_nosa_config(**SPARSE))
+    hf_nosa.to_nosa(model, hf_nosa.NosaConfig.from_dict(nosa))
     randomize_eviction_heads(model, scale=2.0, generator=torch.Generator().manual_seed(SEED))
     if path == "checkpoint":
         export(model, folder)
@@ -68,11 +68,12 @@ def run_ranks(spec: dict, tmp_path: Path) -> list[dict]:
 @pytest.mark.parametrize("path", ["to_nosa", "checkpoint"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_sharded_decode_equals_unsharded(family, path, tmp_path):
-    model = nosa_reference(family, tmp_path / "model", path)
-    ids = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
     cases = {name: small_nosa_config(**fields).to_dict() for name, fields in CASES.items()}
-    spec = dict(folder=str(tmp_path / "model"), path=path, seed=SEED, cases=cases, prompt=ids[0].tolist(), new=NEW,
-                cache="nosa" if path == "checkpoint" else "explicit", out=str(tmp_path / "ranks.pt"))
+    model = nosa_reference(family, tmp_path / "model", path, cases["sparse"])
+    ids = torch.randint(3, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    spec = dict(folder=str(tmp_path / "model"), path=path, nosa=cases["sparse"], seed=SEED, cases=cases,
+                prompt=ids[0].tolist(), new=NEW, cache="nosa" if path == "checkpoint" else "explicit",
+                out=str(tmp_path / "ranks.pt"))
     ranks = run_ranks(spec, tmp_path)
 
     if path == "checkpoint":  # the checkpoint's own remote-code class, as a Hub user gets it
@@ -104,3 +105,21 @@ def test_sharded_decode_equals_unsharded(family, path, tmp_path):
                 assert sum(r[name]["stats"][key] for r in ranks) == stats[key], (name, key)
     # the sparse budget bites: selection and the eviction heads change what is attended, so the answer
     assert (logits["sparse"] - logits["full"]).abs().max() > 1e-3
+
+
+def test_continuous_batching_sharded_equals_generate_alone(tmp_path):
+    """transformers' continuous batching (``hf_nosa.serving``) on two ranks, rank 0 scheduling: prompts of 40, 150
+    and 300 tokens under a 128-token step, at a sparse budget, each get the tokens unsharded ``generate`` gives them
+    alone."""
+    nosa = small_nosa_config(**CASES["sparse"]).to_dict()
+    model = nosa_reference("llama", tmp_path / "model", "to_nosa", nosa)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (40, 150, 300)]
+    with torch.no_grad():
+        expected = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=-1,
+                                   pad_token_id=0, cache_implementation="nosa")[0, len(p):].tolist() for p in prompts]
+    spec = dict(folder=str(tmp_path / "model"), path="to_nosa", nosa=nosa, seed=SEED, cases={},
+                prompt=prompts[0], new=NEW, cache="explicit", out=str(tmp_path / "ranks.pt"),
+                serving=dict(prompts=prompts, new=8, max_batch_tokens=128))
+    ranks = run_ranks(spec, tmp_path)
+    assert [r["serving"] for r in ranks] == [expected, expected]
