@@ -178,6 +178,16 @@ def test_the_ledger_holds_what_the_host_budget_admits():
     assert cache.cache_tensor.numel() < 10_000  # a nominal byte per page and layer: no K/V on the device
 
 
+def test_an_older_transformers_is_named_with_the_version_serving_needs(monkeypatch):
+    import transformers
+
+    import hf_nosa.serving
+
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(ImportError, match=r"transformers >= 5\.18.*found 5\.17\.0"):
+        hf_nosa.serving.check_transformers_version()
+
+
 def model_host_bytes(model, tokens):
     from hf_nosa.serving import RequestCaches
 

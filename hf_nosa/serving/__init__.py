@@ -16,7 +16,14 @@ continuous-batching internals, which move between versions, when first used.
 
 import importlib
 
+import transformers
+from packaging.version import Version
+
 from .attention import is_serving_cache, serving_attention
+
+# transformers' continuous batching has had one allocator per attention type (``cache_allocators``) since 5.18; 5.17
+# kept its blocks in ``cache_manager.py`` with another interface (docs/serving.md).
+MIN_TRANSFORMERS = Version("5.18.0")
 
 _LAZY = {
     "NosaBatchingManager": ".manager",
@@ -26,12 +33,24 @@ _LAZY = {
     "ServingBudget": ".requests",
 }
 
-__all__ = ["is_serving_cache", "serving_attention", *_LAZY]
+__all__ = ["check_transformers_version", "is_serving_cache", "serving_attention", *_LAZY]
+
+
+def check_transformers_version() -> None:
+    """Raise an ImportError naming the versions when transformers' continuous batching is one serving cannot use."""
+    found = Version(Version(transformers.__version__).base_version)
+    if found < MIN_TRANSFORMERS:
+        raise ImportError(
+            f"hf_nosa.serving needs transformers >= {MIN_TRANSFORMERS} (continuous batching with one cache allocator "
+            f"per attention type); found {transformers.__version__}. Install a newer one: "
+            f'pip install "transformers>={MIN_TRANSFORMERS},<6". NOSA generate works on this version.'
+        )
 
 
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    check_transformers_version()
     value = getattr(importlib.import_module(_LAZY[name], __name__), name)
     globals()[name] = value
     return value

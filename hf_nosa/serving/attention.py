@@ -30,7 +30,7 @@ from ..cache_attention import attend_cache_inputs
 
 def is_serving_cache(cache) -> bool:
     """Whether ``cache`` is a continuous-batching cache (transformers' ``PagedAttentionCache`` or NOSA's)."""
-    return cache is not None and hasattr(cache, "cache_allocators") and hasattr(cache, "extend_read_and_write_indices")
+    return cache is not None and hasattr(cache, "extend_read_and_write_indices")
 
 
 def chunk_edges(past: int, length: int, prompt_length: int, chunk: int, whole: bool) -> list[tuple[int, int]]:
@@ -63,7 +63,7 @@ def serving_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
         raise TypeError(
             "A NOSA model runs under transformers' continuous batching only through hf_nosa's manager: call "
             "hf_nosa.serving.enable(model) once (or use hf_nosa.serving.init_continuous_batching(model, ...)) before "
-            "model.generate_batch / model.init_continuous_batching."
+            "model.generate_batch / model.init_continuous_batching (transformers >= 5.18)."
         )
     layer_idx = module.layer_idx
     first, last = layer_idx == 0, layer_idx == requests.n_layers - 1
