@@ -128,7 +128,7 @@ def test_continuous_batching_sharded_equals_generate_alone(tmp_path):
     alone."""
     try:
         import hf_nosa.serving.manager  # noqa: F401
-    except ImportError as error:  # transformers before 5.25 lacks what the serving path builds on
+    except ImportError as error:  # transformers before 5.18 lacks what the serving path builds on
         pytest.skip(f"hf_nosa.serving does not import here: {error}")
     nosa = small_nosa_config(**CASES["sparse"]).to_dict()
     model = nosa_reference("llama", tmp_path / "model", "to_nosa", nosa)
