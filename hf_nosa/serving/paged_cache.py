@@ -4,13 +4,16 @@ transformers builds one allocator per attention type (``ATTN_TYPE_TO_ALLOCATOR``
 its scheduler, request states and model runner only talk to the cache through a few methods. ``NosaPagedCache``
 keeps all of that and changes the cache at its narrowest points:
 
-- ``_create_allocator``: every layer group gets a ``NosaLedgerAllocator``, which keeps transformers' block
-  bookkeeping (blocks per request, sectors, the pool) over a nominal byte per page and layer, so the paged tensor
-  holds no K/V. The K/V of a request live in its own NosaCache (``requests.RequestCaches``): host store plus slot pool.
+- the allocators: after transformers' set-up, every layer group's allocator is replaced by a ``NosaLedgerAllocator``
+  (``_nosa_ledger``; transformers >= 5.25 builds them so from the start, through ``_create_allocator``), which keeps
+  transformers' block bookkeeping (blocks per request, sectors, the pool) over a nominal byte per page and layer, so
+  the paged tensor holds no K/V. The K/V of a request live in its own NosaCache (``requests.RequestCaches``): host
+  store plus slot pool.
 - the ledger's size: transformers fits its sectors to the free device memory and charges every cache token the
   activations of reading it back (``PagedAttentionMemoryHandler``), which NOSA never does; given ``ledger_tokens``,
-  the ledger is re-sized after transformers' set-up to hold that many tokens (what the host budget admits), so the
-  ledger never starves a request the host budget took (transformers would then offload or re-prefill it).
+  the ledger is made to hold that many tokens (what the host budget admits), so it never starves a request the host
+  budget took (transformers would then offload or re-prefill it). Without it, the ledger holds what transformers
+  sized (``num_blocks``; before 5.25 its set-up allocates that much device K/V for a moment).
 - ``can_store_request_tokens``: a request is admitted when its host store and device working set fit the serving
   budget (``RequestCaches.admit``), then the ledger is asked as before.
 - ``extend_read_and_write_indices``: records the step's plan ``(request_id, past_length, query_length)`` in batch
@@ -21,6 +24,7 @@ keeps all of that and changes the cache at its narrowest points:
 
 from __future__ import annotations
 
+from math import lcm
 from typing import Any
 
 import torch
@@ -83,11 +87,25 @@ class NosaPagedCache(PagedAttentionCache):
     def __init__(self, *args, requests: RequestCaches, ledger_tokens: int | None = None, **kwargs) -> None:
         self.nosa_requests = requests
         super().__init__(*args, **kwargs)
-        if ledger_tokens is not None:
-            self._size_ledger(ledger_tokens)
+        self._nosa_ledger(self.max_tokens_read if ledger_tokens is None else ledger_tokens)
 
-    def _size_ledger(self, tokens: int) -> None:
-        """Re-make the (nominal) paged tensor and its pool to hold ``tokens`` tokens; before any request."""
+    def _nosa_ledger(self, tokens: int) -> None:
+        """Ledger allocators for every layer group, and a (nominal) paged tensor and pool holding ``tokens`` tokens;
+        before any request."""
+        allocators = {}
+        for attn_type, allocator in self.cache_allocators.items():
+            if not isinstance(allocator, NosaLedgerAllocator):
+                allocator = NosaLedgerAllocator(index=allocator.index, config=self.config,
+                                                num_key_value_heads=allocator.num_key_value_heads,
+                                                cache_dtype=self.dtype, page_size=allocator.tokens_per_page,
+                                                layer_indices=allocator.layer_indices, allow_block_sharing=False)
+            allocators[attn_type] = allocator
+        self.cache_allocators = allocators
+        self.layer_to_allocator = {i: ca for ca in allocators.values() for i in ca.layer_indices}
+        self.bytes_per_sector = lcm(*(ca.bytes_per_block for ca in allocators.values()), 128)
+        self.tokens_per_sector = max((self.bytes_per_sector // ca.bytes_per_block) * ca.tokens_per_page
+                                     for ca in allocators.values())
+        self.use_prefix_sharing = False
         num_sectors = max(1, -(-int(tokens) // self.tokens_per_sector))
         non_trash_bytes = num_sectors * self.bytes_per_sector
         self.num_sectors = num_sectors
@@ -98,6 +116,7 @@ class NosaPagedCache(PagedAttentionCache):
             allocator.register_cache_tensor(self.bytes_per_sector, non_trash_bytes, self.cache_tensor, self.pool)
         self.num_blocks = non_trash_bytes // sum(ca.bytes_per_block for ca in self.cache_allocators.values())
         self.max_tokens_read = max(ca.tokens_per_page * ca.num_blocks for ca in self.cache_allocators.values())
+        self.max_decode_fast_path_length = 0
 
     def _create_allocator(self, continuous_batching_config, attn_type: str, index: int, layer_indices: list[int],
                           num_key_value_heads: int):
