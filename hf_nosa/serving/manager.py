@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 # DEFAULT_LEDGER_TOKENS when the host budget is unknown (docs/serving.md).
 DEFAULT_LEDGER_TOKENS = 1 << 20
 MAX_LEDGER_TOKENS = 1 << 23
+DEFAULT_MAX_BATCH_TOKENS = 8192  # transformers' PagedAttentionMemoryHandler._default_max_batch_tokens (5.18-5.25)
 
 _FORCED = dict(use_cuda_graph=False, use_async_batching=False, varlen_compile_config=None,
                decode_compile_config=None, default_compile_level=0, max_blocks_per_request=0,
@@ -95,7 +96,9 @@ def nosa_batching_config(config: ContinuousBatchingConfig | None, requests: Requ
                            "(docs/serving.md).", name, given, value)
         setattr(config, name, value)
     chunk = requests.nosa_config.prefill_chunk()
-    if config.max_batch_tokens is not None and config.max_batch_tokens < chunk:
+    if config.max_batch_tokens is None:  # transformers' default, or one chunk when chunks are longer
+        config.max_batch_tokens = max(chunk, DEFAULT_MAX_BATCH_TOKENS)
+    if config.max_batch_tokens < chunk:
         raise ValueError(
             f"ContinuousBatchingConfig.max_batch_tokens={config.max_batch_tokens} is smaller than NosaConfig."
             f"prefill_chunk_size={chunk}: a prompt is scheduled a whole chunk at a time. Raise max_batch_tokens or "
