@@ -6,7 +6,8 @@ Random-weight Llama of ``--shape`` (bf16, sdpa, eviction heads random), the devi
 of ``--turn`` tokens on the same cache (``generate(whole_conversation, past_key_values=cache, max_new_tokens=1)``),
 then the same whole conversation on a fresh cache. The peak is compared with the budget-bound formula of a first
 prompt (``generate.activation_moments``: weights + the cache's device buffers + one chunk's activations at the
-largest moment). Everything runs once untimed at a small context first (kernel compilation).
+largest moment). Everything runs once untimed at a small context first (kernel compilation), and each batch runs
+``--repeats`` conversations: the row is the last one, the earlier ones (new kernel variants, first pinning) beside it.
 
     python benchmarks/conversation.py --shape 1b --batches 1 8 --out benchmarks/results/conversation.json
     python benchmarks/conversation.py --smoke   # CPU-sized, checks the script runs
@@ -124,6 +125,8 @@ def main(argv=None):
     parser.add_argument("--context", type=int, default=61440 - 16, help="first turn's prompt tokens (default: 61424)")
     parser.add_argument("--answer", type=int, default=16, help="tokens answered to the first turn (default: 16)")
     parser.add_argument("--turn", type=int, default=4096, help="the new turn's tokens (default: 4096)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="conversations per batch; the row is the last, the earlier ones under 'runs' (default: 2)")
     parser.add_argument("--cap-gb", type=float, default=None, help="device cap in GB (default: the shape's)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and sizes on the CPU")
     parser.add_argument("--out", default=None, help="JSON file to write (default: print only)")
@@ -150,7 +153,12 @@ def main(argv=None):
     randomize_eviction_heads(model, scale=0.5, generator=torch.Generator().manual_seed(0))
     warm = dict(context=min(args.context, 8192 - 16), answer=4, turn=min(args.turn, 1024))
     conversation_row(model, args.batches[0], device=device, **warm)  # compile the kernels, untimed
-    rows = [conversation_row(model, batch, args.context, args.answer, args.turn, device) for batch in args.batches]
+    rows = []
+    for batch in args.batches:  # the first run of a batch compiles the kernel variants its shapes need
+        runs = [conversation_row(model, batch, args.context, args.answer, args.turn, device, seed=i)
+                for i in range(args.repeats)]
+        row = dict(runs[-1], runs=runs[:-1]) if len(runs) > 1 else runs[0]
+        rows.append(row)
     result = dict(environment(), nosa_config=cfg.to_dict(), shape=args.shape if not args.smoke else "smoke",
                   cap_gb=None if args.smoke else (args.cap_gb or CAP_GB[args.shape]), rows=rows)
     if args.out:

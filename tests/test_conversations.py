@@ -71,11 +71,12 @@ def test_the_retired_batch_knobs_warn_that_they_do_nothing(monkeypatch):
 def _turns(model, first: int, second: int, seed: int, new_tokens: int = 6):
     """Two turns on one NosaCache: a prompt of ``first`` tokens, the answer, then ``second`` more tokens."""
     g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     cache = NosaCache(model.config)
-    turn1 = torch.randint(3, 97, (1, first), generator=g)
+    turn1 = torch.randint(3, 97, (1, first), generator=g).to(device)
     answer1, _ = _greedy(model, turn1, new_tokens, past_key_values=cache)
     held = cache.get_seq_length()
-    turn2 = torch.cat([answer1, torch.randint(3, 97, (1, second), generator=g)], 1)
+    turn2 = torch.cat([answer1, torch.randint(3, 97, (1, second), generator=g).to(device)], 1)
     answer2, logits2 = _greedy(model, turn2, new_tokens, past_key_values=cache)
     return cache, held, turn2, answer2, logits2
 
