@@ -178,6 +178,34 @@ def test_the_ledger_holds_what_the_host_budget_admits():
     assert cache.cache_tensor.numel() < 10_000  # a nominal byte per page and layer: no K/V on the device
 
 
+def test_the_calls_transformers_serve_makes():
+    """``transformers serve`` (5.25, cli/serving/utils.py) starts its manager with
+    ``model.init_continuous_batching(continuous_batching_config=..., workload_hints=...)``, per-request processors,
+    ``warmup()`` and ``start()``, and reads ``cache.compute_free_capacity()``: the same calls on an enabled model."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    model = enable(_sparse_model("qwen3", seed=12))
+    model.generation_config = _generation_config()
+    prompts = _prompts((50, 140), seed=12)
+    expected = [_alone(model, p) for p in prompts]
+    config = ContinuousBatchingConfig(max_batch_tokens=128)
+    config.per_request_processors = True
+    manager = model.init_continuous_batching(continuous_batching_config=config,
+                                             workload_hints=WorkloadHints(max_prompt_length=4096))
+    manager.warmup()
+    manager.start()
+    try:
+        for i, prompt in enumerate(prompts):
+            manager.add_request(prompt, request_id=f"chat-{i}", max_new_tokens=NEW_TOKENS)
+        results = {}
+        _wait_for(lambda: results.update({r.request_id: r for r in [manager.get_result(timeout=0.05)] if r
+                                          and r.is_finished()}) or len(results) == 2, timeout=60)
+        assert 0.0 <= 1 - manager.batch_processor.cache.compute_free_capacity() <= 1.0
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert [results[f"chat-{i}"].generated_tokens for i in range(2)] == expected
+
+
 def test_an_older_transformers_is_named_with_the_version_serving_needs(monkeypatch):
     import transformers
 
@@ -192,3 +220,4 @@ def model_host_bytes(model, tokens):
     from hf_nosa.serving import RequestCaches
 
     return RequestCaches(model.config, dtype=model.dtype).host_bytes(tokens)
+
