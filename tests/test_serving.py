@@ -3,7 +3,9 @@ stream give each request the tokens of NOSA ``generate`` on it alone, at a spars
 steps and interleaved with other requests' decoding; at a budget covering the context they equal stock continuous
 batching; admission counts host memory, and a request that cannot fit is refused while the others finish."""
 
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -122,11 +124,14 @@ def test_requests_join_while_others_decode_and_a_cancelled_one_frees_its_caches(
                 break
         manager.add_request(second, request_id="second")
         manager.add_request(cancelled, request_id="cancelled", max_new_tokens=200)
-        _wait_for(lambda: "cancelled" in requests.entries)
+        _wait_for(lambda: "cancelled" in requests.entries and requests.entries["cancelled"].cache is not None)
         held = requests.host_reserved
+        cache = weakref.ref(requests.entries["cancelled"].cache)
         manager.cancel_request("cancelled")
         _wait_for(lambda: "cancelled" not in requests.entries)
         assert requests.host_reserved < held
+        gc.collect()
+        assert cache() is None  # its host store, compressed keys and slot pool with it
         results = {}
         _wait_for(lambda: results.update({r.request_id: r for r in [manager.get_result(timeout=0.05)] if r
                                           and r.is_finished()}) or {"first", "second"} <= set(results), timeout=60)
