@@ -382,3 +382,16 @@ def test_a_sparse_turn_on_the_gpu_equals_the_cpu_and_survives_a_failed_decode(mo
     retried, retried_logits = _greedy(model, turn2, 6, past_key_values=cache)
     assert torch.equal(retried.cpu(), results["cuda"][0])
     torch.testing.assert_close(retried_logits.cpu(), results["cuda"][1], atol=1e-3, rtol=1e-3)
+
+
+def test_a_new_turn_is_cut_on_blocks_with_its_dense_tail_in_one_chunk():
+    from hf_nosa.modeling.chunked import chunk_edges
+
+    assert chunk_edges(0, 5000, 2048, 64, 64) == [0, 2048, 4096, 5000]  # a new prompt: multiples of the chunk
+    # 61439 held: the first chunk ends on the next block boundary, the 63 tokens left join the chunk before them
+    assert chunk_edges(61439, 4096, 2048, 64, 64) == [0, 1985, 4096]
+    assert chunk_edges(61439, 4200, 2048, 64, 64) == [0, 1985, 4033, 4200]
+    assert chunk_edges(61440, 4096, 2048, 64, 64) == [0, 2048, 4096]
+    assert chunk_edges(100, 30, 2048, 64, 64) == [0, 30]
+    assert chunk_edges(61439, 4096, 2048, 64, 0) == [0, 1985, 4033, 4096]  # no dense tail: nothing to keep together
+    assert chunk_edges(310, 300, 64, 16, 64) == [0, 58, 122, 186, 250, 300]  # 50 tokens left: a block or more

@@ -137,10 +137,7 @@ class NosaForward:
         if (past == 0 and not cache.has_selector and cache.nosa_config.prefill_whole(B, T)
                 and _whole_prompt_fits(model, inputs, B, T)):
             C = T  # through each layer whole: the layers cut QUOKA's chunks (whole_prompt)
-        # Chunk edges: a new prompt's at multiples of C; a continued one's first chunk ends on a block boundary (the
-        # block it starts in, plus C - P tokens), so that its later chunks start on blocks as a new prompt's do.
-        first = min(T, C - past % P) if past else min(T, C)
-        edges = [0, *range(first, T, C), T] if first < T else [0, T]
+        edges = chunk_edges(past, T, C, P, cache.nosa_config.prefill_dense_tail_tokens)
         position_ids = kwargs.pop("position_ids", None)
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=inputs.device).expand(B, T)
@@ -257,6 +254,24 @@ class NosaForward:
             return self.original(**kwargs)
         result = CausalLMOutputWithPast(logits=logits, **{_OUTPUT_CACHE_FIELD: cache})
         return result if kwargs.get("return_dict", True) else result.to_tuple()
+
+
+def chunk_edges(past: int, T: int, C: int, P: int, tail: int) -> list[int]:
+    """Where a prompt of ``T`` tokens after ``past`` held ones is cut into QUOKA chunks: offsets ``0 .. T``.
+
+    A new prompt's edges are at multiples of ``C``. A continued one's first chunk ends on a block boundary (the block
+    it starts in, plus ``C - P`` tokens), so that its later chunks start on blocks as a new prompt's do; and a last
+    chunk shorter than the dense tail (``tail`` tokens) and than a block joins the one before it, so that the tail's
+    queries, which read every earlier token back from the host store, do it in one chunk rather than two (at the
+    defaults, tail = block: always). A chunk then holds at most ``C + P - 1`` tokens with the block it starts in.
+    """
+    if not past:
+        return [0, *range(C, T, C), T] if C < T else [0, T]
+    first = min(T, C - past % P)
+    edges = [0, *range(first, T, C), T] if first < T else [0, T]
+    if len(edges) > 2 and T - edges[-2] < min(tail, P):
+        del edges[-2]
+    return edges
 
 
 def whole_prompt_bytes(config, batch: int, length: int, element_size: int) -> int:
