@@ -12,7 +12,10 @@ Per pass-key sample (``hf_nosa.eval.generate_samples("passkey")``, RULER protoco
 - "one prompt": the same token ids (turn 1, its answer, turn 2) on a fresh cache;
 - "original": the sample's own prompt (haystack + question) on a fresh cache.
 
-    python experiments/conversation_passkey.py --samples 15 --out experiments/results/conversation_passkey.json
+    PYTHONPATH=. python experiments/conversation_passkey.py --length 7936 --filler 200 --samples 15 \
+        --out benchmarks/results/conversation_passkey.json
+
+At 7936 tokens the whole conversation (turn 1, its answer, turn 2) stays within SmolLM2's 8192 positions.
 """
 
 from __future__ import annotations
