@@ -16,7 +16,6 @@ Each step, the scheduled requests' new tokens arrive packed in one sequence; ``p
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -24,8 +23,6 @@ import torch
 from ..cache import NosaCache
 from ..config import NosaConfig
 from ..host_store import HostStore, available_host_memory
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
