@@ -211,6 +211,18 @@ def test_the_calls_transformers_serve_makes():
     assert [results[f"chat-{i}"].generated_tokens for i in range(2)] == expected
 
 
+def test_a_budget_left_unset_is_read_from_the_host_and_the_device(monkeypatch):
+    from hf_nosa.serving import requests
+
+    monkeypatch.setattr(requests, "available_host_memory", lambda: 64 << 30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 << 30, 80 << 30))
+    assert ServingBudget().resolved("cpu") == ServingBudget(host_bytes=64 << 30, device_bytes=None)
+    assert ServingBudget().resolved("cuda") == ServingBudget(host_bytes=64 << 30, device_bytes=5 << 30)
+    assert ServingBudget(host_bytes=1, device_bytes=2).resolved("cuda") == ServingBudget(1, 2)
+    with pytest.raises(ValueError, match="host_bytes"):
+        ServingBudget(host_bytes=0)
+
+
 def test_an_older_transformers_is_named_with_the_version_serving_needs(monkeypatch):
     import transformers
 

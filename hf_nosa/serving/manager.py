@@ -124,7 +124,8 @@ class NosaBatchingManager(ContinuousBatchingManager):
                 f"NOSA serving: num_return_sequences={returns} is not supported yet (a request's NosaCache is not "
                 "forked); send the prompt several times instead."
             )
-        self.nosa_requests = RequestCaches(model.config, nosa_config, budget or ServingBudget(), model.dtype)
+        self.nosa_requests = RequestCaches(model.config, nosa_config, budget or ServingBudget(), model.dtype,
+                                           model.device)
         config = nosa_batching_config(continuous_batching_config, self.nosa_requests)
         self.nosa_ledger_tokens = None
         if config.num_blocks is None:

@@ -25,14 +25,18 @@ from ..config import NosaConfig
 from ..host_store import HostStore, available_host_memory
 
 
+DEVICE_SHARE = 0.5  # of the free device memory, for the requests' working sets when ServingBudget sets none
+
+
 @dataclass
 class ServingBudget:
     """What the requests of one continuous-batching manager may hold at once.
 
     ``host_bytes``: host memory for the requests' host stores (full K/V and eviction scores of every layer); None:
     what the OS can hand out when the manager starts (``host_store.available_host_memory``), or no limit where that
-    cannot be read. ``device_bytes``: device memory for their working sets (slot pools and compressed keys); None: no
-    limit beyond the device itself.
+    cannot be read. ``device_bytes``: device memory for their working sets (slot pools and compressed keys); None: on
+    CUDA, ``DEVICE_SHARE`` of the device memory free when the manager starts (the rest is left to the step's
+    activations and the kernels' workspaces), elsewhere no limit (the CPU's working sets are host memory too).
     """
 
     host_bytes: int | None = None
@@ -44,11 +48,15 @@ class ServingBudget:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"ServingBudget.{name}={value!r} is invalid: it must be a positive int or None.")
 
-    def resolved(self) -> "ServingBudget":
-        """This budget with ``host_bytes`` read from the OS when it was left None."""
-        if self.host_bytes is not None:
-            return self
-        return ServingBudget(host_bytes=available_host_memory(), device_bytes=self.device_bytes)
+    def resolved(self, device: torch.device | str = "cpu") -> "ServingBudget":
+        """This budget with what was left None read from the OS and the device (see the class docstring)."""
+        host, device_bytes = self.host_bytes, self.device_bytes
+        if host is None:
+            host = available_host_memory()
+        device = torch.device(device)
+        if device_bytes is None and device.type == "cuda":
+            device_bytes = int(torch.cuda.mem_get_info(device)[0] * DEVICE_SHARE)
+        return ServingBudget(host_bytes=host, device_bytes=device_bytes)
 
 
 @dataclass
@@ -72,12 +80,14 @@ class RequestCaches:
         nosa_config: overrides the model's NosaConfig for every request.
         budget: host and device bytes the requests may hold at once.
         dtype: the model's dtype (the host store keeps K/V in it unless ``host_dtype`` says otherwise).
+        device: the model's device (where the working sets live).
     """
 
     model_config: object
     nosa_config: NosaConfig | None = None
     budget: ServingBudget = field(default_factory=ServingBudget)
     dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu"
     entries: dict[str, RequestEntry] = field(default_factory=dict)
     plan: list[tuple[str, int, int]] = field(default_factory=list)
     host_reserved: int = 0
@@ -90,7 +100,7 @@ class RequestCaches:
         self.kv_heads = text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.max_positions = getattr(text, "max_position_embeddings", None)
-        self.budget = self.budget.resolved()
+        self.budget = self.budget.resolved(self.device)
 
     # ----- sizes -----
 
