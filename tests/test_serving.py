@@ -83,6 +83,30 @@ def test_generate_batch_equals_generate_alone_at_a_sparse_budget(family):
     assert any(len(plan) > 1 and any(n == 1 for _, _, n in plan) and any(n > 1 for _, _, n in plan) for plan in plans)
 
 
+def test_the_prefill_first_scheduler_keeps_the_grid_and_the_answers():
+    model = _sparse_model("qwen2", seed=13)
+    prompts = _prompts((200, 70, 330), seed=13)
+    expected = [_alone(model, p) for p in prompts]
+    enable(model)
+    plans = _record_plans(model)
+    config = ContinuousBatchingConfig(max_batch_tokens=128, scheduler_type="prefill_first")
+    out = model.generate_batch(prompts, generation_config=_generation_config(), continuous_batching_config=config)
+    assert [out[f"req_{i}"].generated_tokens for i in range(len(prompts))] == expected
+    assert all(past % CHUNK == 0 for plan in plans for _, past, n in plan if n > 1)
+
+
+def test_what_serving_does_not_take_yet_is_refused_by_name():
+    model = _sparse_model("llama", seed=14)
+    config = _generation_config()
+    config.num_return_sequences = 2
+    with pytest.raises(ValueError, match="num_return_sequences=2"):
+        init_continuous_batching(model, config)
+    with pytest.raises(ValueError, match="max_batch_tokens=32 is smaller than NosaConfig.prefill_chunk_size=64"):
+        init_continuous_batching(model, _generation_config(), ContinuousBatchingConfig(max_batch_tokens=32))
+    with pytest.raises(ValueError, match="needs a NOSA model"):
+        enable(tiny_model("llama"))
+
+
 def test_full_budget_equals_stock_continuous_batching(family):
     """A budget covering every context and fresh eviction heads (A = 0): the tokens of stock continuous batching."""
     prompts = _prompts((30, 90, 200), seed=3)
