@@ -95,6 +95,25 @@ def test_the_prefill_first_scheduler_keeps_the_grid_and_the_answers():
     assert all(past % CHUNK == 0 for plan in plans for _, past, n in plan if n > 1)
 
 
+def test_a_persistent_manager_serves_a_second_batch_from_empty_caches():
+    model = enable(_sparse_model("llama", seed=15))
+    prompts = _prompts((45, 160), seed=15)
+    expected = [_alone(model, p) for p in prompts]
+    config = ContinuousBatchingConfig(max_batch_tokens=128)
+    try:
+        first = model.generate_batch(prompts, generation_config=_generation_config(),
+                                     continuous_batching_config=config, persistent_manager=True)
+        manager = model._cached_continuous_batching_manager
+        assert manager.nosa_requests.entries == {} and manager.nosa_requests.host_reserved == 0
+        second = model.generate_batch(prompts[::-1], generation_config=_generation_config(),
+                                      continuous_batching_config=config, persistent_manager=True)
+        assert model._cached_continuous_batching_manager is manager
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    assert [first["req_0"].generated_tokens, first["req_1"].generated_tokens] == expected
+    assert [second["req_3"].generated_tokens, second["req_2"].generated_tokens] == expected
+
+
 def test_what_serving_does_not_take_yet_is_refused_by_name():
     model = _sparse_model("llama", seed=14)
     config = _generation_config()
