@@ -220,7 +220,7 @@ def init_continuous_batching(model, generation_config: GenerationConfig | None =
     ``persistent_manager=True`` is reused, as in transformers)."""
     cached = getattr(model, "_cached_continuous_batching_manager", None)
     if isinstance(cached, NosaBatchingManager):
-        cached.switch_to_cb_friendly_attn(model, cached.continuous_batching_config.auto_switch_to_flash)
+        cached.switch_to_cb_friendly_attn(model)  # stop() switched the attention implementation back
         return cached
     generation_config = generation_config if generation_config is not None else model.generation_config
     if generation_config is None:
