@@ -211,6 +211,9 @@ SLOW_TESTS = (
     "tests/kernels/test_decode_path.py::test_crop_and_beam_search_on_the_kernel_path_interpreted",
     "tests/kernels/test_decode_path.py::test_resident_margin_kernel_path_equals_torch_path_interpreted",
     "tests/kernels/test_compress_extend.py::test_kernel_matches_reference_at_random_splits",
+    # two ranks started as processes per test (10-15 s each)
+    "tests/test_tensor_parallel.py::test_sharded_decode_equals_unsharded",
+    "tests/test_tensor_parallel.py::test_continuous_batching_sharded_equals_generate_alone",
 )
 DOWNLOAD_TESTS = ("tests/test_gguf_tokenizer_cache.py",)
 
