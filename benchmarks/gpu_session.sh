@@ -17,7 +17,7 @@ case "${1:-}" in
   conversation)   # issue 43: a 4096-token turn on a 60K conversation, batch 1 and 8, against re-prefilling it (about 5 minutes)
     timeout 560 python benchmarks/conversation.py --shape 1b --batches 1 8 --out "$OUT/conversation.json" 2>&1 | tee "$OUT/conversation.log" | grep -v Warning | tail -8 ;;
   request-stream)  # issue 43: 10 batch-1 requests of 8K-64K, 128 new tokens each, stock static + compile against NOSA, each call against its repeat (about 6 minutes)
-    timeout 570 python benchmarks/request_stream.py --shape 1b --out "$OUT/request_stream.json" 2>&1 | tee "$OUT/request_stream.log" | grep -v Warning | tail -8 ;;
+    timeout "${STREAM_TIMEOUT:-570}" python benchmarks/request_stream.py --shape 1b --methods ${STREAM_METHODS:-static nosa} --out "$OUT/request_stream.json" 2>&1 | tee "$OUT/request_stream.log" | grep -v Warning | tail -8 ;;
   tests)          # the GPU-marked tests, 8 processes (Triton compilation dominates: about 4 minutes in one)
     timeout 560 python -m pytest -q -m gpu tests/ -n 8 -p no:cacheprovider --tb=short > "$OUT/gpu_tests_full.log" 2>&1
     tail -40 "$OUT/gpu_tests_full.log" ;;

@@ -82,7 +82,7 @@ def main(argv=None):
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total))
     model = build_model(args.shape, "cuda", torch.bfloat16)
-    rows = []
+    result = dict(environment(), shape=args.shape, cap_gb=cap, new_tokens=args.new_tokens, rows=[])
     for method in args.methods:
         if method == "nosa":
             torch._dynamo.reset()  # the stock static run's compiled graphs and pools go first
@@ -90,13 +90,13 @@ def main(argv=None):
             torch.cuda.empty_cache()
             to_nosa(model, NosaConfig())
             randomize_eviction_heads(model, scale=0.5, generator=torch.Generator().manual_seed(0))
-        rows.append(run_stream(model, method, lengths, args))
-    result = dict(environment(), shape=args.shape, cap_gb=cap, new_tokens=args.new_tokens, rows=rows)
-    if len(rows) == 2:
-        result["nosa_over_static_total"] = rows[1]["total_s"] / rows[0]["total_s"]
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        result["rows"].append(run_stream(model, method, lengths, args))
+        rows = result["rows"]
+        if len(rows) == 2:
+            result["nosa_over_static_total"] = rows[1]["total_s"] / rows[0]["total_s"]
+        if args.out:  # after every method: a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
     return result
 
 
