@@ -13,7 +13,9 @@ keeps all of that and changes the cache at its narrowest points:
   activations of reading it back (``PagedAttentionMemoryHandler``), which NOSA never does; given ``ledger_tokens``,
   the ledger is made to hold that many tokens (what the host budget admits), so it never starves a request the host
   budget took (transformers would then offload or re-prefill it). Without it, the ledger holds what transformers
-  sized (``num_blocks``; before 5.25 its set-up allocates that much device K/V for a moment).
+  sized (``num_blocks``; before 5.25 its set-up allocates that much device K/V for a moment). Under tensor
+  parallelism the ranks agree on the smallest ledger and serving budget of the group, so they admit and schedule
+  alike.
 - ``can_store_request_tokens``: a request is admitted when its host store and device working set fit the serving
   budget (``RequestCaches.admit``), then the ledger is asked as before.
 - ``extend_read_and_write_indices``: records the step's plan ``(request_id, past_length, query_length)`` in batch
@@ -87,7 +89,23 @@ class NosaPagedCache(PagedAttentionCache):
     def __init__(self, *args, requests: RequestCaches, ledger_tokens: int | None = None, **kwargs) -> None:
         self.nosa_requests = requests
         super().__init__(*args, **kwargs)
-        self._nosa_ledger(self.max_tokens_read if ledger_tokens is None else ledger_tokens)
+        tokens = self.max_tokens_read if ledger_tokens is None else ledger_tokens
+        helper = kwargs.get("distributed_helper")
+        if helper is not None and helper.tp_size > 1:
+            tokens = self._agree_across_ranks(helper, tokens)
+        self._nosa_ledger(tokens)
+
+    def _agree_across_ranks(self, helper, tokens: int) -> int:
+        """Under tensor parallelism every rank schedules the same batches on its own cache: the group takes the
+        smallest host budget, device budget and ledger of its ranks (each read its own host and device)."""
+        unset = 1 << 62
+        budget = self.nosa_requests.budget
+        agreed = torch.tensor([budget.host_bytes or unset, budget.device_bytes or unset, tokens], dtype=torch.int64,
+                              device=self.device)
+        host, device_bytes, tokens = (int(x) for x in helper.tp_all_reduce_min(agreed).tolist())
+        self.nosa_requests.budget = type(budget)(host_bytes=host if host < unset else None,
+                                                 device_bytes=device_bytes if device_bytes < unset else None)
+        return tokens
 
     def _nosa_ledger(self, tokens: int) -> None:
         """Ledger allocators for every layer group, and a (nominal) paged tensor and pool holding ``tokens`` tokens;
