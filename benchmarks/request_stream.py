@@ -40,15 +40,35 @@ def one_call(model, length, new_tokens, method, max_cache_len, seed) -> float:
         kwargs.update(cache_implementation="static", cache_config={"max_cache_len": max_cache_len})
     else:
         kwargs.update(cache_implementation="nosa")
+    before = _counters(model)
     torch.cuda.synchronize()
     start = time.perf_counter()
     model.generate(**kwargs)
     torch.cuda.synchronize()
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    after = _counters(model)
+    WHY.append({k: after[k] - before[k] if isinstance(after[k], int) else after[k][len(before[k]):]
+                for k in after})
+    return seconds
+
+
+WHY: list[dict] = []  # per call: what it compiled, captured and pinned (the causes of a warm-up)
+
+
+def _counters(model) -> dict:
+    """Kernel variants compiled so far, decode graphs captured (and why recaptured), pinned host pool bytes."""
+    from hf_nosa.kernels.cuda_graph import compiled_kernel_variants
+    from hf_nosa.workspace import workspace_of
+
+    workspace = workspace_of(model)
+    graph = workspace.decode_graph
+    return dict(kernel_variants=compiled_kernel_variants(), graph_captures=graph.captures if graph else 0,
+                recaptures=list(graph.recaptures) if graph else [], host_pool_bytes=workspace.host_bytes())
 
 
 def run_stream(model, method, lengths, args) -> dict:
     max_cache_len = max(lengths) + args.new_tokens
+    WHY.clear()
     first = one_call(model, lengths[0], args.new_tokens, method, max_cache_len, seed=0)
     passes = []
     for _ in range(2):
@@ -57,9 +77,10 @@ def run_stream(model, method, lengths, args) -> dict:
         gc.collect()
     calls, repeats = passes
     ratios = [a / b for a, b in zip(calls, repeats)]
-    row = dict(method=method, first_call_s=first, lengths=lengths[1:], calls_s=calls, repeats_s=repeats,
-               total_s=sum(calls), repeat_total_s=sum(repeats), worst_call_over_repeat=max(ratios),
-               call_over_repeat=ratios)
+    row = dict(method=method, first_length=lengths[0], first_call_s=first, lengths=lengths[1:], calls_s=calls,
+               repeats_s=repeats, total_s=sum(calls), repeat_total_s=sum(repeats), worst_call_over_repeat=max(ratios),
+               call_over_repeat=ratios, first_call_why=WHY[0], calls_why=WHY[1:len(calls) + 1],
+               repeats_why=WHY[len(calls) + 1:])
     print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)}), flush=True)
     return row
 
