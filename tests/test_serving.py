@@ -211,10 +211,23 @@ def test_a_request_too_big_for_the_host_budget_is_refused_and_the_others_finish(
     assert max(len(plan) for plan in plans) == 1  # never two requests admitted at once
 
 
-def test_without_enable_every_request_fails_with_a_message_naming_enable():
-    """transformers' own manager on a NOSA model (hf_nosa.serving.enable not called): a clear error, not an
-    AttributeError from deep inside the attention."""
+def test_a_converted_model_serves_nosa_without_a_call_to_enable():
+    """to_nosa binds init_continuous_batching (what generate_batch and transformers serve start from), importing
+    hf_nosa.serving on first use: generate_batch runs NOSA, each request as generate gives it alone."""
     model = _sparse_model("llama", seed=9)
+    prompts = _prompts((20, 130), seed=9)
+    expected = [_alone(model, p) for p in prompts]
+    out = model.generate_batch(prompts, generation_config=_generation_config(),
+                               continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128))
+    assert [out[f"req_{i}"].error for i in range(2)] == [None, None]
+    assert [out[f"req_{i}"].generated_tokens for i in range(2)] == expected
+
+
+def test_transformers_own_manager_on_a_nosa_model_names_enable():
+    """transformers' own init_continuous_batching (the binding removed): a clear error, not an AttributeError from
+    deep inside the attention."""
+    model = _sparse_model("llama", seed=9)
+    del model.init_continuous_batching  # the binding to_nosa made: transformers' own method again
     out = model.generate_batch(_prompts((20, 30), seed=9), generation_config=_generation_config(),
                                continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128,
                                                                                    num_blocks=16))

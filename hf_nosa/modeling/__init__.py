@@ -80,6 +80,19 @@ def convert_layers(model: nn.Module, cfg: NosaConfig, *, allow_meta: bool = Fals
     fuse_modules(model, binding.FUSED_CLASSES)
     model.config.nosa = cfg.to_dict()
     install_forward(model)  # chunked prefill and graph-replayed decode with a NosaCache (modeling/chunked.py)
+    if "init_continuous_batching" not in model.__dict__:  # hf_nosa.serving.enable (or the user's) already bound it
+        model.init_continuous_batching = types.MethodType(_init_continuous_batching, model)
+
+
+def _init_continuous_batching(model, *args, **kwargs):
+    """transformers' continuous batching of a NOSA model (``generate_batch``, ``init_continuous_batching``, the
+    manager ``transformers serve`` drives) runs NOSA (``hf_nosa.serving``) without a call of the user's: bound at
+    conversion, importing the serving package (and checking the transformers version it needs) on first use."""
+    from .. import serving
+
+    serving.check_transformers_version()
+    serving.enable(model)  # rebinds init_continuous_batching to the serving manager's, with the default budget
+    return model.init_continuous_batching(*args, **kwargs)
 
 
 def to_nosa(model: nn.Module, nosa_config: NosaConfig | None = None) -> nn.Module:
