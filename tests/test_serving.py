@@ -301,3 +301,12 @@ def model_host_bytes(model, tokens):
 
     return RequestCaches(model.config, dtype=model.dtype).host_bytes(tokens)
 
+
+
+def test_non_finite_eviction_heads_are_refused_when_serving_starts():
+    model = _sparse_model("llama", seed=13)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.eviction_head.A[0] = float("nan")
+    with pytest.raises(ValueError, match="layer 1: eviction_head.A holds NaN or inf"):
+        model.generate_batch(_prompts((20,), seed=13), generation_config=_generation_config(),
+                             continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128))

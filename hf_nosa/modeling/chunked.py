@@ -80,6 +80,8 @@ class NosaForward:
             inputs = kwargs.get("inputs_embeds")
         T = inputs.shape[1] if inputs is not None else 0
         if not isinstance(cache, NosaCache):
+            if hasattr(cache, "extend_read_and_write_indices"):  # continuous batching: checked when it starts
+                return self.original(**kwargs)
             if cache is None or T != 1 or cache.get_seq_length() == 0:  # every prompt; decode steps follow one
                 self._check_heads()
             return self.original(**kwargs)

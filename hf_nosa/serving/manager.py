@@ -218,6 +218,9 @@ def init_continuous_batching(model, generation_config: GenerationConfig | None =
                              nosa_config: NosaConfig | None = None) -> NosaBatchingManager:
     """transformers' ``init_continuous_batching`` for a NOSA model: a ``NosaBatchingManager`` (a manager kept by
     ``persistent_manager=True`` is reused, as in transformers)."""
+    from ..modeling import check_eviction_heads
+
+    check_eviction_heads(model)  # once per manager: its steps skip the check the forward makes before every prompt
     cached = getattr(model, "_cached_continuous_batching_manager", None)
     if isinstance(cached, NosaBatchingManager):
         cached.switch_to_cb_friendly_attn(model)  # stop() switched the attention implementation back
