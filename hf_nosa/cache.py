@@ -77,6 +77,7 @@ class NosaLayer(PrefillPaths, DecodePaths, CacheLayerMixin):
         self.previous_chunk: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None  # QUOKA's last chunk
         self.peak_device_tokens = 0
         self.decode_steps = 0
+        self.updates = 0  # updates, fused steps and rewinds so far (``checkpoint``)
         self.warm = False
         self._writer = None
 
@@ -237,6 +238,7 @@ class NosaLayer(PrefillPaths, DecodePaths, CacheLayerMixin):
         self._check_input(key_states, query, bias)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.updates += 1  # what ``restore`` asks: whether anything may have changed since a checkpoint
         scale = scaling if scaling is not None else key_states.shape[-1] ** -0.5
         bias = bias.float()
         Tq = key_states.shape[2]
@@ -333,29 +335,43 @@ class NosaLayer(PrefillPaths, DecodePaths, CacheLayerMixin):
         if self.padded:  # a row cut inside its padding keeps no token
             self._set_offsets(torch.minimum(self.offsets_host, torch.tensor(length)))
         lengths = self.row_lengths()
-        keys, values, bias = self._read_counted(0, int(lengths.max()))
-        self.compressed.rebuild(keys, bias, lengths)
-        self._settle_rows((keys, values, bias, 0))
-        self._step_value = -1  # the device step counter is set again before the next fused step
-        if self.selector is not None:
+        end = int(lengths.max())
+        if self.selector is not None:  # selectors observe a whole sequence at once
+            keys, values, bias = self._read_counted(0, end)
+            self.compressed.rebuild(keys, bias, lengths)
+            self._settle_rows((keys, values, bias, 0))
             self.selector.observe(self, keys, bias, 0)
+        else:
+            # A prefill budget of tokens at a time, as a QUOKA chunk reads them: the device never holds the layer's
+            # whole K/V (rows stored row-relative extend alike; windows past a row's end are never read).
+            P = self.cfg.block_size
+            piece = max(P, self.cfg.prefill_budget_blocks * P)
+            self.compressed.n = 0
+            for lo in range(0, end, piece):
+                k, _, b = self._read_counted(lo, min(end, lo + piece))
+                self.compressed.extend(k, b, lo)
+            self._settle_rows()
+        self._step_value = -1  # the device step counter is set again before the next fused step
+        self.updates += 1
 
     def checkpoint(self) -> tuple | None:
         """What ``restore`` needs to bring this layer back to now (None: not initialized)."""
         if not self.is_initialized:
             return None
-        return (self.seen, self.counters.counts.clone(), self.counters.locality.clone(), self.decode_steps,
-                self.peak_device_tokens)
+        return (self.seen, self.updates, self.counters.counts.clone(), self.counters.locality.clone(),
+                self.decode_steps, self.peak_device_tokens)
 
     def restore(self, saved: tuple | None) -> None:
-        """Back to ``checkpoint()``'s state: the tokens after it dropped, counters as they were."""
+        """Back to ``checkpoint()``'s state: the tokens after it dropped, counters as they were. A layer that no
+        update touched since (the call failed before reaching it) keeps what it holds."""
         if saved is None:
             self.reset()
             return
-        seen, counts, locality, decode_steps, peak = saved
+        seen, updates, counts, locality, decode_steps, peak = saved
         if self.seen < seen:
             raise RuntimeError(f"layer {self.layer_idx} holds {self.seen} tokens, fewer than the {seen} to restore")
-        self.rewind(seen)
+        if self.updates != updates or self.seen != seen:
+            self.rewind(seen)
         self.counters.counts.copy_(counts)
         self.counters.locality.copy_(locality)
         self.decode_steps, self.peak_device_tokens = decode_steps, peak

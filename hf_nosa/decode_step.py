@@ -139,6 +139,7 @@ class DecodePaths:
         keys and the slot pool (all sized up front when the cache knows its length), and ``step`` set if the
         cache changed under it."""
         self._wait_writer()
+        self.updates += 1  # a captured step writes the layer's buffers without calling update
         self.host.ensure_capacity(t + 1)
         self._grow_layout(t + 1)
         n = num_windows(t + 1, self.cfg)

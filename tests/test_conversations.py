@@ -395,3 +395,34 @@ def test_a_new_turn_is_cut_on_blocks_with_its_dense_tail_in_one_chunk():
     assert chunk_edges(100, 30, 2048, 64, 64) == [0, 30]
     assert chunk_edges(61439, 4096, 2048, 64, 0) == [0, 1985, 4033, 4096]  # no dense tail: nothing to keep together
     assert chunk_edges(310, 300, 64, 16, 64) == [0, 58, 122, 186, 250, 300]  # 50 tokens left: a block or more
+
+
+def test_restoring_reads_a_prefill_budget_at_a_time_and_only_the_layers_a_call_touched(monkeypatch):
+    """The repair never holds a layer's whole K/V on the device (as a crop does not), and a layer the failed call
+    never reached is left as it is."""
+    from hf_nosa.cache import NosaLayer
+    from hf_nosa.host_store import HostStore
+
+    cfg = small_nosa_config(**SPARSE, prefill="quoka", prefill_chunk_size=64, prefill_budget_tokens=64)
+    model = _model("llama", cfg, seed=4)
+    ids = torch.randint(3, 97, (1, 300), generator=torch.Generator().manual_seed(3))
+    cache = NosaCache(model.config)
+    _greedy(model, ids, 3, past_key_values=cache)
+    reads, rewound = [], []
+    original_read, original_rewind = HostStore.read, NosaLayer.rewind
+    monkeypatch.setattr(HostStore, "read", lambda self, lo, hi, device: reads.append(hi - lo) or
+                        original_read(self, lo, hi, device))
+    monkeypatch.setattr(NosaLayer, "rewind", lambda self, n: rewound.append(self.layer_idx) or original_rewind(self, n))
+    _, handle = _raise_on_call(model, 0, lambda n, i: True)  # before layer 0 stores anything: nothing to repair
+    with pytest.raises(_Boom):
+        _greedy(model, torch.cat([ids, ids], 1), 3, past_key_values=cache)
+    handle.remove()
+    assert rewound == []
+    _, handle = _raise_on_call(model, 1, lambda n, i: True)  # layer 0 stored the turn's first chunk
+    with pytest.raises(_Boom):
+        _greedy(model, torch.cat([ids, ids], 1), 3, past_key_values=cache)
+    handle.remove()
+    assert rewound == [0]
+    assert reads and max(reads) <= cfg.prefill_budget_blocks * cfg.block_size
+    retried, _ = _greedy(model, torch.cat([ids, ids], 1), 3, past_key_values=cache)
+    assert retried.shape == (1, 603)
