@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
 import transformers
 from packaging.version import Version
 from transformers import GenerationMixin
@@ -95,12 +96,22 @@ def _prepare_cache_wrapper(original):
     return _prepare_cache_for_generation
 
 
+def _check_not_empty(input_ids) -> None:
+    """A prompt of no tokens is a ValueError naming it, before any work (transformers fails later, in a reshape)."""
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() >= 1 and input_ids.shape[-1] == 0:
+        raise ValueError(
+            f"input_ids has no tokens (shape {tuple(input_ids.shape)}): a NOSA model needs a prompt of at least one "
+            "token. Check the tokenizer's output for an empty prompt."
+        )
+
+
 def _generate_wrapper(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         if getattr(getattr(self, "config", None), "nosa", None) is not None:
             from .modeling import check_eviction_heads
 
+            _check_not_empty(args[0] if args else kwargs.get("input_ids", kwargs.get("inputs")))
             check_eviction_heads(self)  # every call, even one whose new input is a single token
         cache = next((kwargs[key] for key in _CACHE_KWARGS if isinstance(kwargs.get(key), NosaCache)), None)
         if cache is None:

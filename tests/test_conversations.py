@@ -426,3 +426,15 @@ def test_restoring_reads_a_prefill_budget_at_a_time_and_only_the_layers_a_call_t
     assert reads and max(reads) <= cfg.prefill_budget_blocks * cfg.block_size
     retried, _ = _greedy(model, torch.cat([ids, ids], 1), 3, past_key_values=cache)
     assert retried.shape == (1, 603)
+
+
+@pytest.mark.parametrize("how", ["generate", "nosa generate", "forward"])
+def test_an_empty_prompt_is_a_clear_error(how):
+    model = _model("llama", small_nosa_config(), seed=1)
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    with pytest.raises(ValueError, match="input_ids has no tokens"):
+        if how == "forward":
+            with torch.no_grad():
+                model(input_ids=empty, past_key_values=NosaCache(model.config))
+        else:
+            model.generate(empty, max_new_tokens=3, **({"cache_implementation": "nosa"} if how == "nosa generate" else {}))

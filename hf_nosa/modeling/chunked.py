@@ -79,6 +79,9 @@ class NosaForward:
         if inputs is None:
             inputs = kwargs.get("inputs_embeds")
         T = inputs.shape[1] if inputs is not None else 0
+        if inputs is not None and T == 0:
+            raise ValueError(f"{'input_ids' if kwargs.get('input_ids') is not None else 'inputs_embeds'} has no tokens "
+                             f"(shape {tuple(inputs.shape)}): a NOSA model needs at least one token.")
         if not isinstance(cache, NosaCache):
             if hasattr(cache, "extend_read_and_write_indices"):  # continuous batching: checked when it starts
                 return self.original(**kwargs)
