@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_nosa import NosaCache, to_nosa
-from hf_nosa import prefill as prefill_module
+from hf_nosa import quoka as quoka_module
 from hf_nosa.eval.runner import environment, nosa_layout
 from hf_nosa.eval.tasks import generate_samples
 from hf_nosa.loading import load_causal_lm
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.scoring == "cosine":
-        prefill_module.quoka_score = cosine_scores
+        quoka_module.quoka_score = cosine_scores
     model, tokenizer = load_causal_lm("smollm2")
     lengths = [int(x) for x in args.lengths.split(",")]
     ratios = [int(x) for x in args.ratios.split(",")]

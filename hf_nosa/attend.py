@@ -2,48 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
-
 import torch
 
+from .attention_inputs import AttentionInputs, DenseTail
 from .masks import additive_mask
-
-if TYPE_CHECKING:
-    from .pool_attention import PoolBlocks
-    from .prefix_attention import DenseTail, Prefix
 
 # Query rows per chunk, so that long prefills never hold all logits at once.
 _QUERY_CHUNK = 1024
-
-
-class AttentionInputs(NamedTuple):
-    """What a NOSA cache hands the attention of one layer.
-
-    keys, values: ``[B, Hk, S, D]``; key_bias: ``[B, Hk, S]`` fp32 added to every query's logits (eviction score,
-    padding, empty slots); attn_mask: additive ``[B or 1, 1 or Hk, Tq, S]`` fp32 or None; q_offset: position of
-    the first query among the keys (for causal masking when attn_mask is None); causal: whether to apply it.
-    prefix: keys before these, too many for the device at once, read in pieces (``prefix_attention.Prefix``;
-    every query sees all of them; q_offset and attn_mask then count the keys above only); None: none.
-    blocks: keys before these held in the slot pool once fetched, a part of the batch at a time
-    (``pool_attention.PoolBlocks``; every query sees all of them; q_offset counts the keys above only); None: none.
-    tail: QUOKA's dense tail (``prefix_attention.DenseTail``): row b's queries from ``tail.first_query[b]`` on
-    attend instead to every token before the keys above (``tail.prefix``) and causally to those keys; the
-    others as the fields above say. None: none.
-    chunks: QUOKA's chunks of a prompt that came whole (``whole_prompt``): one ``AttentionInputs`` per run of
-    consecutive queries, in order, each a causal chunk over its own keys (with its blocks, prefix or tail); the
-    fields above then hold the whole prompt's keys. None: none.
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    key_bias: torch.Tensor
-    attn_mask: torch.Tensor | None
-    q_offset: int
-    causal: bool
-    prefix: Prefix | None = None
-    blocks: PoolBlocks | None = None
-    tail: DenseTail | None = None
-    chunks: tuple[AttentionInputs, ...] | None = None
 
 
 def chunk_spans(inputs: AttentionInputs) -> list[tuple[int, int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .attend import AttentionInputs
@@ -12,11 +13,23 @@ from .cache import NosaCache
 from .cache_attention import attend_cache_inputs
 from .config import NosaConfig
 from .dense_attention import biased_attention
+from .kernels.eviction_bias import eviction_scale
 from .masks import additive_mask
-from .selection import eviction_bias
+from .selection import eviction_scores
 from .selection_loss import alignment_enabled, layer_alignment_loss
 from .serving.attention import is_serving_cache, serving_attention
 from .training import nosa_training_attention
+
+
+def eviction_bias(value_flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, A: torch.Tensor):
+    """``selection.eviction_bias`` (``[B, T, Hk * D]`` -> ``[B, Hk, T]`` float32) as the eviction heads run it: where
+    no gradient is wanted (and nothing is being compiled) the scale and softplus are one kernel on CUDA
+    (``kernels.eviction_bias``: one launch where ``selection.eviction_scores`` takes three in every layer and prefill
+    chunk); with a gradient, the torch rule, which reaches ``A`` and ``delta``."""
+    logits = F.linear(value_flat.to(weight.dtype), weight, bias)  # [B, T, Hk]
+    if (torch.is_grad_enabled() and (logits.requires_grad or A.requires_grad)) or torch.compiler.is_compiling():
+        return eviction_scores(logits, A)
+    return eviction_scale(logits, A)
 
 
 class EvictionHead(nn.Module):

@@ -22,28 +22,17 @@ not run: the CPU, and head dims the kernel does not take.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
 
 import torch
 
-from .attend import AttentionInputs
+from .attention_inputs import AttentionInputs, PoolBlocks  # noqa: F401  (PoolBlocks: named here for callers)
 from .dense_attention import biased_attention_joined
 from .kernels.flash_biased import flash_biased, runs_on_kernel
 from .read_ahead import read_ahead
 
 PARTS_ENV_VAR = "HF_NOSA_PREFILL_FETCH_PARTS"
 MIN_ROWS_PER_PART = 4  # a small batch's prefill waits on kernel launches, not PCIe: more parts would only add launches
-
-
-class PoolBlocks(NamedTuple):
-    """Keys before those an ``AttentionInputs`` holds, in the slot pool once fetched: ``fetch(b0, b1)`` returns
-    ``(k, v, b)`` of rows ``b0 .. b1 - 1`` (``[b1 - b0, Hk, S, D]`` twice and ``[b1 - b0, Hk, S]`` fp32), every
-    query seeing all of them; the attention asks for them ``parts`` rows ranges at a time."""
-
-    fetch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    parts: int
 
 
 def fetch_parts(device: torch.device, batch: int) -> int:

@@ -1,4 +1,5 @@
-"""QUOKA chunk selection (design Sec. 4): which earlier blocks one prefill chunk attends to.
+"""QUOKA chunked prefill (design Sec. 4): which earlier blocks one prefill chunk attends to
+(``quoka.quoka_select``), and how the chunk attends to them.
 
 The prompt reaches a NosaCache one chunk of ``prefill_chunk_size`` tokens at a time: ``modeling.chunked`` sends it
 through the whole model chunk by chunk, so every layer finishes chunk i before any layer sees chunk i + 1. For a
@@ -36,14 +37,12 @@ from .kernels.backend import host_to_device
 from .kernels.fetch import SlotPool, fetch_selection
 from .kernels.host_write import host_write
 from .kernels.move_in import move_in
-from .kernels.quoka_choice import quoka_kept_queries
-from .kernels.quoka_score import quoka_score
-from .kernels.quoka_top import quoka_top_blocks
 from .masks import additive_mask, padding_bias
 from .padding import from_rows
 from .pool_attention import PoolBlocks, fetch_parts
 from .prefix_attention import DenseTail, Prefix
-from .selection import MASK_VALUE, nosa_token_mask, windows_before
+from .quoka import quoka_select
+from .selection import MASK_VALUE, nosa_token_mask
 from .whole_prompt import quoka_chunks
 
 _WRITERS: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -80,48 +79,6 @@ def write_to_host(host, start: int, k: torch.Tensor, v: torch.Tensor, b: torch.T
     for t in (k, v, b):
         t.record_stream(writer)
     return writer
-
-
-def quoka_select(layer, query: torch.Tensor, valid: torch.Tensor | None, start: int) -> torch.Tensor:
-    """QUOKA's blocks for one chunk whose queries are the tokens ``start ..``: ``[B, Hk, K]`` (-1 = none).
-
-    Args:
-        layer: a NosaLayer whose compressed keys cover every token before ``start``.
-        query: ``[B, H, T, D]`` the chunk's post-RoPE queries.
-        valid: ``[B, T]`` bool, False for padding (None: no padding).
-
-    Candidates are the complete blocks before the block holding ``start``; K = min(prefill budget, candidates).
-    """
-    cfg = layer.cfg
-    P = cfg.block_size
-    B, _, T, _ = query.shape
-    lo = start // P * P  # the chunk's own keys begin on its first block
-    n_blocks = lo // P
-    budget = min(cfg.prefill_budget_blocks, n_blocks)
-    n_keep = min(T, cfg.quoka_queries)
-    n_windows = windows_before(lo, cfg)  # windows complete before the chunk, counted on the host
-    counts = _counts(layer, max(n_windows, n_keep, layer.compressed.keys.shape[2]), query.device)
-    if budget == 0:
-        return torch.full((B, layer.kv_heads, 0), -1, dtype=torch.long, device=query.device)
-    kept = quoka_kept_queries(query, cfg.quoka_queries, valid)  # [B, H, 1, n, D]
-    if valid is None:
-        n_valid = counts[n_keep : n_keep + 1].expand(B, 1)
-    else:
-        n_valid = valid[:, None].sum(-1, dtype=torch.int32).clamp(max=n_keep)  # [B, 1]
-    compressed = layer.compressed
-    scores = quoka_score(kept, compressed.keys, counts[n_windows : n_windows + 1], n_blocks, cfg, n_valid=n_valid,
-                         compressed_bias=compressed.bias)
-    return quoka_top_blocks(scores, n_blocks, cfg, budget)[:, :, 0]
-
-
-def _counts(layer, upto: int, device: torch.device) -> torch.Tensor:
-    """``0, 1, .., >= upto`` int32 on ``device``, made once per layer (sized by its compressed keys' capacity, so
-    once per generation): a slice of it is a count the kernels read from the device, with no launch, where a
-    ``torch.full`` and a dtype conversion per count took launches in every layer and chunk."""
-    counts = getattr(layer, "_quoka_counts", None)
-    if counts is None or counts.numel() <= upto or counts.device != device:
-        counts = layer._quoka_counts = torch.arange(upto + 1, dtype=torch.int32, device=device)
-    return counts
 
 
 class PrefillPaths:

@@ -28,33 +28,14 @@ so each hides the other where they overlap.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
 
 import torch
 
+from .attention_inputs import DenseTail, Prefix  # noqa: F401  (DenseTail: named here for callers)
 from .dense_attention import bias_columns
 from .kernels.flash_biased import flash_biased, runs_on_kernel
 from .read_ahead import read_ahead
-
-
-class Prefix(NamedTuple):
-    """Keys before those an ``AttentionInputs`` holds: ``read(lo, hi)`` returns ``(k, v, b)`` of prefix tokens
-    ``lo .. hi - 1`` (``[B, Hk, hi - lo, D]`` twice and ``[B, Hk, hi - lo]`` fp32) on the query's device;
-    ``length`` tokens in all, read ``piece_tokens`` at a time."""
-
-    read: Callable[[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    length: int
-    piece_tokens: int
-
-
-class DenseTail(NamedTuple):
-    """QUOKA's dense tail in a prefill chunk: row b's queries ``first_query[b] ..`` (``[B]`` long, on the host;
-    the chunk's length or more: none of the row's) attend to every token of ``prefix`` and causally to the chunk."""
-
-    prefix: Prefix
-    first_query: torch.Tensor
 
 
 def _fused(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

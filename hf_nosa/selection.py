@@ -51,15 +51,10 @@ def eviction_bias(value_flat: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         ``[B, Hk, T]`` float32. A higher score keeps the token's block on the device longer and adds to its
         attention logit.
 
-    Where no gradient is wanted (and nothing is being compiled) the scale and softplus run as one kernel on CUDA
-    (``kernels.eviction_bias``: one launch where ``eviction_scores`` takes three in every layer and prefill chunk).
+    The torch rule; the model's eviction heads run ``attention.eviction_bias``, which takes the same values from one
+    kernel where no gradient is wanted (``kernels.eviction_bias``).
     """
-    logits = F.linear(value_flat.to(weight.dtype), weight, bias)  # [B, T, Hk]
-    if (torch.is_grad_enabled() and (logits.requires_grad or A.requires_grad)) or torch.compiler.is_compiling():
-        return eviction_scores(logits, A)
-    from .kernels.eviction_bias import eviction_scale  # here, not at the top: the kernels import this module
-
-    return eviction_scale(logits, A)
+    return eviction_scores(F.linear(value_flat.to(weight.dtype), weight, bias), A)
 
 
 def eviction_scores(logits: torch.Tensor, A: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ for 0.61 s of GPU work (1b shape, ``benchmarks/results/prefill_breakdown_64k_b1_
 
 When the prompt is small enough to keep its activations on the device (``NosaConfig.prefill_whole_prompt_tokens``),
 it goes through each layer whole, and the layer cuts it into the same chunks (``NosaConfig.prefill_chunk``). Each
-chunk is selected as before (``prefill.quoka_select`` on the layer's compressed keys, which now cover the whole
+chunk is selected as before (``quoka.quoka_select`` on the layer's compressed keys, which now cover the whole
 prompt but are read only up to the chunk), and attends to:
 
 - its QUOKA blocks, gathered from the layer's keys on the device (``gather_blocks``) instead of fetched from the host
@@ -29,6 +29,7 @@ import torch
 from .attend import AttentionInputs
 from .pool_attention import PoolBlocks
 from .prefix_attention import DenseTail, Prefix
+from .quoka import quoka_select
 from .selection import MASK_VALUE
 
 
@@ -67,8 +68,6 @@ def quoka_chunks(layer, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor, b: to
     C = cfg.prefill_chunk(layer.batch)
     layer._store(0, k, v, b)
     layer.peak_device_tokens = max(layer.peak_device_tokens, T)
-    from .prefill import quoka_select  # prefill builds on this module
-
     chunks = []
     for start in range(0, T, C):
         end = min(T, start + C)

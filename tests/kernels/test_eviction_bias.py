@@ -1,5 +1,5 @@
 """The eviction head's scale-and-softplus kernel against its torch reference (``selection.eviction_scores``), and
-``selection.eviction_bias``'s choice between them (the kernel only where no gradient is wanted).
+``attention.eviction_bias``'s choice between them (the kernel only where no gradient is wanted).
 
 CPU cases run the kernel in the Triton interpreter (``TRITON_INTERPRET=1``, set per test); the ``gpu`` case runs the
 compiled kernel.
@@ -10,7 +10,9 @@ import importlib
 import pytest
 import torch
 
-from hf_nosa.selection import eviction_bias, eviction_scores
+from hf_nosa import selection
+from hf_nosa.attention import eviction_bias
+from hf_nosa.selection import eviction_scores
 
 eviction_module = importlib.import_module("hf_nosa.kernels.eviction_bias")
 
@@ -52,6 +54,8 @@ def test_eviction_bias_takes_the_kernel_only_without_gradients(interpret):
         fused = eviction_bias(value, delta.weight, delta.bias, A)
     assert fused.is_contiguous() and not scores.is_contiguous()  # the kernel's layout, the torch form's view
     torch.testing.assert_close(fused, scores.detach(), atol=0, rtol=2e-6)
+    torch.testing.assert_close(selection.eviction_bias(value, delta.weight, delta.bias, A).detach(), scores.detach(),
+                               atol=0, rtol=0)  # the rule in selection.py: the same values, in torch
 
 
 def test_bad_shapes_are_value_errors():
