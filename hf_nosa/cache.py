@@ -443,6 +443,7 @@ class NosaCache(Cache):
         self.state = CacheState(max_cache_len)
         self.workspace_lost = False
         self.broken: str | None = None  # why the cache cannot be used (a failed call it could not be restored from)
+        self.restore_on_error = True  # False for a cache generate built for one call (no one holds it after)
         self._turns = 0  # nesting depth of ``turn()``: only the outermost checkpoints and restores
         text_config = config.get_text_config(decoder=True) if config is not None else None
         n_layers = getattr(text_config, "num_hidden_layers", None)
@@ -502,7 +503,7 @@ class NosaCache(Cache):
         keys and slot pool rebuilt from the host store, counters restored) and the error goes on. Should that repair
         fail too, the cache is marked and every later use raises, saying why, until ``reset()``. Nested turns (the
         forwards of a generate) leave it to the outermost."""
-        if self._turns:
+        if self._turns or not self.restore_on_error:
             self._turns += 1
             try:
                 yield self

@@ -87,6 +87,7 @@ def _prepare_cache_wrapper(original):
         for key in _CACHE_KWARGS:
             if type(model_kwargs.get(key)) is DynamicCache:
                 cache = NosaCache(self.config, nosa_config, max_cache_len=generation_config.max_length)
+                cache.restore_on_error = False  # this call's own: nothing to keep if it raises
                 if self.device.type == "cuda":  # buffers shared across calls keep the captured decode graph valid
                     cache.attach_workspace(workspace_of(self))
                 model_kwargs[key] = cache

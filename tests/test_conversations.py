@@ -438,3 +438,17 @@ def test_an_empty_prompt_is_a_clear_error(how):
                 model(input_ids=empty, past_key_values=NosaCache(model.config))
         else:
             model.generate(empty, max_new_tokens=3, **({"cache_implementation": "nosa"} if how == "nosa generate" else {}))
+
+
+def test_a_cache_generate_built_for_one_call_is_not_restored(monkeypatch):
+    """cache_implementation="nosa" builds a cache no one holds after the call: a failure is not repaired."""
+    from hf_nosa.cache import NosaLayer
+
+    model = _model("llama", small_nosa_config(**SPARSE), seed=4)
+    rewound = []
+    monkeypatch.setattr(NosaLayer, "rewind", lambda self, n: rewound.append(n))
+    _, handle = _raise_on_call(model, 1, lambda n, i: n == 1)
+    with pytest.raises(_Boom):
+        _greedy(model, torch.randint(3, 97, (1, 100)), 4, cache_implementation="nosa")
+    handle.remove()
+    assert rewound == []
