@@ -396,7 +396,7 @@ def parse_args(argv=None):
                         help="NOSA's prefill chunk (default: NosaConfig's); larger chunks re-read QUOKA's budget from "
                         "the host fewer times and hold more activations")
     parser.add_argument("--prefill-batch-tokens", type=int, default=None,
-                        help="NOSA's prefill_batch_tokens (retired: it no longer changes the chunks; kept for old commands)")
+                        help="NOSA's prefill_batch_tokens (retired: it no longer changes the chunks)")
     parser.add_argument("--host-dtype", default=None, choices=("auto", "float8_e4m3fn", "int8"),
                         help="NOSA's host store format (default: NosaConfig's, the model's dtype)")
     parser.add_argument("--repeats", type=int, default=1,

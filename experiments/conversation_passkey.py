@@ -46,7 +46,10 @@ def run_sample(model, tokenizer, sample, args) -> dict:
     pad = tokenizer.pad_token_id or 0
     cut = sample.prompt.rindex(QUESTION)
     haystack, question = sample.prompt[:cut], sample.prompt[cut:]
-    encode = lambda text, special: tokenizer(text, add_special_tokens=special, return_tensors="pt")["input_ids"]  # noqa: E731
+
+    def encode(text, special):
+        return tokenizer(text, add_special_tokens=special, return_tensors="pt")["input_ids"]
+
     turn1 = encode(haystack, sample.add_special_tokens)
     cache = NosaCache(model.config)
     answered = _greedy(model, turn1, cache, args.answer, pad)

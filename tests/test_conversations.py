@@ -437,7 +437,8 @@ def test_an_empty_prompt_is_a_clear_error(how):
             with torch.no_grad():
                 model(input_ids=empty, past_key_values=NosaCache(model.config))
         else:
-            model.generate(empty, max_new_tokens=3, **({"cache_implementation": "nosa"} if how == "nosa generate" else {}))
+            nosa = {"cache_implementation": "nosa"} if how == "nosa generate" else {}
+            model.generate(empty, max_new_tokens=3, **nosa)
 
 
 def test_a_cache_generate_built_for_one_call_is_not_restored(monkeypatch):

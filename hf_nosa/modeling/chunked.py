@@ -5,9 +5,9 @@ never depends on its batch) goes through the whole model one chunk at a time (ev
 any layer sees chunk i + 1), so device memory holds the weights, the cache's working set and one chunk's
 activations whatever the prompt length; logits are computed only where ``logits_to_keep`` asks. A new QUOKA prompt
 of at most ``prefill_whole_prompt_tokens`` (rows x length) whose activations fit the device's free memory goes
-through each layer whole instead, and the layers cut the same chunks (``whole_prompt``). A prompt that continues a held sequence by more than ``decode_rule_tokens`` (a
-new turn of a conversation) is prefilled the same way from the cache's length; its first chunk ends on a block
-boundary, so the later ones start on blocks as a new prompt's do.
+through each layer whole instead, and the layers cut the same chunks (``whole_prompt``). A prompt that continues a
+held sequence by more than ``decode_rule_tokens`` (a new turn of a conversation) is prefilled the same way from the
+cache's length; its first chunk ends on a block boundary, so the later ones start on blocks as a new prompt's do.
 
 Every call on a NosaCache is one turn (``NosaCache.turn``): one that raises part-way leaves the cache as it was.
 Eviction heads are checked for NaN and inf before every prompt and new turn, whatever the cache.
