@@ -118,6 +118,35 @@ def conversation_row(model, batch, context, answer, turn, device, seed=0) -> dic
     return row
 
 
+def profile_turn(model, batch, context, answer, turn, device, out_prefix, seed=0) -> dict:
+    """The new turn of ``conversation_row`` under torch.profiler: where its time goes (CUDA kernels by total time,
+    host operations by their own time), written to ``out_prefix``-cuda.txt / -cpu.txt; returns the turn's wall time
+    and the GPU's busy time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    first = torch.randint(3, vocab, (batch, context), generator=g).to(device)
+    cache = NosaCache(model.config)
+    out = _generate(model, first, cache, answer)
+    conversation = torch.cat([out, torch.randint(3, vocab, (batch, turn), generator=g).to(device)], 1)
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=False) as prof:
+        t0 = time.perf_counter()
+        _generate(model, conversation, cache, 1)
+        _sync(device)
+        wall = time.perf_counter() - t0
+    averages = prof.key_averages()
+    with open(f"{out_prefix}-cuda.txt", "w") as f:
+        f.write(averages.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+    with open(f"{out_prefix}-cpu.txt", "w") as f:
+        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+    busy = sum(e.self_device_time_total for e in averages if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+    del cache, out
+    gc.collect()
+    return dict(batch=batch, turn_wall_s=wall, gpu_kernel_s=busy)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="1b", help="model shape of benchmarks/batch_plan.py (default: 1b)")
@@ -130,6 +159,8 @@ def main(argv=None):
     parser.add_argument("--cap-gb", type=float, default=None, help="device cap in GB (default: the shape's)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model and sizes on the CPU")
     parser.add_argument("--out", default=None, help="JSON file to write (default: print only)")
+    parser.add_argument("--profile", default=None,
+                        help="also profile one more turn per batch: tables written to PROFILE-b<batch>-{cuda,cpu}.txt")
     args = parser.parse_args(argv)
     if args.smoke:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -159,6 +190,9 @@ def main(argv=None):
                 for i in range(args.repeats)]
         row = dict(runs[-1], runs=runs[:-1]) if len(runs) > 1 else runs[0]
         rows.append(row)
+        if args.profile:
+            row["profile"] = profile_turn(model, batch, args.context, args.answer, args.turn, device,
+                                          f"{args.profile}-b{batch}", seed=args.repeats)
     result = dict(environment(), nosa_config=cfg.to_dict(), shape=args.shape if not args.smoke else "smoke",
                   cap_gb=None if args.smoke else (args.cap_gb or CAP_GB[args.shape]), rows=rows)
     if args.out:

@@ -47,8 +47,9 @@ def one_call(model, length, new_tokens, method, max_cache_len, seed) -> float:
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     after = _counters(model)
-    WHY.append({k: after[k] - before[k] if isinstance(after[k], int) else after[k][len(before[k]):]
-                for k in after})
+    why = {k: after[k] - before[k] if isinstance(after[k], int) else after[k][len(before[k]):] for k in after}
+    why["variant_keys"] = sorted(set(after["variant_keys"]) - set(before["variant_keys"]))
+    WHY.append(why)
     return seconds
 
 
@@ -63,7 +64,24 @@ def _counters(model) -> dict:
     workspace = workspace_of(model)
     graph = workspace.decode_graph
     return dict(kernel_variants=compiled_kernel_variants(), graph_captures=graph.captures if graph else 0,
-                recaptures=list(graph.recaptures) if graph else [], host_pool_bytes=workspace.host_bytes())
+                recaptures=list(graph.recaptures) if graph else [], host_pool_bytes=workspace.host_bytes(),
+                variant_keys=_variant_keys())
+
+
+def _variant_keys() -> list[str]:
+    """``kernel: specialization key`` of every Triton variant this package compiled so far (what a new length
+    specialized on: an argument's divisibility by 16, its being 1, a constexpr), for the calls that compiled one."""
+    keys = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("hf_nosa.kernels.") or module is None:
+            continue
+        for attr, value in vars(module).items():
+            for cache in getattr(value, "device_caches", {}).values():
+                try:
+                    keys.extend(f"{name.rsplit('.', 1)[-1]}.{attr}: {key}" for key in cache[0])
+                except (TypeError, IndexError):
+                    pass
+    return sorted(keys)
 
 
 def run_stream(model, method, lengths, args) -> dict:
