@@ -3,8 +3,8 @@
 Caches are filled with random keys and values at the target context (prefill is not what is measured), then
 the model decodes ``--steps`` tokens one at a time. Reports tok/s and the device memory the KV cache holds.
 
-    PYTHONPATH=. python benchmarks/decode.py --out benchmarks/results
-    python benchmarks/decode.py --smoke          # tiny sizes, CPU
+    python -m benchmarks decode step --out docs/results
+    python -m benchmarks decode step --smoke          # tiny sizes, CPU
 """
 
 from __future__ import annotations

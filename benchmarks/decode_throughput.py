@@ -30,9 +30,9 @@ the measured HBM bandwidth plus PCIe bytes over the measured pinned-copy rate. R
 DIR/decode_throughput.json after every row (``--resume`` skips rows already there) and a plot to
 DIR/decode_throughput.png.
 
-    PYTHONPATH=. python benchmarks/decode_throughput.py --out DIR            # everything (~8 min on an H200)
-    PYTHONPATH=. python benchmarks/decode_throughput.py --quick --out DIR    # 32K and 64K, fewer steps
-    python benchmarks/decode_throughput.py --smoke                           # tiny sizes on CPU
+    python -m benchmarks decode --out DIR          # everything (~8 min on an H200)
+    python -m benchmarks decode --quick --out DIR  # 32K and 64K, fewer steps
+    python -m benchmarks decode --smoke            # tiny sizes on CPU
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from benchmarks.batch_plan import (  # noqa: E402  (SHAPES, CAP_GB, HOST_SHARE: 
     pick_batch, total_steps,
 )
 from benchmarks.environment import environment  # noqa: E402
+from benchmarks.harness import cap_device, pyplot, save_figure, write_json  # noqa: E402
 from benchmarks.profiling import gpu_ms_by_kernel  # noqa: E402
 from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.baselines import QueryOnlySelector  # noqa: E402
@@ -348,19 +349,13 @@ def attempt(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
 
 def save(result, out):
     if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "decode_throughput.json"), "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(os.path.join(out, "decode_throughput.json"), result, indent=2)
 
 
 def plot(result, out):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     shapes = sorted({r["shape"] for r in result["rows"] if "tok_per_s" in r})
-    if not shapes:
+    if plt is None or not shapes:
         return
     fig, axes = plt.subplots(1, len(shapes), figsize=(6 * len(shapes), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
@@ -383,7 +378,7 @@ def plot(result, out):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "decode_throughput.png"), dpi=120)
+    save_figure(fig, os.path.join(out, "decode_throughput.png"), dpi=120)
 
 
 def merge(paths, out):
@@ -413,8 +408,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--host-gb", type=float, default=None,
-                        help=f"host memory (GB) the host-side caches may use (default: {HOST_SHARE:.0%} of what is "
-                        "available when the run starts)")
+                        help=f"host memory (GB) the host-side caches may use (default: {HOST_SHARE * 100:.0f}%% of "
+                        "what is available when the run starts)")
     parser.add_argument("--offload-step-gb", type=float, default=6.0,
                         help="bound the offloaded cache's batch so a step moves at most this much")
     parser.add_argument("--quick", action="store_true", help="32K and 64K only, sdpa only, 8 steps")
@@ -463,8 +458,7 @@ def main(argv=None):
     for shape in args.shapes.split(","):
         cap = CAP_GB[shape] * GB if CAP_GB[shape] else float("inf")
         if device.type == "cuda":
-            total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+            cap_device(cap / GB)
         model = build_model(shape, device, dtype)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         converted = False

@@ -10,8 +10,8 @@ and the converted model with ``A == 0`` (plain sdpa path). One QUOKA chunk's att
 gathered tokens plus the chunk, batch 4): plain sdpa on that shape, the biased attention and the Triton kernel,
 with TFLOP/s. Nothing is downloaded.
 
-    PYTHONPATH=. python benchmarks/dense_attention.py --out benchmarks/results
-    python benchmarks/dense_attention.py --smoke        # tiny sizes on the CPU
+    python -m benchmarks prefill attention --out docs/results
+    python -m benchmarks prefill attention --smoke        # tiny sizes on the CPU
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def prefill_rows(seq_len: int, args, device, dtype) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="folder for dense_attention.json (rewritten after every length)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
@@ -276,7 +276,7 @@ def main() -> int:
     parser.add_argument("--quoka-batch", type=int, default=4, help="batch of the QUOKA chunk rows")
     parser.add_argument("--quoka-chunk", type=int, default=2048, help="queries of the QUOKA chunk rows (budget 4096)")
     parser.add_argument("--quoka-only", action="store_true", help="only the QUOKA chunk rows (no model prefill)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
         dtype, lengths = torch.float32, [int(x) for x in (args.lengths or "256,512").split(",")]

@@ -15,18 +15,23 @@ import hf_nosa
 
 
 def command_line() -> str:
-    """The command that ran, the script named from the repository root, with the output folder written as DIR (it is a path of the machine that ran it) and
-    the ``HF_NOSA_*`` settings of the run in front (they change what runs, e.g. ``HF_NOSA_PREFILL_FETCH_PARTS``;
-    ``HF_NOSA_COMMIT`` only names the code and is left out)."""
+    """The command that ran (``python -m benchmarks <suite> ...``, or a script named from the repository root),
+    with the output folder written as DIR (it is a path of the machine that ran it) and the ``HF_NOSA_*`` settings
+    of the run in front (they change what runs, e.g. ``HF_NOSA_PREFILL_FETCH_PARTS``; ``HF_NOSA_COMMIT`` only names
+    the code and is left out)."""
     args = list(sys.argv)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if args and os.path.abspath(args[0]).startswith(root + os.sep):
-        args[0] = os.path.relpath(os.path.abspath(args[0]), root)  # the script, as the repository names it
+    if args and args[0].startswith("python -m "):
+        launcher = []  # a suite run by python -m benchmarks names its own program (benchmarks/__main__.py)
+    else:
+        launcher = ["PYTHONPATH=. python"]
+        if args and os.path.abspath(args[0]).startswith(root + os.sep):
+            args[0] = os.path.relpath(os.path.abspath(args[0]), root)  # the script, as the repository names it
     for i, arg in enumerate(args[:-1]):
         if arg == "--out":
             args[i + 1] = "DIR"
     settings = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("HF_NOSA_") and k != "HF_NOSA_COMMIT"]
-    return " ".join(settings + ["PYTHONPATH=. python"] + args)
+    return " ".join(settings + launcher + args)
 
 
 def package_version(name: str) -> str:

@@ -10,8 +10,8 @@ fetch >= 90% of the copy.
 (compute) and once with device copies (HBM): the fetch reads host memory from SM threads (UVA), so work that
 shares the SMs may slow it, which is what overlapping a decode step's fetch with its compute would meet.
 
-    PYTHONPATH=. python benchmarks/fetch_bandwidth.py --out DIR [--contention]
-    python benchmarks/fetch_bandwidth.py --smoke      # tiny sizes on CPU (Triton interpreter)
+    python -m benchmarks decode fetch --out DIR [--contention]
+    python -m benchmarks decode fetch --smoke      # tiny sizes on CPU (Triton interpreter)
 """
 
 from __future__ import annotations

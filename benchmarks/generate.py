@@ -15,9 +15,9 @@ reaches 92% of the cap; it steps down by 15% while the device (or pinning) says 
 stopped each method. ``--nosa-batches`` runs NOSA at those batches only (``limit`` "fixed"), no search: the way to
 compare host stores (``--host-dtype``) at the same batch, one run each.
 
-    python benchmarks/generate.py --shape 1b --contexts 32768 65536 --out benchmarks/results/generate.json
-    python benchmarks/generate.py --methods nosa --contexts 65536 --nosa-batches 38 --out bf16_b38.json
-    python benchmarks/generate.py --methods nosa --contexts 65536 --nosa-batches 38 --host-dtype float8_e4m3fn \
+    python -m benchmarks generate --shape 1b --contexts 32768 65536 --out docs/results/generate.json
+    python -m benchmarks generate --methods nosa --contexts 65536 --nosa-batches 38 --out bf16_b38.json
+    python -m benchmarks generate --methods nosa --contexts 65536 --nosa-batches 38 --host-dtype float8_e4m3fn \
         --out fp8_b38.json
 """
 
@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.decode_throughput import CAP_GB, HOST_SHARE, build_model  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
+from benchmarks.harness import cap_device, pyplot, save_figure, write_json  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.decode_parts import decode_parts, stagger_fetches  # noqa: E402
 from hf_nosa.host_store import HostStore, available_host_memory  # noqa: E402
@@ -303,9 +304,7 @@ def fixed_nosa_row(model, batch, context, args):
 
 
 def run(args):
-    cap = args.cap_gb or CAP_GB[args.shape]
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total))
+    cap = cap_device(args.cap_gb or CAP_GB[args.shape])
     model = build_model(args.shape, "cuda", torch.bfloat16)
     rows = []  # also written to the JSON as they come (SAVE)
     stock_batches = {}
@@ -358,14 +357,10 @@ def run(args):
 
 def plot(result: dict, path: str) -> None:
     """Decode and delivered tok/s per method and batch, one panel per context (log scale)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     measured = [r for r in result["rows"] if "decode_tok_s" in r]  # not the rows of a batch that did not fit
     contexts = sorted({r["context"] for r in measured})
-    if not contexts:
+    if plt is None or not contexts:
         return
     fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4), squeeze=False)
     for ax, context in zip(axes[0], contexts):
@@ -380,7 +375,7 @@ def plot(result: dict, path: str) -> None:
     fig.suptitle(f"model.generate, {result['shape']} shape, {result['cap_gb']:g} GB device cap: {result['gpu']}, "
                  f"torch {result['torch']}, transformers {result['transformers']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def parse_args(argv=None):
@@ -428,8 +423,7 @@ def main(argv=None):
 
     def save(row):
         result["rows"].append(row)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
 
     global SAVE
     SAVE = save

@@ -13,7 +13,7 @@ For each op at the 1b shape's sizes (hidden 2048, MLP 8192, 32 query / 8 KV head
 The stock side is the kernels' torch references (transformers' own lines, checked against transformers' modules in
 ``tests/kernels/``). Needs CUDA.
 
-    PYTHONPATH=. python benchmarks/layer_kernels.py --out DIR
+    python -m benchmarks decode layers --out DIR
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
+from benchmarks.harness import RESULTS  # noqa: E402
 
 norm = importlib.import_module("hf_nosa.kernels.rms_norm")
 rotary = importlib.import_module("hf_nosa.kernels.rotary")
@@ -103,14 +104,14 @@ def compare(a, b) -> tuple[bool, float]:
     return bitwise, max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--decode-rows", type=int, default=42)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    args = parser.parse_args()
+    parser.add_argument("--out", default=str(RESULTS), help="folder for layer_kernels.json (default: docs/results)")
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("layer_kernels.py measures CUDA kernels: no CUDA device here.")
     dtype = getattr(torch, args.dtype)

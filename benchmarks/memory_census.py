@@ -22,15 +22,14 @@ the highest live total, and groups the allocations live at that moment by the in
   streams. ``--kernels triton`` runs the Triton kernels in the interpreter instead (CUDA's allocations, but
   hours at these sizes). Per allocation it also records the prefill chunk and decoder layer it was made in.
 
-    python benchmarks/memory_census.py --device cuda --context 65536 --batch 38 --out DIR/memory_census_64k.json
-    python benchmarks/memory_census.py --device cpu --layers 2 --context 8192 --batch 4 --new-tokens 2 \\
-        --out benchmarks/results/memory_census_cpu.json
+    python -m benchmarks generate memory --device cuda --context 65536 --batch 38 --out DIR/memory_census_64k.json
+    python -m benchmarks generate memory --device cpu --layers 2 --context 8192 --batch 4 --new-tokens 2 \\
+        --out docs/results/memory_census_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -50,6 +49,7 @@ import transformers  # noqa: E402
 import hf_nosa  # noqa: E402
 from benchmarks.batch_plan import CAP_GB, SHAPES  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
+from benchmarks.harness import cap_device, write_json  # noqa: E402
 from hf_nosa import NosaCache  # noqa: E402
 from hf_nosa.pool_attention import PARTS_ENV_VAR, fetch_parts  # noqa: E402
 
@@ -437,9 +437,7 @@ def run_cuda(args) -> dict:
     from hf_nosa import to_nosa
     from hf_nosa.modeling import randomize_eviction_heads
 
-    cap = args.cap_gb or CAP_GB[args.shape]
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total))
+    cap = cap_device(args.cap_gb or CAP_GB[args.shape])
     model = build_model(args.shape, "cuda", torch.bfloat16)
     to_nosa(model, nosa_config(args))
     randomize_eviction_heads(model, scale=0.5, generator=torch.Generator().manual_seed(0))
@@ -532,8 +530,7 @@ def main(argv=None):
     result = dict(environment(), census=run_cuda(args) if args.device == "cuda" else run_cpu(args))
     result["formula_projected"] = projected_formula("1b", args.project_context, args.new_tokens, args.project_batch,
                                                     nosa_config(args))
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
     census = result["census"]
     print(f"peak {census['peak']['peak_gib']:.3f} GiB ({census['peak']['traced_live_mib_per_sequence']:.1f} MiB per "
           f"sequence traced); formula chunk activations {census['formula']['chunk_activations_gib']:.3f} GiB")

@@ -1,7 +1,7 @@
 """How fast pinned host memory is allocated, with torch's default pinned allocator and with its host-register mode.
 
 A NosaCache pins its whole host store up front (78 GiB for 38 sequences of 64K tokens in the 1b shape), and the
-first ``generate`` call at a new shape pays for it: ``first_call_s`` in ``benchmarks/results/generate_64k.json``
+first ``generate`` call at a new shape pays for it: ``first_call_s`` in ``docs/results/2026-12-03_generate_64k.json``
 is 94 s for a warm-up call that stops after 8 tokens, whose prefill alone takes about 45 s. torch allocates pinned memory with ``cudaHostAlloc`` by default; with
 ``PYTORCH_CUDA_ALLOC_CONF=pinned_use_cuda_host_register:True,pinned_num_register_threads:N`` it allocates pageable
 memory and registers it with ``cudaHostRegister`` from N threads. Each setting runs in its own process (the
@@ -9,7 +9,7 @@ setting is read when CUDA starts; ``host_register_16_runtime`` sets it from Pyth
 library could): GB/s for ``--gib`` GiB in chunks of ``--chunk-mib`` MiB (the host store's own
 chunking), the memory touched once after allocation (as the store's first write does).
 
-    PYTHONPATH=. python benchmarks/pinning.py --gib 16 --out DIR
+    python -m benchmarks decode pinning --gib 16 --out DIR
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ def one_run(gib: float, chunk_mib: int, runtime_conf: str | None = None) -> dict
                 pinned=pinned)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=16.0)
     parser.add_argument("--chunk-mib", type=int, default=256)
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # the child process of one setting
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.one is not None:
         runtime_conf = SETTINGS[args.one] if args.one.endswith(RUNTIME) else None
         print(json.dumps(one_run(args.gib, args.chunk_mib, runtime_conf)))

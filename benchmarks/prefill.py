@@ -19,8 +19,8 @@ argmax), after ``--warmup`` untimed runs; the median of ``--repeat`` runs is rep
 ``torch.cuda.max_memory_allocated`` during the run minus what was allocated before it (weights). The JSON holds
 the GPU, versions, command and date; the PNG plots TTFT and peak memory against the prompt length.
 
-    PYTHONPATH=. python benchmarks/prefill.py --out DIR
-    python benchmarks/prefill.py --smoke          # tiny sizes, CPU
+    python -m benchmarks prefill --out DIR
+    python -m benchmarks prefill --smoke          # tiny sizes, CPU
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaFor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
+from benchmarks.harness import pyplot, save_figure, write_json  # noqa: E402
 from benchmarks.profiling import gpu_ms_by_kernel  # noqa: E402
 from benchmarks.decode_throughput import SHAPES  # noqa: E402
 from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
@@ -127,11 +128,9 @@ def kv_bytes_dense(cache) -> int:
 
 
 def plot(result, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     rows = [r for r in result["rows"] if "ttft_s" in r]
     batches = sorted({r["batch"] for r in rows})
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -156,8 +155,7 @@ def plot(result, path):
     model = "tiny Llama (smoke)" if result["smoke"] else "1B-shaped Llama"
     fig.suptitle(f"prefill, {model}, {result['dtype']}, {result['gpu']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None):
@@ -224,9 +222,7 @@ def main(argv=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.out:
-            os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "prefill.json"), "w") as f:
-                json.dump(result, f, indent=2)
+            write_json(os.path.join(args.out, "prefill.json"), result, indent=2)
 
     def run_method(method, context, batch, run, extra):
         ids = prompts[context, batch].to(device)
@@ -296,9 +292,7 @@ def main(argv=None):
                 for row in by.values():
                     row["ttft_over_no_attention"] = row["ttft_s"] / by["no_attention"]["ttft_s"]
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "prefill.json"), "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(os.path.join(args.out, "prefill.json"), result, indent=2)
         plot(result, os.path.join(args.out, "prefill.png"))
     summary = [(r["method"], r["context"], r["batch"], round(r.get("ttft_s", float("nan")), 4),
                 round(r.get("speedup_vs_dense", 1.0), 2)) for r in rows]

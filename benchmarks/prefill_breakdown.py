@@ -20,8 +20,8 @@ it (torch.profiler, CUDA activity only):
   functions with the most self and cumulative time (cProfile's own overhead inflates ``profiled_s``; compare
   shares, not seconds).
 
-    PYTHONPATH=. python benchmarks/prefill_breakdown.py --context 65536 --batch 16 --out DIR
-    python benchmarks/prefill_breakdown.py --smoke       # CPU: the bookkeeping only (no profile)
+    python -m benchmarks prefill breakdown --context 65536 --batch 16 --out DIR
+    python -m benchmarks prefill breakdown --smoke       # CPU: the bookkeeping only (no profile)
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.decode_throughput import CAP_GB, build_model  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
+from benchmarks.harness import cap_device, write_json  # noqa: E402
 from benchmarks.profiling import busy_seconds  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
@@ -170,7 +171,7 @@ def host_syncs(model, batch, context) -> dict[str, int]:
     return dict(Counter(places).most_common())
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="1b", choices=("1b", "8b"))
     parser.add_argument("--context", type=int, default=65536)
@@ -186,15 +187,14 @@ def main():
                         help="also cProfile one prefill (after the timed ones, before the kernel profile)")
     parser.add_argument("--out", default=None, help="folder for prefill_breakdown.json")
     parser.add_argument("--smoke", action="store_true", help="check the bookkeeping on the CPU and exit")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         kernels = [("_fetch_step_kernel", 0.0, 10.0), ("nvjet_sm90_tst", 5.0, 25.0), ("CatArrayBatchedCopy", 30.0, 31.0)]
         print(json.dumps(dict(busy_s=busy_seconds([k[1:] for k in kernels]), by_kind=summarize(kernels)), indent=1))
         return 0
     if not torch.cuda.is_available():
         raise SystemExit("prefill_breakdown.py needs CUDA (use --smoke on the CPU)")
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_GB[args.shape] * 1e9 / total))
+    cap_device(CAP_GB[args.shape])
     model = build_model(args.shape, "cuda", torch.bfloat16)
     overrides = dict(prefill_chunk_size=args.prefill_chunk_size, prefill_batch_tokens=args.prefill_batch_tokens,
                      host_dtype=args.host_dtype)
@@ -243,9 +243,7 @@ def main():
         print(f"{kind:12s} {entry['ms']:10.1f} ms  {entry['launches']:8d} launches  "
               + "; ".join(f"{n[:50]} {ms:.0f}" for n, ms in list(entry["top"].items())[:2]))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "prefill_breakdown.json"), "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(os.path.join(args.out, "prefill_breakdown.json"), result)
     return 0
 
 

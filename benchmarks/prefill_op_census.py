@@ -20,7 +20,7 @@ layer's RMSNorm, rotary and SiLU-product kernels); ``--kernels torch`` counts th
 torch references instead. What CPU runs cannot show: a host-to-device ``.to(device)`` is no op on the CPU; the
 lower-right causal mask is an explicit mask here (``_causal``: a few ops) where CUDA passes a ``CausalBias``.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/prefill_op_census.py --context 6144 --batch 1
+    OMP_NUM_THREADS=1 python -m benchmarks prefill ops --context 6144 --batch 1
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def run(args, batch: int) -> dict:
                 per_chunk=per_chunk, ops_outside_layers_per_chunk=outside)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=6144, help="prompt tokens (> the 4096-token budget)")
     parser.add_argument("--batch", default="1", help="comma list of batch sizes")
@@ -281,9 +281,9 @@ def main():
     parser.add_argument("--kernels", default="triton", choices=("triton", "torch"),
                         help="triton: the CUDA path's code, Triton kernels interpreted (one launch each)")
     parser.add_argument("--top", type=int, default=40)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                                      "prefill_op_census_cpu.json"))
-    args = parser.parse_args()
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                      "docs", "results", "prefill_op_census_cpu.json"))
+    args = parser.parse_args(argv)
     os.environ["HF_NOSA_KERNELS"] = args.kernels
     if args.kernels == "triton":
         os.environ["TRITON_INTERPRET"] = "1"

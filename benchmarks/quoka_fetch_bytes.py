@@ -7,8 +7,8 @@ the 1b shape's attention layout (32 query / 8 KV heads of 64, NosaConfig default
 eviction heads, as in ``benchmarks/generate.py``. Selection depends on the weights, so the numbers describe this
 random model, not a trained one.
 
-    python benchmarks/quoka_fetch_bytes.py --context 16384 --chunks 512,2048            # CPU, about a minute a row
-    python benchmarks/quoka_fetch_bytes.py --context 4096 --chunks 512 --hidden 256     # smaller
+    python -m benchmarks prefill fetch-bytes --context 16384 --chunks 512,2048         # CPU, about a minute a row
+    python -m benchmarks prefill fetch-bytes --context 4096 --chunks 512 --hidden 256  # smaller
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def measure(context: int, chunk: int, layers: int, hidden: int, move_in: bool, d
                 budget_blocks=model.config.nosa["budget_tokens"] // model.config.nosa["block_size"], seconds=seconds)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--chunks", default="512", help="comma list of prefill chunk sizes")
@@ -67,7 +67,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=2048, help="hidden size (the 1b shape's: 2048)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default=None, help="JSON file for the rows")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rows = []
     for chunk in (int(c) for c in args.chunks.split(",")):
         for move_in in (False, True):

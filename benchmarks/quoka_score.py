@@ -6,7 +6,7 @@ head, windows of 32 every 16 tokens). A chunk at position t scores the blocks be
 it, so the prompt's total grows with the square of its length; the last chunk's call is timed and the prompt's sum
 estimated as chunks x the mean of the first and last call (the work is linear in t).
 
-    python benchmarks/quoka_score.py --contexts 32768 65536 --batches 1 38 --out benchmarks/results/quoka_score.json
+    python -m benchmarks prefill score --contexts 32768 65536 --batches 1 38 --out docs/results/quoka_score.json
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ def call_ms(cfg, batch, position, capacity, repeat=20):
     return start.elapsed_time(end) / repeat
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 65536])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 38])
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cfg = NosaConfig()
     rows = []
     for context in args.contexts:

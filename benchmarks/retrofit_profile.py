@@ -2,7 +2,7 @@
 backward) on a random model of SmolLM2-135M's shape, by variant and by kernel.
 
 The GPU retrofit of SmolLM2 ran at 10.8K tokens/s (6 s per 8-sequence step), about what the 16x larger 1b shape
-reaches (benchmarks/results/train_step_16k_first.json): time that does not scale with the model. Variants, each built the way
+reaches (docs/results/2026-11-30_train_step_16k_first.json): time that does not scale with the model. Variants, each built the way
 ``hf-nosa retrofit`` builds it (``retrofit._build_model``: to_nosa, fp32 eviction heads, PEFT LoRA; bf16 autocast):
 
 - ``dense``: the same LoRA model without NOSA (stock sdpa attention);
@@ -15,11 +15,11 @@ Wall time well above GPU busy time means the step waits on the host (launches, s
 sequences per micro-step (``--batches 1,4``: the same tokens per optimizer step in fewer, larger micro-steps)
 spread the same launches over more tokens.
 
-``benchmarks/results/retrofit_profile.json`` (H200) also has NOSA rows with ``bias_grad="value_column"``: an
+``docs/results/2026-12-02_retrofit_profile.json`` (H200) also has NOSA rows with ``bias_grad="value_column"``: an
 eviction-bias gradient taken from the value gradient, slower than the default and since removed (docs/results.md).
 
-    PYTHONPATH=. python benchmarks/retrofit_profile.py --batches 1,4 --out benchmarks/results
-    python benchmarks/retrofit_profile.py --smoke      # tiny sizes on the CPU
+    python -m benchmarks train retrofit --batches 1,4 --out docs/results
+    python -m benchmarks train retrofit --smoke      # tiny sizes on the CPU
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def run_variant(variant, batch, args, recipe, shape, device, dtype) -> dict:
     return row
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="folder for retrofit_profile.json")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
@@ -147,7 +147,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed micro-steps per variant")
     parser.add_argument("--warmup", type=int, default=1, help="untimed micro-steps per variant")
     parser.add_argument("--top", type=int, default=15, help="kernels listed per variant")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     variants = args.variants.split(",")
     bad = [v for v in variants if v not in VARIANTS]
     if bad:

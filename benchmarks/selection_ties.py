@@ -6,12 +6,13 @@ maximum), the first layer's inputs are captured from a training forward; then it
 reference's exact ties between neighbouring blocks the kernel keeps. A broken tie makes the training path select
 another block than decoding, whose choice breaks the tie by index.
 
-    PYTHONPATH=. python benchmarks/selection_ties.py                      # on a GPU
-    PYTHONPATH=. TRITON_INTERPRET=1 python benchmarks/selection_ties.py   # the same kernels interpreted, on the CPU
+    python -m benchmarks train ties                     # on a GPU
+    TRITON_INTERPRET=1 python -m benchmarks train ties  # the same kernels interpreted, on the CPU
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -25,7 +26,8 @@ from hf_nosa.selection import compress_keys, pool_windows_to_blocks, query_block
 from tests.test_training import _sparse_model  # noqa: E402
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     calls = []
     original = training.selected_block_indices

@@ -8,7 +8,7 @@ here times the whole selection of one layer (every query chunk, as the step runs
 (``train_step._inputs``), and counts the tokens whose blocks differ from the default configuration's (the block
 scores' summation order follows the tiles, so a near-tie may resolve differently). Weights are random; CUDA only.
 
-    PYTHONPATH=. python benchmarks/selection_tiles.py --out benchmarks/results
+    python -m benchmarks train tiles --out docs/results
 """
 
 from __future__ import annotations
@@ -79,14 +79,14 @@ def sweep(kind, q, k, bias, cfg, scale, runs, repeats, *, layers, timer=time_ms)
         train_select.CHOICE_WARP_SCORES = saved[1]
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for selection_tiles.json (rewritten after every row)")
     parser.add_argument("--length", type=int, default=65536, help="tokens of the sequence (default 65536)")
     parser.add_argument("--inputs", default="iid,smooth", help="comma-separated among iid, smooth")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--full", action="store_true", help="every combination of the block-score tile values")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("selection_tiles.py times CUDA kernels: it needs a GPU")
     kinds = args.inputs.split(",")

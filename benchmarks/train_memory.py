@@ -10,8 +10,8 @@ and the frames it failed in, beside the events that ran before. The allocator ru
 segments, ``hf_nosa/allocator.py``) unless ``PYTORCH_ALLOC_CONF`` says otherwise; each event records the memory
 reserved and the part of it stranded inside segments that also hold live tensors (``inactive_split_gb``).
 
-    PYTHONPATH=. python benchmarks/train_memory.py --shape 8b --length 65536 --out benchmarks/results
-    python benchmarks/train_memory.py --smoke        # tiny sizes on the CPU (no memory numbers)
+    python -m benchmarks train memory --shape 8b --length 65536 --out docs/results
+    python -m benchmarks train memory --smoke        # tiny sizes on the CPU (no memory numbers)
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def measure(mode: str, shape: dict, cfg: NosaConfig, recipe: dict, seq_len: int,
     return row
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="1b", choices=sorted(SHAPES), help="model shape (default 1b)")
     parser.add_argument("--length", type=int, default=65536, help="sequence length (default 65536)")
@@ -125,7 +125,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     parser.add_argument("--out", default=None, help="folder for train_memory_<shape>_<length>[_<tag>].json")
     parser.add_argument("--tag", default="", help="suffix of the file name (e.g. the allocator setting tried)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     modes = args.modes.split(",")
     if args.steps < 1:
         parser.error(f"--steps {args.steps} is invalid: it must be at least 1")

@@ -14,9 +14,9 @@ selections visits, for 128x128 tiles and, as a what-if, 64-key tiles. Weights ar
 Every length and shape runs in one command; a run that does not fit the device is recorded as ``oom`` with the
 allocator's message, one that fails as ``error``.
 
-    PYTHONPATH=. python benchmarks/train_step.py --out benchmarks/results            # 1b at 16K, 32K, 64K
-    PYTHONPATH=. python benchmarks/train_step.py --shapes 1b,8b --out benchmarks/results
-    python benchmarks/train_step.py --smoke        # tiny sizes, CPU, explicit-mask backend
+    python -m benchmarks train --out docs/results            # 1b at 16K, 32K, 64K
+    python -m benchmarks train --shapes 1b,8b --out docs/results
+    python -m benchmarks train --smoke        # tiny sizes, CPU, explicit-mask backend
 """
 
 from __future__ import annotations
@@ -313,7 +313,7 @@ def _targets(results: list[dict], shape: str, lengths: list[int]) -> dict:
     return measured
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="folder for train_step.json (rewritten after every length)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
@@ -328,7 +328,7 @@ def main() -> int:
                         help="query rows per shared tile of the sparse backend (default: TILE_ROWS, 128)")
     parser.add_argument("--backends", default="flex,sparse",
                         help="NOSA training backends timed on CUDA, model steps and attention (flex, sparse)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     shapes = args.shapes.split(",")

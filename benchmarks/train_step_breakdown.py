@@ -7,7 +7,7 @@ hf_nosa / transformers line that made them (the allocator's history, replayed as
 one layer's sparse attention (forward + backward, iid queries) by kernel, for each shared / extras tile size of
 ``--tiles``.
 
-    PYTHONPATH=. python benchmarks/train_step_breakdown.py --lengths 32768 --out benchmarks/results
+    python -m benchmarks train breakdown --lengths 32768 --out docs/results
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def attention_breakdown(seq_len: int, args, shape, cfg) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="folder for train_step_breakdown.json")
     parser.add_argument("--lengths", default="32768", help="comma-separated sequence lengths (default 32768)")
@@ -158,7 +158,7 @@ def main() -> int:
     parser.add_argument("--sites", type=int, default=0,
                         help="also profile one step with Python stacks and report this many (torch op, calling "
                              "function) pairs by GPU time (0: none)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("train_step_breakdown.py profiles CUDA kernels: it needs a GPU")
     shape, recipe_name = SHAPES["1b"]

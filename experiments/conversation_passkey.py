@@ -13,7 +13,7 @@ Per pass-key sample (``hf_nosa.eval.generate_samples("passkey")``, RULER protoco
 - "original": the sample's own prompt (haystack + question) on a fresh cache.
 
     PYTHONPATH=. python experiments/conversation_passkey.py --length 7936 --filler 200 --samples 15 \
-        --out benchmarks/results/conversation_passkey.json
+        --out docs/results/conversation_passkey.json
 
 At 7936 tokens the whole conversation (turn 1, its answer, turn 2) stays within SmolLM2's 8192 positions.
 """
