@@ -40,6 +40,9 @@ from .selection import MASK_VALUE
 from .selectors import BlockSelector
 
 logger = logging.getLogger(__name__)
+# Buffers with a capacity dimension: from a workspace they may come larger (``DeviceWorkspace.take``'s ``grow``),
+# so requests up to the longest so far share one buffer and the decode graph captured on it.
+_CAPACITY_DIM = {"compressed_keys": 2, "compressed_bias": 2, "host_table": 1}
 
 
 class CacheState:
@@ -125,7 +128,7 @@ class NosaLayer(PrefillPaths, DecodePaths, CacheLayerMixin):
         workspace = self.state.workspace
         if workspace is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
-        return workspace.take((self.layer_idx, name), shape, dtype, self.device)
+        return workspace.take((self.layer_idx, name), shape, dtype, self.device, grow=_CAPACITY_DIM.get(name))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, Hk, T, D = key_states.shape

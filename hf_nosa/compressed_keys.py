@@ -54,6 +54,7 @@ class CompressedKeys:
         capacity = window_capacity_for(num_windows(tokens, cfg))
         self.keys = self._allocate("compressed_keys", (B, Hk, capacity, D), like_k.dtype, like_k.device).zero_()
         self.bias = self._allocate("compressed_bias", (B, Hk, capacity), torch.float32, like_k.device).zero_()
+        self._match_capacities()
         self.ring_k = self._allocate("ring_k", (B, Hk, cfg.compress_kernel, D), like_k.dtype, like_k.device).zero_()
         self.ring_b = self._allocate("ring_b", (B, Hk, cfg.compress_kernel), torch.float32, like_k.device).zero_()
         self.n = 0
@@ -68,6 +69,13 @@ class CompressedKeys:
         keys.zero_()[:, :, : self.n] = self.keys[:, :, : self.n]
         bias.zero_()[:, :, : self.n] = self.bias[:, :, : self.n]
         self.keys, self.bias = keys, bias
+        self._match_capacities()
+
+    def _match_capacities(self) -> None:
+        """A workspace may hand out larger buffers than asked (``DeviceWorkspace.take``'s ``grow``); keys and bias
+        keep one capacity, the smaller of the two (a view)."""
+        capacity = min(self.keys.shape[2], self.bias.shape[2])
+        self.keys, self.bias = self.keys[:, :, :capacity], self.bias[:, :, :capacity]
 
     def rebuild(self, keys: torch.Tensor, bias: torch.Tensor, lengths: torch.Tensor | None = None) -> None:
         """From the full ``keys [B, Hk, T, D]`` and ``bias [B, Hk, T]`` of the sequence.

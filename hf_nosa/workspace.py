@@ -33,17 +33,27 @@ class DeviceWorkspace:
         self.decode_graph = None
         self._owner: weakref.ref | None = None
 
-    def take(self, key: tuple, shape: tuple, dtype: torch.dtype, device, *, pin: bool = False) -> torch.Tensor:
+    def take(self, key: tuple, shape: tuple, dtype: torch.dtype, device, *, pin: bool = False,
+             grow: int | None = None) -> torch.Tensor:
         """The buffer stored under ``key`` if it matches, else a new one (kept for the next cache). Not cleared.
 
         ``pin`` asks for pinned host memory (``device`` "cpu"). Host buffers come from the grow-only pool (see the
         class docstring): a view of ``key``'s flat buffer, regrown to ``HOST_GROWTH`` times its size when too small.
+        ``grow``: a dimension the caller takes as a capacity (the compressed keys' windows, a block table's
+        blocks): a stored buffer at least as large there is returned whole, so after the longest request a shorter
+        one finds the same buffer, and a decode graph captured on it replays (``kernels.cuda_graph``).
         """
         shape = tuple(int(s) for s in shape)
         device = torch.device(device)
         if device.type == "cpu":
             return self._take_host(key, shape, dtype, pin)
         found = self.buffers.get(key)
+        if grow is not None and found is not None and found.dim() == len(shape):
+            found_shape = list(found.shape)
+            if found_shape[grow] >= shape[grow]:
+                found_shape[grow] = shape[grow]
+                if tuple(found_shape) == shape:
+                    shape = tuple(found.shape)
         if (found is None or tuple(found.shape) != shape or found.dtype != dtype or found.device != device
                 or found.is_pinned() != pin):
             self.buffers.pop(key, None)  # free the old buffer before allocating its replacement

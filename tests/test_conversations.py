@@ -384,6 +384,36 @@ def test_a_sparse_turn_on_the_gpu_equals_the_cpu_and_survives_a_failed_decode(mo
     torch.testing.assert_close(retried_logits.cpu(), results["cuda"][1], atol=1e-3, rtol=1e-3)
 
 
+@_gpu
+def test_a_stream_of_new_lengths_compiles_and_captures_nothing_after_the_longest(monkeypatch):
+    """No warm-up per shape: after a first request (the longest) and a second, requests of other lengths (not
+    multiples of 16, shorter, longer by a few tokens) compile no Triton variant and capture no decode graph: lengths
+    are not specialized on, the workspace's capacity buffers only grow, graphs are kept by key. Tokens equal a
+    fresh model's."""
+    from hf_nosa.kernels.cuda_graph import compiled_kernel_variants
+    from hf_nosa.workspace import workspace_of
+
+    monkeypatch.delenv("HF_NOSA_KERNELS", raising=False)
+    cfg = small_nosa_config(**SPARSE, prefill="quoka", prefill_chunk_size=128, prefill_budget_tokens=64)
+
+    def run(model, length):
+        ids = torch.randint(3, 97, (1, length), generator=torch.Generator().manual_seed(length)).cuda()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                             min_new_tokens=6, do_sample=False, cache_implementation="nosa")
+        return out[:, length:]
+
+    model = _model("llama", cfg, seed=5).cuda()
+    run(model, 1000)
+    run(model, 517)
+    variants, graph = compiled_kernel_variants(), workspace_of(model).decode_graph
+    captures = graph.captures
+    answers = {length: run(model, length) for length in (150, 333, 1003, 771)}
+    assert compiled_kernel_variants() == variants
+    assert graph.captures == captures, graph.recaptures
+    for length in (333, 1003):
+        assert torch.equal(answers[length], run(_model("llama", cfg, seed=5).cuda(), length))
+
+
 def test_a_new_turn_is_cut_on_blocks_with_its_dense_tail_in_one_chunk():
     from hf_nosa.modeling.chunked import chunk_edges
 

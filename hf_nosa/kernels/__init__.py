@@ -2,6 +2,12 @@
 
 Dispatch: Triton on CUDA tensors, the torch reference on CPU tensors; ``HF_NOSA_KERNELS=torch|triton`` forces one
 (``backend.py``). Each module: the ``@triton.jit`` kernel(s), a launcher, the torch reference, the public function.
+
+Lengths are not specialized on: Triton compiles a variant of a kernel for every integer argument's being 1 or a
+multiple of 16, so a prompt of a new length (a chunk's token count, a position, a store's capacity, a bias row's
+stride) would compile new variants in the middle of a request. Those arguments are listed in each kernel's
+``do_not_specialize``, so the first call of any length compiles every variant a later one needs; the head
+dimension, block size and tile sizes stay ``tl.constexpr``.
 """
 
 from .block_scores import NewToken, append_token, block_select

@@ -23,7 +23,7 @@ from .backend import HAS_TRITON, interpreting, kernel_path, launcher, next_power
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S", "tiles_per_chunk", "stride_bb", "stride_bh"])
     def _chunk_attention_kernel(
         q_ptr, k_ptr, v_ptr, bias_ptr, index_ptr, rows_ptr, shift_ptr, out_ptr,
         stride_qb, stride_qh, stride_qt, stride_qd,

@@ -20,7 +20,7 @@ from .backend import HAS_TRITON, launcher, next_power_of_2, on_device, tl, trito
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["start", "T", "n_old", "n_new", "stride_bb", "stride_bh"])
     def _extend_kernel(
         k_ptr, b_ptr, rk_ptr, rb_ptr, ok_ptr, ob_ptr,
         stride_kb, stride_kh, stride_kt, stride_kd,

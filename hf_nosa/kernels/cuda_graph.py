@@ -6,9 +6,11 @@ device-kernel decode path is, however, free of host syncs and reads the token in
 whole model forward of one decode token can be captured by hand and replayed, with the cache's Python bookkeeping
 run around each replay. ``DecodeGraph`` does that; ``greedy_decode`` is a small generation loop on top.
 
-A graph is (re)captured when a layer's buffers move (the compressed keys grow to the next power of two of
-windows, a beam reorder, a reset) or the batch changes; a step with the same key runs eagerly before a capture,
-so kernels are compiled outside it (the first two steps after a prefill run eagerly). A left-padded batch
+Graphs are kept by key (the batch, every layer's buffer addresses and shapes, whether the step counts locality):
+up to ``MAX_GRAPHS`` of them, the least recently replayed dropped first, so a request whose buffers and shapes
+an earlier one had (the first step after a prefill, or a cache whose compressed keys sit in a workspace buffer of
+the same capacity) replays that graph instead of capturing again. A step of a new key runs eagerly before its
+capture, so kernels are compiled outside it (the first two steps after a prefill run eagerly). A left-padded batch
 replays too: each row's padding length is a device tensor the kernels read (``hf_nosa.padding``). Limits: greedy
 only in ``greedy_decode``; CUDA only. With ``HF_NOSA_DECODE_PARTS`` above 1 the graph holds the batch's parts on
 their own streams, so one part's fetch overlaps another's compute (``hf_nosa.decode_parts``).
@@ -25,6 +27,7 @@ import logging
 import os
 import sys
 import warnings
+from collections import OrderedDict
 from contextvars import ContextVar
 
 import torch
@@ -32,6 +35,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _STOCK_FORWARD: ContextVar[bool] = ContextVar("hf_nosa_stock_forward", default=False)
+# Captured decode graphs a DecodeGraph keeps (each holds its own memory pool: one decode step's activations).
+MAX_GRAPHS = 4
 
 
 class stock_forward:
@@ -68,9 +73,10 @@ class DecodeGraph:
 
     def __init__(self, model, cache):
         self.model, self.cache = model, cache
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None  # the graph of ``key``, the last one replayed
         self.key = None
-        self._eager_key = None
+        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()  # key -> (graph, ids, positions, logits), LRU last
+        self._eager_keys: set = set()  # keys that ran their eager step (kept while their graph may be asked for)
         self.captures = 0
         self.replays = 0
         self.capturing_failed: BaseException | None = None  # set when a capture raised (callers fall back)
@@ -92,15 +98,21 @@ class DecodeGraph:
         for layer in layers:
             layer.prepare_fused_step(t)
         key = (tuple(input_ids.shape), tuple(layer.fused_graph_key() for layer in layers), *self._parts_key(input_ids))
-        if self.graph is None or key != self.key:
+        if key in self.graphs:
+            self.graphs.move_to_end(key)
+            self.graph, self.static_ids, self.static_pos, self.static_logits = self.graphs[key]
+            self.key = key
+        else:
             change = _key_change(self.key, key) if self.key is not None else None
             if change is not None and (not self.recaptures or self.recaptures[-1] != change):
                 self.recaptures.append(change)
-            if key != self._eager_key:
+            if key not in self._eager_keys:
                 # Run a step of this key eagerly first: it compiles every kernel variant the capture will launch
                 # (compiling or loading a module while capturing is not allowed). Host syncs in it are noted: a
                 # sync that is also in the captured step breaks the capture, and the error then names them.
-                self._eager_key = key
+                if len(self._eager_keys) >= 4 * MAX_GRAPHS:
+                    self._eager_keys.clear()
+                self._eager_keys.add(key)
                 with _noting_host_syncs() as self.eager_syncs:
                     return self._forward(input_ids, position_ids)
             self._capture(input_ids, position_ids, key)
@@ -179,6 +191,9 @@ class DecodeGraph:
             raise error
         self.static_logits = out["logits"]
         self.graph, self.key = graph, key
+        self.graphs[key] = (graph, self.static_ids, self.static_pos, self.static_logits)
+        while len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)  # the least recently replayed; its memory pool goes with it
         self.captures += 1
 
 

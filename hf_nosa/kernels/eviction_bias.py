@@ -22,7 +22,7 @@ SOFTPLUS_THRESHOLD = 20.0  # torch.nn.functional.softplus's default
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "stride_xb", "stride_ob", "stride_oh"])
     def _eviction_scale_kernel(
         x_ptr, a_ptr, out_ptr,
         stride_xb, stride_xt, stride_xh, stride_ob, stride_oh, stride_ot,

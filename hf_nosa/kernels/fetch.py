@@ -173,7 +173,7 @@ def count_share(locality: torch.Tensor, resident: torch.Tensor, selected: torch.
 if HAS_TRITON:
     from .fetch_copy import _copy_blocks, _fetch_copy_kernel
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["table_stride", "row0"])
     def _fetch_step_kernel(
         sel_ptr, slot_block_ptr, tail_ptr, slot_k_ptr, slot_v_ptr, slot_b_ptr, table_ptr,
         k_new_ptr, v_new_ptr, b_new_ptr, step_ptr, offset_ptr, counts_ptr, locality_ptr,

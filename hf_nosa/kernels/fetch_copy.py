@@ -59,7 +59,7 @@ if HAS_TRITON:
         tl.store(p_v_slots + slot_off, b_v, mask=m_nd)
         tl.store(p_b_slots + dst[:, None] * stride_b_s + o_p[None, :], b_b, mask=m_n[:, None])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["table_stride", "row0"])
     def _fetch_copy_kernel(
         copy_blk_ptr, copy_dst_ptr, n_copy_ptr, slot_k_ptr, slot_v_ptr, slot_b_ptr, table_ptr,
         stride_k_b, stride_k_h, stride_k_s, stride_v_b, stride_v_h, stride_v_s, stride_b_b, stride_b_h, stride_b_s,

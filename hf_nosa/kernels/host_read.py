@@ -22,7 +22,7 @@ from .host_format import cast_rtne, dequantize
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["start", "end", "first_block", "table_stride"])
     def _read_span_kernel(
         table_ptr, tail_block_ptr, k_out_ptr, v_out_ptr, b_out_ptr,
         start, end, first_block, table_stride,

@@ -48,7 +48,7 @@ def write_programs() -> int:
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["start", "n_tokens", "table_stride", "stride_b_b", "stride_b_h"])
     def _host_write_kernel(
         k_ptr, v_ptr, b_ptr, table_ptr, offset_ptr, limit_ptr,
         stride_k_b, stride_k_h, stride_k_t, stride_v_b, stride_v_h, stride_v_t, stride_b_b, stride_b_h, stride_b_t,

@@ -18,7 +18,7 @@ from .backend import HAS_TRITON, kernel_path, launcher, next_power_of_2, on_devi
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["first", "n", "a", "stride_bb", "stride_bh"])
     def _move_in_kernel(
         held_ptr, sel_ptr, k_ptr, v_ptr, b_ptr, sk_ptr, sv_ptr, sb_ptr,
         stride_hb, stride_hh, stride_hs,

@@ -26,7 +26,7 @@ PADDING = 3.0e38
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "n", "stride_vb"])
     def _quoka_choice_kernel(
         q_ptr, valid_ptr, cos_ptr, out_ptr,
         stride_qb, stride_qh, stride_qt, stride_qd,

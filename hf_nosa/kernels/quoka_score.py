@@ -46,7 +46,7 @@ if HAS_TRITON:
         m = (o_r < G * NQ)[:, None] & (o_d < D)[None, :]
         return tl.load(p_q, mask=m, other=0.0).to(tl.float32) * scale
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R", "n_split"])
     def _quoka_normaliser_kernel(
         q_ptr, k_ptr, cb_ptr, n_win_ptr, m_ptr, l_ptr,
         stride_qb, stride_qh, stride_qr, stride_qn, stride_qd,
@@ -87,7 +87,7 @@ if HAS_TRITON:
         tl.store(m_ptr + o_out, b_m)
         tl.store(l_ptr + o_out, b_l)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N", "R", "n_split", "stride_vb", "stride_ob", "stride_oh", "stride_or"])
     def _quoka_score_kernel(
         q_ptr, k_ptr, cb_ptr, n_win_ptr, n_valid_ptr, m_ptr, l_ptr, out_ptr,
         stride_qb, stride_qh, stride_qr, stride_qn, stride_qd,

@@ -33,7 +33,7 @@ if HAS_TRITON:
         s = tl.where(forced, float("inf"), s)
         return tl.where((o >= current) | (o >= N), float("-inf"), s)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N", "M", "K", "current", "stride_sr", "stride_or"])
     def _quoka_top_kernel(
         s_ptr, out_ptr, stride_sr, stride_or, N, M, K, current, sink, local,
         BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,

@@ -30,7 +30,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R"])
     def _rms_norm_kernel(
         x_ptr, w_ptr, out_ptr, stride_x, stride_o, R, N, inv_n, eps,
         ROWS: tl.constexpr, BLOCK_N: tl.constexpr,

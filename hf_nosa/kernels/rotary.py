@@ -35,7 +35,7 @@ if HAS_TRITON:
         b_b = cast_rtne(b_rot * b_sin[None, :], dtype).to(tl.float32)
         tl.store(p_o + o_h[:, None] * stride_oh + o_d[None, :], cast_rtne(b_a + b_b, dtype), mask=m)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])
     def _rotary_kernel(
         q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,

@@ -21,7 +21,7 @@ ROWS = 32
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["rows", "N"])
     def _bitmap_kernel(idx_ptr, out_ptr, rows, N, K: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
         """Set the bits of ``ROWS`` rows' indices in a zeroed bitmap (entries outside ``0 .. N - 1``: none)."""
         i = tl.program_id(0)

@@ -25,7 +25,7 @@ if HAS_TRITON:
     except ImportError:
         libdevice = None
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr, CUDA_EXP: tl.constexpr):
         """Program (tile of ``BLOCK`` elements): ``(silu(g) rounded) * u``, rounded to the output dtype."""
         o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
