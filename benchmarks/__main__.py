@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 
@@ -26,42 +27,38 @@ class Suite:
     parts: dict[str, tuple[str, str]] = field(default_factory=dict)  # part -> (script, one line)
 
 
-SUITES = {
-    "generate": Suite(
-        "model.generate end to end: DynamicCache, static + compile and NOSA at their largest batches (tok/s, TTFT)",
-        "generate",
-        {"memory": ("memory_census", "what is live at the peak of NOSA generate, by allocation site")}),
-    "decode": Suite(
-        "the graph-replayed decode engine's tok/s and GB/s per shape, context and host store, beside the roofline",
-        "decode_throughput",
-        {"step": ("decode", "decode tok/s, the default cache against NosaCache filled at the context (no prefill)"),
-         "fetch": ("fetch_bandwidth", "host-to-device fetch bandwidth (UVA gather, copies), with --contention"),
-         "pinning": ("pinning", "pinned host allocation rate: torch's default against cudaHostRegister"),
-         "layers": ("layer_kernels", "fused RMSNorm, rotary and SiLU-product kernels against the torch ops")}),
-    "prefill": Suite(
-        "time to the first token: QUOKA (chunked and whole-prompt) against dense sdpa per context, batch and chunk",
-        "prefill",
-        {"breakdown": ("prefill_breakdown", "a NOSA prefill's GPU time by kernel kind, and its host syncs"),
-         "attention": ("dense_attention", "biased attention against stock sdpa, alone and in a prefill"),
-         "ops": ("prefill_op_census", "which source lines issue which aten ops in a QUOKA chunk (a CPU census)"),
-         "fetch-bytes": ("quoka_fetch_bytes", "blocks a QUOKA prefill fetches over PCIe per chunk (counts)"),
-         "score": ("quoka_score", "QUOKA's block-scoring kernel at the shapes of a generate prefill")}),
-    "train": Suite(
-        "the retrofit training step, NOSA's sparse backend against dense sdpa per shape and length",
-        "train_step",
-        {"breakdown": ("train_step_breakdown", "a step's GPU time by kernel, idle gaps and launch sites"),
-         "memory": ("train_memory", "a step's device memory event by event, with the allocator's message"),
-         "tiles": ("selection_tiles", "the training selection per tile configuration of its kernels"),
-         "ties": ("selection_ties", "whether the block-score kernel keeps the reference's exact ties (a diagnosis)"),
-         "retrofit": ("retrofit_profile", "where the SmolLM2-135M retrofit's micro-step goes")}),
-    "serve": Suite(
-        "continuous batching (generate_batch) over a request stream, stock against NOSA",
-        "serve"),
-    "conversation": Suite(
-        "a new turn on a reused conversation cache against re-prefilling it",
-        "conversation",
-        {"stream": ("request_stream", "batch-1 requests of different lengths, stock static + compile against NOSA")}),
-}
+TABLE = """\
+generate             generate              model.generate end to end: stock caches against NOSA at their largest batches
+generate memory      memory_census         what is live at the peak of NOSA generate, by allocation site
+decode               decode_throughput     the graph-replayed decode engine's tok/s and GB/s beside the roofline
+decode step          decode                decode tok/s, the default cache against a filled NosaCache (no prefill)
+decode fetch         fetch_bandwidth       host-to-device block-fetch bandwidth (UVA gather, copies)
+decode pinning       pinning               pinned host allocation rate: torch's default against cudaHostRegister
+decode layers        layer_kernels         fused RMSNorm, rotary and SiLU-product kernels against the torch ops
+prefill              prefill               time to the first token: QUOKA against dense sdpa by context, batch, chunk
+prefill breakdown    prefill_breakdown     a NOSA prefill's GPU time by kernel kind, and its host syncs
+prefill attention    dense_attention       biased attention against stock sdpa, alone and in a prefill
+prefill ops          prefill_op_census     the source lines that issue a QUOKA chunk's aten ops (a CPU census)
+prefill fetch-bytes  quoka_fetch_bytes     blocks a QUOKA prefill fetches over PCIe per chunk (counts)
+prefill score        quoka_score           QUOKA's block-scoring kernel at the shapes of a generate prefill
+train                train_step            the retrofit step: NOSA's sparse attention against dense sdpa, by length
+train breakdown      train_step_breakdown  a step's GPU time by kernel, idle gaps and launch sites
+train memory         train_memory          a step's device memory event by event, with the allocator's message
+train tiles          selection_tiles       the training selection per tile configuration of its kernels
+train ties           selection_ties        whether the block-score kernel keeps the reference's exact ties
+train retrofit       retrofit_profile      where the SmolLM2-135M retrofit's micro-step goes
+serve                serve                 continuous batching (generate_batch), stock against NOSA
+conversation         conversation          a new turn on a reused conversation cache against re-prefilling it
+conversation stream  request_stream        batch-1 requests of different lengths, stock static + compile against NOSA
+"""  # suite [part], its script in benchmarks/, what it measures: columns 2+ spaces apart
+SUITES: dict[str, Suite] = {}
+for row in TABLE.splitlines():
+    suite, script, summary = re.split(r"\s{2,}", row, maxsplit=2)
+    name, _, part = suite.partition(" ")
+    if part:
+        SUITES[name].parts[part] = (script, summary)
+    else:
+        SUITES[name] = Suite(summary, script)
 
 
 def usage() -> str:
