@@ -12,6 +12,14 @@ sdpa; its cache fitted to the free device memory). With ``--check``, NOSA's toke
 
     python benchmarks/serve.py --shape 1b --requests 16 --min 4096 --max 16384 --out benchmarks/results/serve_1b.json
     python benchmarks/serve.py --shape smoke --requests 4 --min 40 --max 300 --new-tokens 8 --check   # CPU
+
+``--rates R ...`` runs a request stream instead, through transformers' manager (``init_continuous_batching``,
+``add_request`` at Poisson arrival times of R requests per second, ``inf``: all at once, the saturating load): per
+method and rate, output tokens per second, p50 / p99 time to first token and time per output token, the largest
+number of requests decoding at once (admitted concurrency), peak device memory, and NOSA's host memory. On CUDA the
+device is capped at ``--cap-gb`` (the shape's cap of ``generate.py`` by default: 24 GB for "1b").
+
+    python benchmarks/serve.py --shape 1b --requests 32 --min 16384 --max 65536 --new-tokens 1024 --rates 0.5 1 inf
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.batch_plan import SHAPES  # noqa: E402
-from benchmarks.decode_throughput import build_model  # noqa: E402
+from benchmarks.decode_throughput import CAP_GB, build_model  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
@@ -102,6 +110,90 @@ def run_method(method: str, prompts, args, device, dtype) -> dict:
     return row
 
 
+def _quantile(values: list[float], q: float) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def stream_metrics(outputs: list, start: float, end: float) -> dict:
+    """Output tok/s, time to first token and per output token (p50 / p99) and the largest number of requests
+    decoding at once, from each request's ``GenerationOutput`` (``created_time``, per-token ``timestamps``)."""
+    ttft, tpot, spans = [], [], []
+    for o in outputs:
+        stamps = o.timestamps or []
+        if not stamps:
+            continue
+        ttft.append(stamps[0] - o.created_time)
+        if len(stamps) > 1:
+            tpot.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+        spans.append((stamps[0], stamps[-1]))
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], -e[1]))
+    running = most = 0
+    for _, change in events:
+        running += change
+        most = max(most, running)
+    tokens = sum(len(o.generated_tokens) for o in outputs)
+    return dict(output_tok_s=tokens / (end - start), wall_s=end - start, generated_tokens=tokens,
+                ttft_p50_s=_quantile(ttft, 0.5), ttft_p99_s=_quantile(ttft, 0.99), tpot_p50_s=_quantile(tpot, 0.5),
+                tpot_p99_s=_quantile(tpot, 0.99), max_decoding=most)
+
+
+def run_stream(model, prompts, rate: float, args, device) -> dict:
+    """The prompts sent to one manager at Poisson arrival times of ``rate`` requests per second (inf: at once)."""
+    config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    batching = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens)
+    rng = random.Random(args.seed + 1)
+    gaps = [0.0] + [rng.expovariate(rate) if rate != float("inf") else 0.0 for _ in prompts[1:]]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching)
+    if hasattr(manager, "warmup"):  # as transformers serve does: the cache and graphs are built before requests come
+        manager.warmup()
+    manager.start()
+    start = due = time.perf_counter()
+    try:
+        for i, (prompt, gap) in enumerate(zip(prompts, gaps)):
+            due += gap
+            if due > time.perf_counter():
+                time.sleep(due - time.perf_counter())
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=args.new_tokens, record_timestamps=True)
+        results = {}
+        while len(results) < len(prompts):
+            out = manager.get_result(timeout=1.0)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError(f"the manager stopped with {len(prompts) - len(results)} requests unanswered")
+                continue
+            results[out.request_id] = out
+        end = time.perf_counter()
+    finally:
+        manager.stop(block=True)
+    outputs = [results[f"r{i}"] for i in range(len(prompts))]
+    row = dict(rate=rate, errors=[o.error for o in outputs if o.error], **stream_metrics(outputs, start, end))
+    if device.type == "cuda":
+        row["peak_device_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
+    requests = getattr(manager, "nosa_requests", None)
+    if requests is not None:
+        row["host_budget_bytes"] = requests.budget.host_bytes
+    return row
+
+
+def run_rates(method: str, prompts, args, device, dtype) -> dict:
+    model = model_for(method, args, device, dtype)
+    first_s, _ = run_batch(model, prompts[:1], args, device)  # start-up: compilation, first pinning
+    rows = []
+    for rate in args.rates:
+        rows.append(run_stream(model, prompts, rate, args, device))
+        print(json.dumps(dict(method=method, **{k: v for k, v in rows[-1].items() if k != "errors"})), flush=True)
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dict(method=method, first_call_s=first_s, rates=rows)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="1b", choices=sorted(SHAPES))
@@ -114,13 +206,29 @@ def main(argv=None):
     parser.add_argument("--methods", default="stock,nosa")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true", help="compare NOSA's tokens with generate on each alone")
+    parser.add_argument("--rates", type=float, nargs="+", default=None,
+                        help="requests per second of a Poisson stream through the manager (inf: all at once)")
+    parser.add_argument("--cap-gb", type=float, default=None, help="device cap in GB on CUDA (default: the shape's)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.shape == "smoke" and args.budget_tokens == 4096:
         args.budget_tokens = 64
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        cap = args.cap_gb or CAP_GB.get(args.shape)
+        if cap:
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total))
     prompts = prompts_of(args, SHAPES[args.shape]["vocab_size"])
+    if args.rates:
+        rows = [run_rates(method, prompts, args, device, dtype) for method in args.methods.split(",")]
+        result = dict(environment=environment(), args=vars(args), lengths=[len(p) for p in prompts], rows=rows)
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+        return result
     rows = [run_method(method, prompts, args, device, dtype) for method in args.methods.split(",")]
     result = dict(environment=environment(), args=vars(args), lengths=[len(p) for p in prompts], rows=rows)
     for row in rows:
