@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 PREFILL_MODES = ("auto", "dense", "nosa", "quoka")
-# "auto": the host store keeps K/V in the model's dtype; the others are hf_nosa.host_quant's formats.
+# "auto": the host store keeps K/V in the model's dtype; the others are hf_nosa.cache.host_quant's formats.
 HOST_DTYPES = ("auto", "float8_e4m3fn", "int8")
 _WARNED: set[str] = set()  # retired fields already warned about in this process
 
@@ -62,7 +62,7 @@ class NosaConfig:
     the chunk-by-chunk path and its bounded memory.
 
     ``host_dtype`` is how the host store keeps K and V: "auto" (the model's dtype), or "float8_e4m3fn" / "int8"
-    with one fp32 scale per (block, KV head) (``hf_nosa.host_quant``), which halves the host memory and the bytes
+    with one fp32 scale per (block, KV head) (``hf_nosa.cache.host_quant``), which halves the host memory and the bytes
     a block fetch moves against bf16. Eviction scores and compressed keys stay in full precision.
 
     ``resident_margin`` (default 0: the paper's rule) makes decoding's query-aware choice sticky: a block selected at

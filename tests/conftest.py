@@ -117,7 +117,7 @@ def prompt_rotary_on_torch(monkeypatch):
     (tests/kernels/test_rotary.py); a prompt's rotary kernel inside a model stays covered by
     tests/kernels/test_decode_path.py::test_kernel_path_equals_torch_path_interpreted. Yields the token counts of the
     calls it took from the kernel to the reference (a test can assert the fixture was not idle)."""
-    import hf_nosa.kernels.rotary as rotary
+    import hf_nosa.kernels.layers.rotary as rotary
 
     chosen = rotary.inference_kernel_path
     prompts = []

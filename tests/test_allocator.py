@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from hf_nosa import allocator
+from hf_nosa.training import allocator
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def calls(monkeypatch):
 
 
 def test_cuda_gets_expandable_segments_when_the_user_set_nothing(calls, caplog):
-    with caplog.at_level(logging.INFO, logger="hf_nosa.allocator"):
+    with caplog.at_level(logging.INFO, logger="hf_nosa.training.allocator"):
         assert allocator.use_expandable_segments(torch.device("cuda")) is True
     assert calls == ["expandable_segments:True"]
     assert allocator.allocator_setting() == "expandable_segments:True"

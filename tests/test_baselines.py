@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hf_nosa import NosaCache, to_nosa
-from hf_nosa.baselines import BASELINES, QueryOnlySelector, QuestSelector, ShadowKVSelector, make_selector
-from hf_nosa.cache import NosaLayer
+from hf_nosa.eval.baselines import BASELINES, QueryOnlySelector, QuestSelector, ShadowKVSelector, make_selector
+from hf_nosa.cache.nosa_cache import NosaLayer
 
 from .conftest import small_nosa_config, tiny_model
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_nosa import NosaCache, to_nosa
-from hf_nosa.host_store import HostStore
+from hf_nosa.cache.host_store import HostStore
 from hf_nosa.modeling import randomize_eviction_heads
 
 from .conftest import small_nosa_config, tiny_model

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_nosa import NosaCache, to_nosa
-from hf_nosa import host_store
+from hf_nosa.cache import host_store
 from hf_nosa.modeling import randomize_eviction_heads
 
 from .conftest import padded_batch, small_nosa_config, tiny_model

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from hf_nosa import cli, cli_args
+from hf_nosa.cli import commands as cli
+from hf_nosa.cli import args as cli_args
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "safetensors", "huggingface_hub", "numpy", "triton", "peft", "accelerate")
 
-# Runs the command as ``python -m hf_nosa.cli ARGS`` would, once per argument list, and reports the heavy top-level
+# Runs the command as ``python -m hf_nosa.cli.commands ARGS`` would, once per argument list, and reports the heavy top-level
 # modules loaded after each.
 HELP = r"""
 import json, runpy, sys
@@ -26,7 +27,7 @@ report = []
 for argv in json.loads(sys.argv[2]):
     sys.argv = ["hf-nosa", *argv]
     try:
-        runpy.run_module("hf_nosa.cli", run_name="__main__", alter_sys=True)
+        runpy.run_module("hf_nosa.cli.commands", run_name="__main__", alter_sys=True)
     except SystemExit as stop:
         code = stop.code
     report.append({"argv": argv, "code": code, "loaded": sorted({m.split(".")[0] for m in sys.modules} & heavy)})
@@ -50,7 +51,7 @@ def test_help_imports_no_heavy_module():
 
 
 def test_python_m_help_lists_every_command():
-    result = subprocess.run([sys.executable, "-m", "hf_nosa.cli", "--help"], env=_env(), capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "hf_nosa.cli.commands", "--help"], env=_env(), capture_output=True,
                             text=True, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr
     assert all(name in result.stdout for name in cli.COMMANDS)
@@ -102,7 +103,7 @@ def test_demo_prefill_choices_match_the_config():
 
 
 def test_unknown_recipe_lists_each_recipe_once(monkeypatch):
-    from hf_nosa.retrofit import load_recipe
+    from hf_nosa.training.retrofit import load_recipe
 
     monkeypatch.chdir(REPO_ROOT)  # recipes/ of the working folder and of the package are the same folder here
     with pytest.raises(FileNotFoundError, match="not found") as caught:

@@ -96,7 +96,7 @@ def test_a_new_turn_is_prefilled_within_the_budget_bound(family):
 
 def test_a_new_turn_reads_only_its_chunks_blocks_not_the_conversation(monkeypatch):
     """The per-token decode rule is what reads every earlier token back; a long new turn never takes it."""
-    from hf_nosa.prefill import PrefillPaths
+    from hf_nosa.prefill.chunked import PrefillPaths
 
     cfg = small_nosa_config(**SPARSE, prefill="quoka", prefill_chunk_size=64, prefill_budget_tokens=64)
     model = _model("llama", cfg, seed=1)
@@ -281,7 +281,7 @@ def test_a_forward_that_raises_leaves_the_cache_as_it_was():
 
 
 def test_a_cache_that_could_not_be_restored_says_so_until_reset(monkeypatch):
-    from hf_nosa.cache import NosaLayer
+    from hf_nosa.cache.nosa_cache import NosaLayer
 
     cfg = small_nosa_config(**SPARSE, prefill="quoka", prefill_chunk_size=64, prefill_budget_tokens=64)
     model = _model("llama", cfg, seed=4)
@@ -390,8 +390,8 @@ def test_a_stream_of_new_lengths_compiles_and_captures_nothing_after_the_longest
     multiples of 16, shorter, longer by a few tokens) compile no Triton variant and capture no decode graph: lengths
     are not specialized on, the workspace's capacity buffers only grow, graphs are kept by key. Tokens equal a
     fresh model's."""
-    from hf_nosa.kernels.cuda_graph import compiled_kernel_variants
-    from hf_nosa.workspace import workspace_of
+    from hf_nosa.modeling.cuda_graph import compiled_kernel_variants
+    from hf_nosa.cache.workspace import workspace_of
 
     monkeypatch.delenv("HF_NOSA_KERNELS", raising=False)
     cfg = small_nosa_config(**SPARSE, prefill="quoka", prefill_chunk_size=128, prefill_budget_tokens=64)
@@ -430,8 +430,8 @@ def test_a_new_turn_is_cut_on_blocks_with_its_dense_tail_in_one_chunk():
 def test_restoring_reads_a_prefill_budget_at_a_time_and_only_the_layers_a_call_touched(monkeypatch):
     """The repair never holds a layer's whole K/V on the device (as a crop does not), and a layer the failed call
     never reached is left as it is."""
-    from hf_nosa.cache import NosaLayer
-    from hf_nosa.host_store import HostStore
+    from hf_nosa.cache.nosa_cache import NosaLayer
+    from hf_nosa.cache.host_store import HostStore
 
     cfg = small_nosa_config(**SPARSE, prefill="quoka", prefill_chunk_size=64, prefill_budget_tokens=64)
     model = _model("llama", cfg, seed=4)
@@ -473,7 +473,7 @@ def test_an_empty_prompt_is_a_clear_error(how):
 
 def test_a_cache_generate_built_for_one_call_is_not_restored(monkeypatch):
     """cache_implementation="nosa" builds a cache no one holds after the call: a failure is not repaired."""
-    from hf_nosa.cache import NosaLayer
+    from hf_nosa.cache.nosa_cache import NosaLayer
 
     model = _model("llama", small_nosa_config(**SPARSE), seed=4)
     rewound = []

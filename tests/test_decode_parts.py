@@ -1,4 +1,4 @@
-"""A decode step run a part of the batch at a time (hf_nosa.decode_parts) against the whole-batch step.
+"""A decode step run a part of the batch at a time (hf_nosa.cache.decode_parts) against the whole-batch step.
 
 On CPU the device kernels run in the Triton interpreter, the parts one after the other; on a GPU the parts run on
 their own streams inside one captured graph. Either way every token, logit and counter must equal the whole-batch
@@ -12,9 +12,9 @@ import torch
 
 import hf_nosa
 from hf_nosa import NosaCache
-from hf_nosa.decode_parts import CacheRows, decode_parts, forward_by_parts, stagger_fetches
-from hf_nosa.kernels.cuda_graph import DecodeGraph, cache_keyword, stock_forward
-from hf_nosa.kernels.fetch import SlotPool, StepCounters, fetch_step
+from hf_nosa.cache.decode_parts import CacheRows, decode_parts, forward_by_parts, stagger_fetches
+from hf_nosa.modeling.cuda_graph import DecodeGraph, cache_keyword, stock_forward
+from hf_nosa.kernels.decode.fetch import SlotPool, StepCounters, fetch_step
 from hf_nosa.modeling import randomize_eviction_heads
 from tests.conftest import small_nosa_config, tiny_model
 from tests.utils import assert_close
@@ -203,8 +203,8 @@ def test_graph_by_parts_equals_eager_parts_gpu(monkeypatch, host_dtype, stagger)
 
 def test_graph_key_changes_are_named(interpret, monkeypatch):
     """DecodeGraph records why it recaptured (benchmarks report it): each key entry has its name."""
-    from hf_nosa.cache import NosaLayer
-    from hf_nosa.kernels.cuda_graph import _key_change
+    from hf_nosa.cache.nosa_cache import NosaLayer
+    from hf_nosa.modeling.cuda_graph import _key_change
 
     model = nosa_model(num_hidden_layers=2)
     cache, _ = prefilled(model, torch.randint(3, 97, (2, 40)), monkeypatch)

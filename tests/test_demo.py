@@ -9,10 +9,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_nosa import NosaConfig, to_nosa
-from hf_nosa.cli import main as cli_main
-from hf_nosa.demo import DEFAULT_MODEL
+from hf_nosa.cli.commands import main as cli_main
+from hf_nosa.cli.demo import DEFAULT_MODEL
 from hf_nosa.eval import load_model
-from hf_nosa.tokenizer import VOCAB_SIZE, build_tokenizer
+from hf_nosa.modeling.tokenizer import VOCAB_SIZE, build_tokenizer
 
 
 def _mib(text: str, label: str) -> float:

@@ -5,11 +5,11 @@ import doctest
 import pytest
 import torch
 
-from hf_nosa import dense_attention
-from hf_nosa.attend import AttentionInputs, attend
-from hf_nosa.dense_attention import bias_columns, biased_attention
-from hf_nosa.masks import additive_mask
-from hf_nosa.selection import MASK_VALUE
+from hf_nosa.attention import dense as dense_attention
+from hf_nosa.rules.attend import AttentionInputs, attend
+from hf_nosa.attention.dense import bias_columns, biased_attention
+from hf_nosa.rules.masks import additive_mask
+from hf_nosa.rules.selection import MASK_VALUE
 
 from .utils import assert_close
 

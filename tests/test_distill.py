@@ -1,4 +1,4 @@
-"""Self-distillation from the base model (hf_nosa.distill): the teacher pass is the original model, the chunked KL
+"""Self-distillation from the base model (hf_nosa.training.distill): the teacher pass is the original model, the chunked KL
 equals the direct one, its gradient reaches LoRA only, and the retrofit records it beside the alignment losses."""
 
 import copy
@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
 
 from hf_nosa import to_nosa
-from hf_nosa.distill import base_model_mode, distill_kl, teacher_logits
+from hf_nosa.training.distill import base_model_mode, distill_kl, teacher_logits
 from hf_nosa.modeling import randomize_eviction_heads
 from hf_nosa.modeling.base import NosaAttentionMixin
-from hf_nosa.retrofit import load_recipe, retrofit
-from hf_nosa.selection_loss import enable_selection_loss
+from hf_nosa.training.retrofit import load_recipe, retrofit
+from hf_nosa.attention.selection_loss import enable_selection_loss
 
 from .conftest import small_nosa_config, tiny_model
 from .test_retrofit import _write_text_data

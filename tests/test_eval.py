@@ -11,11 +11,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_nosa import NosaConfig, to_nosa
-from hf_nosa.cli import main as cli_main
+from hf_nosa.cli.commands import main as cli_main
 from hf_nosa.eval import TASKS, decode, evaluate, generate_samples, load_model, perplexity_documents, score
 from hf_nosa.eval.tasks import DEFAULT_TASKS
 from hf_nosa.modeling import eviction_heads, randomize_eviction_heads
-from hf_nosa.tokenizer import VOCAB_SIZE, build_tokenizer, byte_ids
+from hf_nosa.modeling.tokenizer import VOCAB_SIZE, build_tokenizer, byte_ids
 
 from .utils import assert_close
 

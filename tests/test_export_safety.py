@@ -197,7 +197,7 @@ def test_verify_lists_what_push_uploads_and_refuses_links(exported, tmp_path):
 
 
 def test_verify_command(exported, capsys):
-    from hf_nosa.cli import main
+    from hf_nosa.cli.commands import main
 
     folder, original = exported
     assert main(["verify", str(folder)]) == 0
@@ -290,7 +290,7 @@ def test_export_to_the_current_folder_is_refused_up_front(tmp_path, monkeypatch,
 
 
 def test_export_command_to_the_current_folder_fails_cleanly(tmp_path, monkeypatch, capsys, source, exported):
-    from hf_nosa.cli import main
+    from hf_nosa.cli.commands import main
 
     out, before = _old_out(tmp_path, exported)
     monkeypatch.chdir(out)

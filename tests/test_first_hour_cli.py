@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from hf_nosa import cli
+from hf_nosa.cli import commands as cli
 
 
 @pytest.mark.parametrize("argv,flag,value", [
@@ -47,7 +47,7 @@ def test_every_option_shows_its_default():
 @pytest.fixture
 def no_gguf(monkeypatch):
     """gguf not installed, and any attempt to fetch the SmolLM2 file fails the test."""
-    import hf_nosa.loading as loading
+    import hf_nosa.modeling.loading as loading
 
     real = importlib.util.find_spec
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
@@ -85,7 +85,7 @@ def test_missing_datasets_names_the_train_extra(monkeypatch, capsys, tmp_path):
 
 
 def test_a_module_missing_at_run_time_names_its_extra(monkeypatch, capsys):
-    import hf_nosa.demo as demo
+    import hf_nosa.cli.demo as demo
 
     def run(args):
         raise ModuleNotFoundError("No module named 'datasets'", name="datasets")
@@ -99,8 +99,8 @@ def test_a_module_missing_at_run_time_names_its_extra(monkeypatch, capsys):
 def test_missing_peft_is_one_line(monkeypatch, tmp_path):
     import sys
 
-    from hf_nosa.loading import MissingExtraError
-    from hf_nosa.retrofit import load_adapter
+    from hf_nosa.modeling.loading import MissingExtraError
+    from hf_nosa.training.retrofit import load_adapter
 
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ModuleNotFoundError
     with pytest.raises(MissingExtraError, match=r'needs peft.*pip install "peft>=0.17"'):

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 import hf_nosa
-from hf_nosa.cli import main
+from hf_nosa.cli.commands import main
 from hf_nosa.hub import export, files
 from hf_nosa.modeling import randomize_eviction_heads
-from hf_nosa.tokenizer import build_tokenizer
+from hf_nosa.modeling.tokenizer import build_tokenizer
 
 from .conftest import small_nosa_config, tiny_model
 
@@ -147,7 +147,7 @@ def test_overwrite_refuses_to_replace_a_file_it_did_not_write(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_export(tmp_path_factory):
     """The README's path on the ``tiny`` recipe, shortened: retrofit 2 steps -> export."""
-    from hf_nosa.retrofit import retrofit
+    from hf_nosa.training.retrofit import retrofit
 
     root = tmp_path_factory.mktemp("tiny")
     retrofit("tiny", "python-prose-and-code", root / "runs" / "tiny", max_steps=2)
@@ -157,7 +157,7 @@ def tiny_export(tmp_path_factory):
 
 @pytest.mark.slow
 def test_tiny_recipe_export_carries_the_byte_tokenizer(tiny_export):
-    from hf_nosa.loading import load_tokenizer
+    from hf_nosa.modeling.loading import load_tokenizer
 
     assert (tiny_export / "tokenizer.json").is_file()
     assert load_tokenizer(tiny_export)("Hi\n")["input_ids"] == build_tokenizer()("Hi\n")["input_ids"]

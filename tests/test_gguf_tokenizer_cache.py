@@ -8,8 +8,8 @@ import copy
 import pytest
 from transformers import AutoTokenizer
 
-from hf_nosa import loading
-from hf_nosa.loading import DownloadError, load_tokenizer, packaged_gguf
+from hf_nosa.modeling import loading
+from hf_nosa.modeling.loading import DownloadError, load_tokenizer, packaged_gguf
 
 pytest.importorskip("gguf", reason="the gguf package (pip install 'hf-nosa[gguf]') reads the GGUF file")
 

@@ -5,7 +5,7 @@ import torch
 
 from hf_nosa import to_nosa
 from hf_nosa.modeling import randomize_eviction_heads
-from hf_nosa.workspace import workspace_of
+from hf_nosa.cache.workspace import workspace_of
 
 from .conftest import small_nosa_config, tiny_model
 

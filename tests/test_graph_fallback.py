@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hf_nosa import NosaCache, to_nosa
-from hf_nosa.baselines import BASELINES, make_selector
-from hf_nosa.kernels.cuda_graph import DecodeGraph, cache_keyword, stock_forward
+from hf_nosa.eval.baselines import BASELINES, make_selector
+from hf_nosa.modeling.cuda_graph import DecodeGraph, cache_keyword, stock_forward
 from hf_nosa.modeling import randomize_eviction_heads
 
 from .conftest import small_nosa_config, tiny_model
@@ -314,9 +314,9 @@ def test_gpu_capture_failure_names_the_host_syncs_of_the_eager_step(monkeypatch,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_compiled_kernel_variants_counts_a_new_specialisation():
     """What a failed capture's message relies on to say that Triton compiled during the capture."""
-    from hf_nosa.host_store import HostStore
-    from hf_nosa.kernels.cuda_graph import compiled_kernel_variants
-    from hf_nosa.kernels.host_read import read_span
+    from hf_nosa.cache.host_store import HostStore
+    from hf_nosa.modeling.cuda_graph import compiled_kernel_variants
+    from hf_nosa.kernels.prefill.host_read import read_span
 
     before = compiled_kernel_variants()
     assert before >= 0

@@ -12,8 +12,8 @@ import torch
 
 from hf_nosa import NosaCache, NosaConfig, to_nosa
 from hf_nosa.config import HOST_DTYPES
-from hf_nosa.host_quant import HOST_FORMATS, quantization_error_bound
-from hf_nosa.host_store import HostStore
+from hf_nosa.cache.host_quant import HOST_FORMATS, quantization_error_bound
+from hf_nosa.cache.host_store import HostStore
 from hf_nosa.modeling import randomize_eviction_heads
 
 from .conftest import small_nosa_config, tiny_model

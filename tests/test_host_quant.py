@@ -1,12 +1,12 @@
-"""The quantized host format's torch reference (``hf_nosa.host_quant``): error bounds, scales per block and head."""
+"""The quantized host format's torch reference (``hf_nosa.cache.host_quant``): error bounds, scales per block and head."""
 
 import doctest
 
 import pytest
 import torch
 
-from hf_nosa import host_quant
-from hf_nosa.host_quant import (
+from hf_nosa.cache import host_quant
+from hf_nosa.cache.host_quant import (
     HOST_FORMATS,
     block_scales,
     dequantize_blocks,

@@ -261,7 +261,7 @@ def test_export_from_adapter_equals_export_from_merged_model(tmp_path):
 
 @pytest.mark.slow
 def test_export_of_a_real_tiny_retrofit(tmp_path):
-    from hf_nosa.retrofit import merge_adapter, retrofit
+    from hf_nosa.training.retrofit import merge_adapter, retrofit
 
     words = "the cat sat on the mat and a dog ran to the park".split()
     lines = [json.dumps({"text": " ".join(words[(i + j) % len(words)] for j in range(40))}) for i in range(24)]
@@ -464,7 +464,7 @@ export(hf_nosa.to_nosa(tiny_model('llama'), small_nosa_config()), args["out"])
 PUSH = r"""
 import contextlib, io, json, os, sys
 from huggingface_hub import constants
-import hf_nosa.cli as cli
+import hf_nosa.cli.commands as cli
 
 cli.COMMANDS = {k: v for k, v in cli.COMMANDS.items() if k in ("export", "push")}
 result = []

@@ -1,5 +1,5 @@
 """Every module of hf_nosa imports as the first hf_nosa module of a fresh interpreter (a user's
-``from hf_nosa.host_store import HostStore``, a script's ``import hf_nosa.kernels.fetch``): no import cycle that only
+``from hf_nosa.cache.host_store import HostStore``, a script's ``import hf_nosa.kernels.decode.fetch``): no import cycle that only
 the package's usual import order hides.
 
 Importing each of the ~90 modules in its own interpreter would take a minute, so the module-level imports are read
@@ -163,9 +163,9 @@ def test_the_import_graph_sees_a_known_cycle():
     assert on_cycles(graph) == {"p.a", "p.b"}
     modules = _modules()
     real = import_graph(modules)
-    assert {"hf_nosa.kernels", "hf_nosa.kernels.backend"} <= real["hf_nosa.host_store"]
-    assert "hf_nosa.kernels" not in real["hf_nosa.kernels.fetch"]  # its own package: left out
-    assert "hf_nosa.host_store" not in real["hf_nosa.kernels.fetch"]  # under TYPE_CHECKING only
+    assert {"hf_nosa.kernels", "hf_nosa.kernels.backend"} <= real["hf_nosa.cache.host_store"]
+    assert "hf_nosa.kernels" not in real["hf_nosa.kernels.decode.fetch"]  # its own package: left out
+    assert "hf_nosa.cache.host_store" not in real["hf_nosa.kernels.decode.fetch"]  # under TYPE_CHECKING only
 
 
 def test_every_module_on_an_import_cycle_imports_first():

@@ -1,4 +1,4 @@
-"""hf_nosa.loading: what a model name refers to, and the errors for what cannot be loaded (no model is loaded here)."""
+"""hf_nosa.modeling.loading: what a model name refers to, and the errors for what cannot be loaded (no model is loaded here)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_nosa import loading
-from hf_nosa.cli import main as cli_main
-from hf_nosa.loading import DownloadError, MissingExtraError, PackagedGGUF
+from hf_nosa.modeling import loading
+from hf_nosa.cli.commands import main as cli_main
+from hf_nosa.modeling.loading import DownloadError, MissingExtraError, PackagedGGUF
 
 
 def _gguf_string(text: str) -> bytes:

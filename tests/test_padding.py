@@ -2,7 +2,7 @@
 
 The pads (0, 13 and 40 tokens with block 16) are not whole blocks, the config has sink blocks, a local window and
 query blocks, and the padding keeps random token ids (garbage keys): rows counted from cache index 0 would put
-padding in the sink block and cut the row into other blocks and windows than alone (``hf_nosa.padding``), and these
+padding in the sink block and cut the row into other blocks and windows than alone (``hf_nosa.rules.padding``), and these
 tests fail within a few steps. Every row of the batch must give the tokens of the row alone, logits within 1e-4.
 """
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from hf_nosa import NosaCache
-from hf_nosa import prefill as prefill_module
-from hf_nosa.attend import AttentionInputs, attend, with_prefix_read
+from hf_nosa.prefill import chunked as prefill_module
+from hf_nosa.rules.attend import AttentionInputs, attend, with_prefix_read
 from hf_nosa.kernels.backend import HAS_TRITON
-from hf_nosa.pool_attention import PARTS_ENV_VAR, PoolBlocks, attend_with_pool_blocks, fetch_parts, part_bounds
-from hf_nosa.selection import MASK_VALUE
+from hf_nosa.attention.pool import PARTS_ENV_VAR, PoolBlocks, attend_with_pool_blocks, fetch_parts, part_bounds
+from hf_nosa.rules.selection import MASK_VALUE
 
 from .conftest import small_nosa_config
 from .test_quoka import _model, _prompt

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from hf_nosa.attend import AttentionInputs, attend
+from hf_nosa.rules.attend import AttentionInputs, attend
 from hf_nosa.kernels.backend import HAS_TRITON
-from hf_nosa.cache_attention import attend_cache_inputs
-from hf_nosa.pool_attention import PoolBlocks
-from hf_nosa.prefix_attention import DenseTail, Prefix, attend_with_prefix, attention_with_lse
-from hf_nosa.selection import MASK_VALUE
+from hf_nosa.attention.dispatch import attend_cache_inputs
+from hf_nosa.attention.pool import PoolBlocks
+from hf_nosa.attention.prefix import DenseTail, Prefix, attend_with_prefix, attention_with_lse
+from hf_nosa.rules.selection import MASK_VALUE
 
 from .utils import assert_close
 

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from hf_nosa import NosaCache, NosaConfig, to_nosa
-from hf_nosa import attention as attention_module
-from hf_nosa import prefill as prefill_module
-from hf_nosa.attend import with_prefix_read
+from hf_nosa.modeling import attention as attention_module
+from hf_nosa.prefill import chunked as prefill_module
+from hf_nosa.rules.attend import with_prefix_read
 from hf_nosa.kernels.backend import HAS_TRITON
-from hf_nosa.kernels.quoka_score import quoka_score
+from hf_nosa.kernels.prefill.quoka_score import quoka_score
 from hf_nosa.modeling import randomize_eviction_heads
-from hf_nosa.selection import (
+from hf_nosa.rules.selection import (
     MASK_VALUE,
     compress_keys,
     num_windows,
@@ -215,7 +215,7 @@ def test_auto_is_dense_while_the_prompt_fits_and_quoka_beyond(monkeypatch):
     model = _model("llama")
     calls = []
     original = prefill_module.quoka_select
-    monkeypatch.setattr("hf_nosa.prefill.quoka_select", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr("hf_nosa.prefill.chunked.quoka_select", lambda *a: calls.append(1) or original(*a))
     for length, used in ((60, False), (100, True)):
         calls.clear()
         cache = NosaCache(model.config, cfg)
@@ -240,7 +240,7 @@ def test_generate_on_a_long_prompt_with_the_default_config():
 
 
 def test_quoka_outside_a_nosa_cache_says_it_attends_fully(caplog, monkeypatch):
-    import hf_nosa.attention as attention
+    import hf_nosa.modeling.attention as attention
 
     monkeypatch.setattr(attention, "_warned_quoka", False)
     model = to_nosa(tiny_model("llama"), small_nosa_config(prefill="quoka"))
@@ -255,7 +255,7 @@ def test_compressed_keys_extend_like_a_rebuild():
     cfg = small_nosa_config()
     g = torch.Generator().manual_seed(1)
     keys, bias = torch.randn(2, 2, 90, 8, generator=g), torch.randn(2, 2, 90, generator=g)
-    from hf_nosa.compressed_keys import CompressedKeys
+    from hf_nosa.cache.compressed_keys import CompressedKeys
 
     whole, pieces = CompressedKeys(cfg, keys), CompressedKeys(cfg, keys)
     whole.rebuild(keys, bias)
@@ -270,7 +270,7 @@ def test_compressed_keys_extend_like_a_rebuild():
 @pytest.mark.parametrize("kernel, stride", [(16, 8), (8, 4), (8, 8), (4, 2)])
 def test_compressed_keys_extend_like_a_rebuild_at_random_splits(kernel, stride):
     """Random cut points (runs shorter and longer than a window, ring wrap-arounds) and window shapes."""
-    from hf_nosa.compressed_keys import CompressedKeys
+    from hf_nosa.cache.compressed_keys import CompressedKeys
 
     cfg = small_nosa_config(compress_kernel=kernel, compress_stride=stride)
     g = torch.Generator().manual_seed(kernel * 100 + stride)

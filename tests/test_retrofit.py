@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from hf_nosa import NosaConfig, to_nosa
-from hf_nosa.allocator import EXPANDABLE_SEGMENTS, allocator_setting, user_setting
+from hf_nosa.training.allocator import EXPANDABLE_SEGMENTS, allocator_setting, user_setting
 from hf_nosa.modeling import eviction_heads
-from hf_nosa.retrofit import (
+from hf_nosa.training.retrofit import (
     data_files,
     load_adapter,
     load_base,
@@ -137,7 +137,7 @@ def test_time_limit_plans_the_run_and_its_schedule_and_stops_early_when_steps_sl
     """A fake clock: each tiny step takes 1 s (2 s after ``slow_from_step``); nothing else takes time."""
     import types
 
-    import hf_nosa.retrofit as module
+    import hf_nosa.training.retrofit as module
 
     clock = {"now": 1000.0, "micro": 0}
     original = module._batch
@@ -172,7 +172,7 @@ def test_time_limit_plans_the_run_and_its_schedule_and_stops_early_when_steps_sl
 
 @pytest.mark.slow
 def test_local_folder_base_with_token_ids_and_two_learning_rates(tmp_path):
-    from hf_nosa.retrofit import _build_model, _optimizer
+    from hf_nosa.training.retrofit import _build_model, _optimizer
 
     recipe = {**load_recipe("tiny"), "steps": 3, "save_every": 0, "tokenizer": None, "lr_lora": 5e-3}
     folder = tmp_path / "base"
@@ -259,7 +259,7 @@ def started_launches(request, data, tmp_path_factory):
             folder = root / mode
             folder.mkdir()
             out = folder / "launched"
-            tool = ["-m", "hf_nosa.cli", "retrofit", "--recipe", str(recipe), "--data", str(data), "--output", str(out)]
+            tool = ["-m", "hf_nosa.cli.commands", "retrofit", "--recipe", str(recipe), "--data", str(data), "--output", str(out)]
             if mode == "cpu":  # the documented command: accelerate's simple launcher, one CPU process
                 proc = _launch(["--cpu", "--num_processes", "2", *tool], folder, {})
                 world = 1
@@ -329,7 +329,7 @@ def test_bad_input_fails_before_training(tmp_path, data):
 
 
 def test_cli_reports_bad_input_as_an_error(tmp_path, data, capsys):
-    from hf_nosa import cli
+    from hf_nosa.cli import commands as cli
 
     bad = tmp_path / "bad.yaml"
     bad.write_text((RECIPES / "tiny.yaml").read_text() + "\nlearning_rate: 0.1\n")
@@ -414,7 +414,7 @@ def test_recipe_may_name_a_gguf_file_beside_it_and_builtin_data(tmp_path, monkey
 def test_builtin_corpus_is_prose_and_code_apart_from_the_evaluation():
     from hf_nosa.eval.corpus import prose_documents, stdlib_files
     from hf_nosa.eval.tasks import NOISE
-    from hf_nosa.retrofit_data import builtin_documents
+    from hf_nosa.training.data import builtin_documents
 
     docs = builtin_documents("python-prose-and-code")
     assert docs == builtin_documents("python-prose-and-code")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hf_nosa.retrofit import load_recipe, retrofit
+from hf_nosa.training.retrofit import load_recipe, retrofit
 
 from .test_retrofit import _write_text_data
 

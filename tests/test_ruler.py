@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_nosa.cli_args import EVAL_PROTOCOLS
+from hf_nosa.cli.args import EVAL_PROTOCOLS
 from hf_nosa.eval import TASKS, generate_samples, score
 from hf_nosa.eval.ruler import (
     CWE_PREFIX,
@@ -20,7 +20,7 @@ from hf_nosa.eval.ruler import (
     string_match_part,
 )
 from hf_nosa.eval.tasks import PROTOCOLS
-from hf_nosa.tokenizer import build_tokenizer
+from hf_nosa.modeling.tokenizer import build_tokenizer
 
 CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_nosa.selection import (
+from hf_nosa.rules.selection import (
     favour_resident,
     MASK_VALUE,
     PADDING_WINDOW_BIAS,
@@ -215,7 +215,7 @@ def test_blocks_without_a_real_window_tie_at_the_bottom_most_recent_first():
 def test_training_rule_of_a_padded_row_is_the_rule_of_the_row_alone():
     """nosa_token_mask and training.selected_blocks (the rule every query token applies) see a row padded by whole
     blocks as the row alone, shifted (no sink blocks: those are absolute, padding in a padded row)."""
-    from hf_nosa.training import selected_blocks
+    from hf_nosa.attention.training import selected_blocks
 
     cfg = small_nosa_config(budget_tokens=64, query_tokens=16, sink_tokens=0, local_tokens=32)
     g = torch.Generator().manual_seed(3)

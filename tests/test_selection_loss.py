@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hf_nosa import to_nosa
-from hf_nosa.selection import compress_keys, eviction_block_scores, query_block_scores
-from hf_nosa.selection_loss import (
+from hf_nosa.rules.selection import compress_keys, eviction_block_scores, query_block_scores
+from hf_nosa.attention.selection_loss import (
     enable_selection_loss,
     eviction_alignment_loss,
     sampled_positions,
@@ -89,7 +89,7 @@ def test_eviction_loss_teaches_the_head_the_block_attention_returns_to():
     delta = torch.nn.Linear(8, 1)
     A = torch.zeros(1, requires_grad=True)
     optimizer = torch.optim.Adam([A, *delta.parameters()], lr=5e-2)
-    from hf_nosa.selection import eviction_bias
+    from hf_nosa.rules.selection import eviction_bias
 
     losses = []
     for _ in range(80):

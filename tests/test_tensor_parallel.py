@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import hf_nosa
-from hf_nosa.attention import EvictionHead
+from hf_nosa.modeling.attention import EvictionHead
 from hf_nosa.hub import export
 from hf_nosa.modeling import eviction_heads, randomize_eviction_heads
 from hf_nosa.modeling.tensor_parallel import shard_eviction_heads

@@ -5,8 +5,8 @@ import torch
 
 from hf_nosa import NosaCache, NosaConfig, to_nosa
 from hf_nosa.modeling import eviction_heads, randomize_eviction_heads
-from hf_nosa.selection import nosa_token_mask
-from hf_nosa.training import BACKENDS, flex_block_mask, nosa_training_attention, selected_blocks
+from hf_nosa.rules.selection import nosa_token_mask
+from hf_nosa.attention.training import BACKENDS, flex_block_mask, nosa_training_attention, selected_blocks
 
 from .conftest import SPARSE, small_nosa_config, tiny_model
 from .utils import assert_close
@@ -85,7 +85,7 @@ def test_chunked_selection_equals_the_reference_rule(q_offset):
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("tile", [16, 32])
 def test_flex_backend_equals_explicit_forward_and_bias_gradient(tile, monkeypatch):
-    import hf_nosa.training as training
+    import hf_nosa.attention.training as training
 
     monkeypatch.setattr(training, "FLEX_TILE", tile)
     cfg = small_nosa_config(**SPARSE)
@@ -151,7 +151,7 @@ def test_left_padded_rows_select_as_the_rows_alone(q_offset):
 @pytest.mark.parametrize("selection_kernel", [False, True])
 def test_left_padded_training_attention_equals_the_rows_alone(selection_kernel, monkeypatch):
     """Training attention (every backend) on a left-padded batch: each real query's output is the row's alone."""
-    import hf_nosa.training as training
+    import hf_nosa.attention.training as training
 
     monkeypatch.setattr(training, "SELECTION_KERNEL", selection_kernel)
     monkeypatch.setattr(training, "FLEX_TILE", 32)
@@ -337,7 +337,7 @@ def test_explicit_backend_equals_the_reference_with_gradients(G, padded):
 @pytest.mark.parametrize("G,fold", [(4, 1), (4, 2), (4, 4), (2, 2)])
 def test_folded_flex_layout_equals_explicit(G, fold, monkeypatch):
     """GQA members folded into the query rows: same outputs and bias gradient as the per-token mask path."""
-    import hf_nosa.training as training
+    import hf_nosa.attention.training as training
 
     monkeypatch.setattr(training, "FLEX_TILE", 16)
     cfg = small_nosa_config(**SPARSE)
@@ -375,8 +375,8 @@ def test_folded_block_table_covers_exactly_the_tiles_the_rule_touches(q_offset):
 
 
 def test_flex_fold_choice_and_bad_fold():
-    import hf_nosa.training as training
-    from hf_nosa.training import flex_fold
+    import hf_nosa.attention.training as training
+    from hf_nosa.attention.training import flex_fold
 
     assert [flex_fold(h, 8, limit=8) for h in (8, 16, 24, 32, 64, 128)] == [1, 2, 1, 4, 8, 8]
     assert flex_fold(32, 8, tile=2, limit=8) == 2
@@ -390,7 +390,7 @@ def test_flex_fold_choice_and_bad_fold():
 
 
 def _counting_selection(monkeypatch):
-    import hf_nosa.training as training
+    import hf_nosa.attention.training as training
 
     calls = []
     original = training.selected_block_indices
@@ -410,7 +410,7 @@ def test_checkpointed_backward_reuses_the_forward_selection(monkeypatch):
 
     from torch.utils.checkpoint import checkpoint
 
-    from hf_nosa import held_forward
+    from hf_nosa.attention import held_forward
 
     cfg = small_nosa_config(**SPARSE)
     calls = _counting_selection(monkeypatch)
@@ -442,7 +442,7 @@ def test_reentrant_checkpointing_selects_in_its_rerun(monkeypatch):
     backward) finds nothing and selects anew, with the same gradients."""
     from torch.utils.checkpoint import checkpoint
 
-    from hf_nosa import held_forward
+    from hf_nosa.attention import held_forward
 
     cfg = small_nosa_config(**SPARSE)
     calls = _counting_selection(monkeypatch)
@@ -472,8 +472,8 @@ def test_checkpointed_sparse_attention_reuses_the_forward_output_interpreted(int
 
     from torch.utils.checkpoint import checkpoint
 
-    from hf_nosa import held_forward
-    from hf_nosa.kernels import sparse_train_split
+    from hf_nosa.attention import held_forward
+    from hf_nosa.kernels.train import sparse_train_split
 
     cfg = small_nosa_config(**SPARSE)
     forwards = []
@@ -522,7 +522,7 @@ def test_checkpointed_sparse_attention_reuses_the_forward_output_interpreted(int
 def test_a_fingerprint_tells_layers_and_steps_apart():
     """Different inputs (another layer, a step later) give another fingerprint; the same inputs in the same layout
     (a rerun's) the same one, also through a transposed view (the query as attention gets it)."""
-    from hf_nosa import held_forward
+    from hf_nosa.attention import held_forward
 
     q, k, _, bias = _inputs(60, T=90)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
@@ -548,8 +548,8 @@ def test_checkpointed_forward_waits_on_the_host_on_gpu(monkeypatch):
 
     from torch.utils.checkpoint import checkpoint
 
-    from hf_nosa import held_forward
-    from hf_nosa.kernels import sparse_train_split
+    from hf_nosa.attention import held_forward
+    from hf_nosa.kernels.train import sparse_train_split
 
     cfg = small_nosa_config(**SPARSE)
     calls = _counting_selection(monkeypatch)
@@ -594,7 +594,7 @@ def test_checkpointed_forward_waits_on_the_host_on_gpu(monkeypatch):
 
 
 def test_selection_is_not_kept_without_gradients(monkeypatch):
-    from hf_nosa import held_forward
+    from hf_nosa.attention import held_forward
 
     cfg = small_nosa_config(**SPARSE)
     calls = _counting_selection(monkeypatch)
@@ -628,7 +628,7 @@ def test_model_step_with_gradient_checkpointing_selects_once_per_layer(monkeypat
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_key_tiles_of_one_block_equal_explicit(monkeypatch):
     """Key tiles as small as a NOSA block (FLEX_KV_TILE): same result, and no more tiles than the default."""
-    import hf_nosa.training as training
+    import hf_nosa.attention.training as training
 
     monkeypatch.setattr(training, "FLEX_TILE", 32)
     cfg = small_nosa_config(**SPARSE)
@@ -647,7 +647,7 @@ def test_key_tiles_of_one_block_equal_explicit(monkeypatch):
 @pytest.mark.parametrize("padded", [False, True])
 def test_selection_through_the_kernels_equals_the_reference(padded, monkeypatch):
     """SELECTION_KERNEL: the selection through kernels/train_select (interpreted here) picks the same blocks."""
-    import hf_nosa.training as training
+    import hf_nosa.attention.training as training
 
     cfg = small_nosa_config(**SPARSE)
     q, k, _, bias = _inputs(12, H=8, T=150)
@@ -665,7 +665,7 @@ def test_selection_through_the_kernels_equals_the_reference(padded, monkeypatch)
 def test_selection_kernel_on_gpu_picks_the_reference_blocks(monkeypatch):
     """SELECTION_KERNEL on CUDA at a training shape: the compiled block-score kernel changes the summation order
     only, so at most a near-tie in a handful of tokens may resolve differently."""
-    import hf_nosa.training as training
+    import hf_nosa.attention.training as training
 
     cfg = small_nosa_config(block_size=64, budget_tokens=512, query_tokens=128, sink_tokens=64, local_tokens=128,
                             compress_kernel=32, compress_stride=16)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from hf_nosa.training import nosa_training_attention
+from hf_nosa.attention.training import nosa_training_attention
 
 from .conftest import SPARSE, small_nosa_config
 

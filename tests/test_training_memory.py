@@ -5,7 +5,7 @@ import torch
 
 from hf_nosa import to_nosa
 from hf_nosa.modeling import randomize_eviction_heads
-from hf_nosa.training import nosa_training_attention
+from hf_nosa.attention.training import nosa_training_attention
 
 from .conftest import SPARSE, small_nosa_config, tiny_model
 
@@ -37,8 +37,8 @@ def test_a_checkpointed_sparse_step_keeps_what_dense_keeps_at_the_loss_interpret
     the second step's forward, so that nothing of the first step's backward is left either."""
     import functools
 
-    import hf_nosa.attention as attention
-    from hf_nosa import held_forward
+    import hf_nosa.modeling.attention as attention
+    from hf_nosa.attention import held_forward
 
     sparse = functools.partial(nosa_training_attention, backend="sparse")
     monkeypatch.setattr(attention, "nosa_training_attention", sparse)

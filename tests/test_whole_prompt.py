@@ -6,7 +6,7 @@ import torch
 
 from hf_nosa import NosaCache, NosaConfig, to_nosa
 from hf_nosa.modeling import fused, randomize_eviction_heads
-from hf_nosa.whole_prompt import gather_blocks
+from hf_nosa.prefill.whole_prompt import gather_blocks
 
 from .conftest import padded_batch, small_nosa_config, tiny_model
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from hf_nosa.workspace import HOST_GROWTH, DeviceWorkspace
+from hf_nosa.cache.workspace import HOST_GROWTH, DeviceWorkspace
 
 
 def test_a_smaller_or_other_shaped_host_buffer_reuses_the_same_memory():

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import NosaCache
+from ..cache.nosa_cache import NosaCache
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Run the synthetic suite and long-generation perplexity on any HF causal LM, with any cache, and ``hf-nosa eval``.
 
 Methods (``--cache``): ``default`` (transformers' DynamicCache: full attention), ``nosa`` (NosaCache with the NOSA
-rule), and the training-free baselines of ``hf_nosa.baselines`` on the same NosaCache engine and budget
+rule), and the training-free baselines of ``hf_nosa.eval.baselines`` on the same NosaCache engine and budget
 (``query_only``, ``quest``, ``shadowkv``). A model without eviction heads is converted with ``to_nosa`` for the
 NosaCache methods (``A = 0``: NOSA untrained). Every method prefills densely and decodes the question and answer
 one token at a time (see ``decode.py``), so they differ only in what decode attends to.
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from ..baselines import BASELINES, make_selector
-from ..cache import NosaCache
+from ..cache.nosa_cache import NosaCache
 from ..config import NosaConfig
 from ..modeling import eviction_heads, to_nosa
+from .baselines import BASELINES, make_selector
 from .decode import decode
 from .perplexity import long_generation_perplexity, perplexity_documents
 from .ruler import postprocess
@@ -41,9 +41,9 @@ def load_model(path: str | Path, *, device: str = "cpu", dtype: torch.dtype = to
 
     NOSA checkpoints (``model_type`` llama/qwen2/qwen3 or nosa_llama/nosa_qwen2/nosa_qwen3, with a "nosa" section)
     are rebuilt as the stock family class converted by ``to_nosa`` and loaded strictly, eviction heads included.
-    GGUF files are dequantised (``pip install "hf-nosa[gguf]"``); see ``hf_nosa.loading``.
+    GGUF files are dequantised (``pip install "hf-nosa[gguf]"``); see ``hf_nosa.modeling.loading``.
     """
-    from ..loading import load_causal_lm
+    from ..modeling.loading import load_causal_lm
 
     return load_causal_lm(path, device=device, dtype=dtype)
 

@@ -35,7 +35,7 @@ import random
 import uuid
 from dataclasses import dataclass
 
-from ..tokenizer import VOCAB_SIZE, byte_ids
+from ..modeling.tokenizer import VOCAB_SIZE, byte_ids
 from . import ruler
 from .corpus import SPLITS, corpus_text, prose_text
 

@@ -1,7 +1,7 @@
 """Retrofit adapter folders (PEFT LoRA + eviction heads + ``nosa_retrofit.json``) merged into their base for export.
 
 ``nosa_retrofit.json`` = {"base_model", "family", "nosa_config", "recipe", "steps", "final_loss",
-"tokens_per_second", "hf_nosa_version", "allocator"}, written by ``hf_nosa.retrofit`` next to the PEFT files
+"tokens_per_second", "hf_nosa_version", "allocator"}, written by ``hf_nosa.training.retrofit`` next to the PEFT files
 (``allocator``: the CUDA allocator setting the run trained with, None on the CPU).
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from ..config import NosaConfig
 from ..modeling import eviction_heads
-from ..retrofit import RUN_FILE, merge_adapter
+from ..training.retrofit import RUN_FILE, merge_adapter
 from .files import inside
 
 RECORD_FILE = RUN_FILE
@@ -49,8 +49,8 @@ def read_retrofit_record(folder: Path) -> dict[str, Any]:
 
 
 def merge_retrofit_adapter(folder: Path, base_model: Any = None):
-    """(merged NOSA model, record): ``hf_nosa.retrofit.merge_adapter`` with its failures stated as the adapter not
-    fitting the base (another family, other shapes or layer count, a different NosaConfig)."""
+    """(merged NOSA model, record): ``hf_nosa.training.retrofit.merge_adapter`` with its failures stated as the adapter
+    not fitting the base (another family, other shapes or layer count, a different NosaConfig)."""
     folder = Path(folder)
     record = read_retrofit_record(folder)
     if not (folder / ADAPTER_WEIGHTS).is_file():

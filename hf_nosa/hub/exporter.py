@@ -137,10 +137,10 @@ def _built_tokenizer(record: dict | None, base: Any):
     names ``tokenizer: bytes`` (the ``tiny`` recipe), or the one a GGUF base embeds."""
     recipe = (record or {}).get("recipe") or {}
     if recipe.get("tokenizer") == "bytes":
-        from ..tokenizer import build_tokenizer
+        from ..modeling.tokenizer import build_tokenizer
 
         return build_tokenizer()
-    from ..loading import is_gguf, load_tokenizer
+    from ..modeling.loading import is_gguf, load_tokenizer
 
     return load_tokenizer(base) if is_gguf(base) else None
 

@@ -1,4 +1,6 @@
-"""Device kernels of the decode path, each with a torch reference beside it.
+"""Device kernels, each with a torch reference beside it, by the phase that calls them: ``decode/`` (a step's
+selection, fetch and attention), ``prefill/`` (QUOKA's choice, chunk attention, host writes and reads), ``train/``
+(the training selection and block-sparse attention), ``layers/`` (a model layer's small ops in one launch).
 
 Dispatch: Triton on CUDA tensors, the torch reference on CPU tensors; ``HF_NOSA_KERNELS=torch|triton`` forces one
 (``backend.py``). Each module: the ``@triton.jit`` kernel(s), a launcher, the torch reference, the public function.
@@ -10,17 +12,17 @@ stride) would compile new variants in the middle of a request. Those arguments a
 dimension, block size and tile sizes stay ``tl.constexpr``.
 """
 
-from .block_scores import NewToken, append_token, block_select
-from .chunk_attention import chunk_attention
-from .decode_attention import decode_attention
-from .host_read import read_span
-from .fetch import FetchPlan, SlotPool, StepCounters, fetch_blocks, fetch_blocks_ref, fetch_step, plan_fetch
-from .quoka_score import quoka_score
-from .rms_norm import rms_norm
-from .rotary import apply_rotary
-from .silu_mul import silu_mul
-from .sparse_train_attention import sparse_train_attention
-from .train_select import train_block_scores, train_select_blocks
+from .decode.block_scores import NewToken, append_token, block_select
+from .decode.decode_attention import decode_attention
+from .decode.fetch import FetchPlan, SlotPool, StepCounters, fetch_blocks, fetch_blocks_ref, fetch_step, plan_fetch
+from .layers.rms_norm import rms_norm
+from .layers.rotary import apply_rotary
+from .layers.silu_mul import silu_mul
+from .prefill.chunk_attention import chunk_attention
+from .prefill.host_read import read_span
+from .prefill.quoka_score import quoka_score
+from .train.sparse_train_attention import sparse_train_attention
+from .train.train_select import train_block_scores, train_select_blocks
 
 __all__ = [
     "FetchPlan",

@@ -1,4 +1,4 @@
-"""Triton helpers for the quantized host store (``hf_nosa.host_quant``): quantize a block, dequantize a tile.
+"""Triton helpers for the quantized host store (``hf_nosa.cache.host_quant``): quantize a block, dequantize a tile.
 
 The fetch and host-write kernels call these, so that what a kernel stores and what it loads into the slot pool
 are bit for bit what the torch reference (``quantize_blocks``, ``dequantize_blocks``) gives. Every rounding is done

@@ -7,9 +7,9 @@ import types
 import torch
 from torch import nn
 
-from ..attention import EvictionHead
 from ..config import NosaConfig
 from . import llama, qwen2, qwen3
+from .attention import EvictionHead
 from .base import NosaAttentionMixin
 from .chunked import install_forward
 from .fused import fuse_modules

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import nosa_attention
+from .attention import nosa_attention
 
 
 class NosaAttentionMixin:

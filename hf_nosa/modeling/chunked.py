@@ -12,18 +12,18 @@ cache's length; its first chunk ends on a block boundary, so the later ones star
 Every call on a NosaCache is one turn (``NosaCache.turn``): one that raises part-way leaves the cache as it was.
 Eviction heads are checked for NaN and inf before every prompt and new turn, whatever the cache.
 
-Decode: a one-token step on CUDA replays a CUDA graph of the model's decode forward (``kernels.cuda_graph``),
+Decode: a one-token step on CUDA replays a CUDA graph of the model's decode forward (``modeling.cuda_graph``),
 captured once per shapes and buffers; caches built by ``generate(cache_implementation="nosa")`` draw their buffers
 from the model's workspace, so the graph also survives from one generate call to the next. A cache with another
-selector (``selectors.py``) decodes eagerly: its selection state grows and is indexed from the host every block, so
-its step is not one fixed graph. After a capture fails, the model decodes eagerly for good, whatever the cache (the
+selector (``cache/selectors.py``) decodes eagerly: its selection state grows and is indexed from the host every block,
+so its step is not one fixed graph. After a capture fails, the model decodes eagerly for good, whatever the cache (the
 failure comes from the model's forward, so the next cache would fail the same way); each reason is logged once.
 
 Left padding: a prompt whose rows start with padding (a 2D ``attention_mask`` with leading zeros) is sent through
 with each row's real tokens moved to the front and its padding to the end (``padding.roll_rows``; ids, positions
 and mask alike), and the cache is told each row's padding (``NosaCache.begin_prefill``). Every chunk boundary,
 block, compressed window and sink block then falls where it would for the row alone, QUOKA's chunked selection
-included, and the cache counts the row's later tokens from its first real one (``hf_nosa.padding``). The outputs
+included, and the cache counts the row's later tokens from its first real one (``hf_nosa.rules.padding``). The outputs
 are moved back: logits and hidden states come out at the positions the caller asked for, as the stock forward
 would give them. Such a prompt goes through this path even when it fits one chunk. A 2D mask never reaches the
 layers: the cache takes the prompt's padding from it, and each chunk runs with causal masking only (transformers
@@ -41,10 +41,10 @@ import os
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..cache import NosaCache
+from ..cache.nosa_cache import NosaCache
 from ..kernels.backend import kernel_path
-from ..kernels.cuda_graph import DecodeGraph, cache_keyword, in_stock_forward
-from ..padding import leading_padding, roll_rows
+from ..rules.padding import leading_padding, roll_rows
+from .cuda_graph import DecodeGraph, cache_keyword, in_stock_forward
 
 logger = logging.getLogger(__name__)
 GRAPH_ENV_VAR = "HF_NOSA_CUDA_GRAPH"  # "0" decodes eagerly (the reference the graph is tested against)
@@ -122,7 +122,7 @@ class NosaForward:
     def _left_padding(cache: NosaCache, kwargs: dict) -> torch.Tensor | None:
         """``[B]`` CPU long left padding of a new prompt's rows (one host read), or None when there is none to move:
         the cache holds tokens already, the mask is not a 2D padding mask, or the cache runs another selector
-        (``selectors.py``; those count from cache index 0)."""
+        (``cache/selectors.py``; those count from cache index 0)."""
         mask = kwargs.get("attention_mask")
         if cache.get_seq_length() != 0 or mask is None or mask.dim() != 2 or cache.has_selector:
             return None

@@ -1,10 +1,10 @@
 """The decoder layer's small ops on fused kernels: RMSNorm and the gated MLP's SiLU product.
 
 ``to_nosa`` swaps each stock ``*RMSNorm`` and SiLU ``*MLP`` module's class for a subclass whose forward calls one
-kernel (``kernels.rms_norm``, ``kernels.silu_mul``) in place of the stock eight and two launches; the rotary
-embedding goes through the attention's ``rotary`` (``kernels.rotary``). The subclasses add no parameter and keep
-every name, so state dicts, ``save_pretrained``, export and PEFT see the stock modules. The kernels run only where no
-gradient is wanted, on CUDA; elsewhere the forward is the stock computation, line for line.
+kernel (``kernels.layers.rms_norm``, ``kernels.layers.silu_mul``) in place of the stock eight and two launches; the
+rotary embedding goes through the attention's ``rotary`` (``kernels.layers.rotary``). The subclasses add no parameter
+and keep every name, so state dicts, ``save_pretrained``, export and PEFT see the stock modules. The kernels run only
+where no gradient is wanted, on CUDA; elsewhere the forward is the stock computation, line for line.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import types
 import torch
 from torch import nn
 
-from ..kernels.rms_norm import rms_norm
-from ..kernels.silu_mul import silu_mul
+from ..kernels.layers.rms_norm import rms_norm
+from ..kernels.layers.silu_mul import silu_mul
 
 SILU_NAMES = ("silu", "swish")
 

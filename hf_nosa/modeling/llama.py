@@ -2,7 +2,7 @@
 
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaRMSNorm
 
-from ..kernels.rotary import apply_rotary
+from ..kernels.layers.rotary import apply_rotary
 from .base import NosaAttentionMixin
 from .fused import FusedMLPMixin, FusedRMSNormMixin
 

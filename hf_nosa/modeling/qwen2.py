@@ -3,7 +3,7 @@ RMSNorm and MLP on fused kernels."""
 
 from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention, Qwen2ForCausalLM, Qwen2MLP, Qwen2RMSNorm
 
-from ..kernels.rotary import apply_rotary
+from ..kernels.layers.rotary import apply_rotary
 from .base import NosaAttentionMixin
 from .fused import FusedMLPMixin, FusedRMSNormMixin
 

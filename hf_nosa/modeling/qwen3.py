@@ -3,7 +3,7 @@
 
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3ForCausalLM, Qwen3MLP, Qwen3RMSNorm
 
-from ..kernels.rotary import apply_rotary
+from ..kernels.layers.rotary import apply_rotary
 from .base import NosaAttentionMixin
 from .fused import FusedMLPMixin, FusedRMSNormMixin
 

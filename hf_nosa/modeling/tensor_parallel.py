@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..selection import eviction_scores
+from ..rules.selection import eviction_scores
 
 
 class KVHeadShard:
@@ -74,7 +74,7 @@ class KVHeadShard:
         A = head.A[self.lo:self.hi]
         if (torch.is_grad_enabled() and (logits.requires_grad or A.requires_grad)) or torch.compiler.is_compiling():
             return eviction_scores(logits, A)
-        from ..kernels.eviction_bias import eviction_scale
+        from ..kernels.layers.eviction_bias import eviction_scale
 
         return eviction_scale(logits, A)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache_attention import attend_cache_inputs
+from ..attention.dispatch import attend_cache_inputs
 
 
 def is_serving_cache(cache) -> bool:

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import NosaCache
+from ..cache.host_store import HostStore, available_host_memory
+from ..cache.nosa_cache import NosaCache
 from ..config import NosaConfig
-from ..host_store import HostStore, available_host_memory
 
 
 DEVICE_SHARE = 0.5  # of the free device memory, for the requests' working sets when ServingBudget sets none

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_nosa.kernels.block_scores as mod
+import hf_nosa.kernels.decode.block_scores as mod
 from hf_nosa import NosaConfig
-from hf_nosa.kernels.block_scores import NewToken, append_token, append_token_ref, block_select, block_select_ref
-from hf_nosa.selection import MASK_VALUE, compress_keys, favour_resident, num_windows, select_blocks
+from hf_nosa.kernels.decode.block_scores import NewToken, append_token, append_token_ref, block_select, block_select_ref
+from hf_nosa.rules.selection import MASK_VALUE, compress_keys, favour_resident, num_windows, select_blocks
 from tests.conftest import small_nosa_config
 from tests.utils import assert_close
 
@@ -152,7 +152,7 @@ ROW_CASES = [  # H, Hk, D, t, dtype, cfg, append, offsets (the rows' left paddin
 @pytest.mark.parametrize("H,Hk,D,t,dtype,cfg,append,offsets", ROW_CASES)
 def test_row_offsets_select_like_each_row_alone_interpreted(interpret, poison, monkeypatch, H, Hk, D, t, dtype, cfg,
                                                             append, offsets):
-    """Rows stored row-relative (hf_nosa.padding): with ``offsets`` the kernel gives every row what the reference
+    """Rows stored row-relative (hf_nosa.rules.padding): with ``offsets`` the kernel gives every row what the reference
     gives that row alone at its own token t - offsets[b] (appended window, ring and selection)."""
     scale = D ** -0.5
     rows = [make_state(1, H, Hk, D, t - off, dtype, 256, cfg, append, seed=b) for b, off in enumerate(offsets)]

@@ -9,13 +9,13 @@ import importlib
 import pytest
 import torch
 
-from hf_nosa.attend import AttentionInputs, attend
-from hf_nosa.selection import MASK_VALUE
+from hf_nosa.rules.attend import AttentionInputs, attend
+from hf_nosa.rules.selection import MASK_VALUE
 
 from ..utils import assert_close
 
 # The package re-exports a function of the module's name: take the module itself.
-chunk_module = importlib.import_module("hf_nosa.kernels.chunk_attention")
+chunk_module = importlib.import_module("hf_nosa.kernels.prefill.chunk_attention")
 
 
 def _case(B, H, Hk, D, lengths, n_selected, dtype, device, seed, shift=0):

@@ -7,9 +7,9 @@ compiled kernel at the 1b shape's sizes.
 import pytest
 import torch
 
-from hf_nosa.compressed_keys import CompressedKeys
-from hf_nosa.kernels.compress_extend import extend_windows
-from hf_nosa.selection import num_windows
+from hf_nosa.cache.compressed_keys import CompressedKeys
+from hf_nosa.kernels.prefill.compress_extend import extend_windows
+from hf_nosa.rules.selection import num_windows
 
 from ..conftest import small_nosa_config
 

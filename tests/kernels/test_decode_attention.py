@@ -11,11 +11,11 @@ import importlib
 import pytest
 import torch
 
-from hf_nosa.kernels.decode_attention import decode_attention, decode_attention_ref
-from hf_nosa.selection import MASK_VALUE
+from hf_nosa.kernels.decode.decode_attention import decode_attention, decode_attention_ref
+from hf_nosa.rules.selection import MASK_VALUE
 from tests.utils import assert_close
 
-mod = importlib.import_module("hf_nosa.kernels.decode_attention")  # the package re-exports a function of that name
+mod = importlib.import_module("hf_nosa.kernels.decode.decode_attention")  # the package re-exports a function of that name
 TOL = {torch.float32: dict(atol=3e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 

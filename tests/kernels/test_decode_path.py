@@ -12,9 +12,9 @@ import torch
 
 import hf_nosa
 from hf_nosa import NosaCache, NosaConfig
-from hf_nosa.cache import NosaLayer
-from hf_nosa.kernels.block_scores import block_select
-from hf_nosa.kernels.cuda_graph import DecodeGraph, greedy_decode
+from hf_nosa.cache.nosa_cache import NosaLayer
+from hf_nosa.kernels.decode.block_scores import block_select
+from hf_nosa.modeling.cuda_graph import DecodeGraph, greedy_decode
 from hf_nosa.modeling import randomize_eviction_heads
 from tests.conftest import small_nosa_config, tiny_model
 from tests.utils import assert_close
@@ -195,7 +195,7 @@ def test_cuda_graph_replay_equals_eager_gpu(compiled, monkeypatch):
 
 def test_query_only_kernel_selector_equals_the_baseline(interpret, monkeypatch):
     """The query-only rule on block_select (used by the throughput benchmark) picks what baselines.py picks."""
-    baselines = pytest.importorskip("hf_nosa.baselines")
+    baselines = pytest.importorskip("hf_nosa.eval.baselines")
     monkeypatch.setenv("HF_NOSA_KERNELS", "torch")
     model = nosa_model(num_hidden_layers=1, seed=5)
     cache = NosaCache(model.config)
@@ -222,7 +222,7 @@ def test_query_only_kernel_selector_equals_the_baseline(interpret, monkeypatch):
 def test_benchmark_fill_matches_a_dense_prefill():
     """decode_throughput.py fills NosaCache layers directly; the state must be what a dense prefill leaves."""
     from benchmarks.decode_throughput import build_model, fill_nosa, nosa_config
-    from hf_nosa.selection import num_windows
+    from hf_nosa.rules.selection import num_windows
 
     model = build_model("smoke", "cpu", torch.float32)
     ncfg = nosa_config(smoke=True)

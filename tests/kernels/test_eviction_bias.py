@@ -10,11 +10,11 @@ import importlib
 import pytest
 import torch
 
-from hf_nosa import selection
-from hf_nosa.attention import eviction_bias
-from hf_nosa.selection import eviction_scores
+from hf_nosa.rules import selection
+from hf_nosa.modeling.attention import eviction_bias
+from hf_nosa.rules.selection import eviction_scores
 
-eviction_module = importlib.import_module("hf_nosa.kernels.eviction_bias")
+eviction_module = importlib.import_module("hf_nosa.kernels.layers.eviction_bias")
 
 
 def _logits(B, T, Hk, dtype, seed, device="cpu"):

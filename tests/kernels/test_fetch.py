@@ -12,11 +12,11 @@ import copy
 import pytest
 import torch
 
-from hf_nosa.host_quant import quantization_error_bound
-from hf_nosa.host_store import HostStore
-from hf_nosa.kernels.fetch import BLOCKS_ENV_VAR, SlotPool, StepCounters, blocks_per_copy, fetch_step, fetch_step_ref
-from hf_nosa.pool_attention import part_bounds
-from hf_nosa.selection import MASK_VALUE
+from hf_nosa.cache.host_quant import quantization_error_bound
+from hf_nosa.cache.host_store import HostStore
+from hf_nosa.kernels.decode.fetch import BLOCKS_ENV_VAR, SlotPool, StepCounters, blocks_per_copy, fetch_step, fetch_step_ref
+from hf_nosa.attention.pool import part_bounds
+from hf_nosa.rules.selection import MASK_VALUE
 
 from .test_host_write import assert_same_store
 
@@ -27,7 +27,7 @@ from .test_host_write import assert_same_store
 def make_state(B, Hk, D, P, K, T, dtype, device, chunk_blocks, gen, offsets=None, host_dtype="auto"):
     """A host store holding T tokens (several chunks) and a slot pool poisoned with NaN, tail holding T's block.
 
-    With ``offsets`` row b is stored row-relative (``hf_nosa.padding``): its tokens end at ``T - offsets[b]`` and its
+    With ``offsets`` row b is stored row-relative (``hf_nosa.rules.padding``): its tokens end at ``T - offsets[b]`` and its
     tail holds that block."""
     host = HostStore(B, Hk, D, dtype, P, pin=device.type == "cuda", host_dtype=host_dtype)
     host.chunk_tokens = chunk_blocks * P  # several host chunks: blocks are found through the block table
@@ -144,7 +144,7 @@ def run_trajectory(B, Hk, D, P, K, T, dtype, device, steps, chunk_blocks=4, seed
         for host in (host_ref, host_ker):
             host.ensure_capacity(t + 1)
         fetch_step_ref(selected, pool_ref, host_ref, k_new, v_new, b_new, step_ref, counters_ref, i > 0, offsets)
-        for b0, b1 in part_bounds(B, parts):  # rows b0 .. b1 - 1 of the batch (hf_nosa.decode_parts)
+        for b0, b1 in part_bounds(B, parts):  # rows b0 .. b1 - 1 of the batch (hf_nosa.cache.decode_parts)
             rows = slice(b0, b1)
             fetch_step(selected[rows], SlotPool(*(x[rows] for x in pool_ker)), host_ker, k_new[rows], v_new[rows],
                        b_new[rows], step_ker, counters_ker, count_locality=i > 0,
@@ -297,7 +297,7 @@ def test_unpinned_store_on_cuda(monkeypatch):
 def test_fetch_selection_matches_reference_interpreted(interpret, B, Hk, D, P, K, T, dtype, host_dtype):
     """The no-token mode of the fetch kernel (QUOKA chunks): the pool holds exactly the selection, blocks kept from
     the previous selection stay in their slots, empty slots carry MASK_VALUE, the counters match."""
-    from hf_nosa.kernels.fetch import fetch_selection, fetch_selection_ref
+    from hf_nosa.kernels.decode.fetch import fetch_selection, fetch_selection_ref
 
     gen = torch.Generator().manual_seed(3)
     device = torch.device("cpu")

@@ -10,11 +10,11 @@ import importlib
 import pytest
 import torch
 
-from hf_nosa.selection import MASK_VALUE
+from hf_nosa.rules.selection import MASK_VALUE
 
 from ..utils import assert_close
 
-flash_module = importlib.import_module("hf_nosa.kernels.flash_biased")
+flash_module = importlib.import_module("hf_nosa.kernels.prefill.flash_biased")
 
 
 def _inputs(B, H, Hk, Tq, S, D, dtype, device, seed, extreme=False, hidden=0.0):

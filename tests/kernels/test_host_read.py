@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_nosa.host_store import HostStore
-from hf_nosa.kernels.host_read import read_span, read_span_ref
+from hf_nosa.cache.host_store import HostStore
+from hf_nosa.kernels.prefill.host_read import read_span, read_span_ref
 
 
 def make_store(B, Hk, D, P, T, dtype, host_dtype, offsets, pin, seed=0):

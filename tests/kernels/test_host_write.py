@@ -6,11 +6,11 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_nosa.host_quant import HOST_FORMATS, dequantize_blocks, quantize_blocks
-from hf_nosa.host_store import HostStore
+from hf_nosa.cache.host_quant import HOST_FORMATS, dequantize_blocks, quantize_blocks
+from hf_nosa.cache.host_store import HostStore
 from hf_nosa.kernels.backend import launcher
 from hf_nosa.kernels.host_format import cast_rtne, dequantize, quantize_block
-from hf_nosa.kernels.host_write import WRITE_PROGRAMS_ENV_VAR, host_write, write_programs
+from hf_nosa.kernels.prefill.host_write import WRITE_PROGRAMS_ENV_VAR, host_write, write_programs
 
 
 # The checks read stores with ``read_torch`` (the reference of ``kernels.host_read``, tested against it in

@@ -9,7 +9,7 @@ import importlib
 import pytest
 import torch
 
-move_module = importlib.import_module("hf_nosa.kernels.move_in")
+move_module = importlib.import_module("hf_nosa.kernels.prefill.move_in")
 
 
 def _case(B, Hk, S, K, P, D, T, n_held, n_kept, seed, device="cpu", dtype=torch.float32):

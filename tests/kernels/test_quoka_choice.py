@@ -9,7 +9,7 @@ import importlib
 import pytest
 import torch
 
-choice_module = importlib.import_module("hf_nosa.kernels.quoka_choice")
+choice_module = importlib.import_module("hf_nosa.kernels.prefill.quoka_choice")
 
 
 def _case(B, H, T, D, dtype, seed, pad=None, device="cpu"):

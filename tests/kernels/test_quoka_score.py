@@ -9,13 +9,13 @@ import importlib
 import pytest
 import torch
 
-from hf_nosa.selection import MASK_VALUE, QUOKA_PADDING_SCORE, quoka_scores
+from hf_nosa.rules.selection import MASK_VALUE, QUOKA_PADDING_SCORE, quoka_scores
 
 from ..conftest import small_nosa_config
 from ..utils import assert_close
 
 # The package re-exports a function of the module's name: take the module itself.
-quoka_score_module = importlib.import_module("hf_nosa.kernels.quoka_score")
+quoka_score_module = importlib.import_module("hf_nosa.kernels.prefill.quoka_score")
 
 
 def _inputs(B, H, Hk, R, n, D, W, dtype, device, seed):

@@ -9,11 +9,11 @@ import importlib
 import pytest
 import torch
 
-from hf_nosa.selection import QUOKA_PADDING_SCORE
+from hf_nosa.rules.selection import QUOKA_PADDING_SCORE
 
 from ..conftest import small_nosa_config
 
-top_module = importlib.import_module("hf_nosa.kernels.quoka_top")
+top_module = importlib.import_module("hf_nosa.kernels.prefill.quoka_top")
 
 
 def _scores(B, Hk, R, N, seed, device="cpu"):

@@ -19,7 +19,7 @@ from hf_nosa import to_nosa
 from hf_nosa.modeling.llama import NosaLlamaRMSNorm
 from tests.conftest import small_nosa_config, tiny_model
 
-norm_module = importlib.import_module("hf_nosa.kernels.rms_norm")
+norm_module = importlib.import_module("hf_nosa.kernels.layers.rms_norm")
 STOCK = (LlamaRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm)
 
 

@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as lla
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb as qwen2_rotary
 from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb as qwen3_rotary
 
-rotary_module = importlib.import_module("hf_nosa.kernels.rotary")
+rotary_module = importlib.import_module("hf_nosa.kernels.layers.rotary")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 

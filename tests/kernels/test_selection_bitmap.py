@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_nosa.kernels.backend import HAS_TRITON
-from hf_nosa.kernels.selection_bitmap import ROWS, selection_bitmap, selection_bitmap_ref
+from hf_nosa.kernels.train.selection_bitmap import ROWS, selection_bitmap, selection_bitmap_ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs the triton package")

@@ -20,7 +20,7 @@ from hf_nosa import to_nosa
 from hf_nosa.modeling.llama import NosaLlamaMLP
 from tests.conftest import small_nosa_config, tiny_model
 
-silu_module = importlib.import_module("hf_nosa.kernels.silu_mul")
+silu_module = importlib.import_module("hf_nosa.kernels.layers.silu_mul")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 

@@ -16,13 +16,13 @@ import math
 import pytest
 import torch
 
-from hf_nosa.kernels.sparse_train_common import ROW_DOT_ROWS, row_dot, row_dot_ref
-from hf_nosa.selection import MASK_VALUE
+from hf_nosa.kernels.train.sparse_train_common import ROW_DOT_ROWS, row_dot, row_dot_ref
+from hf_nosa.rules.selection import MASK_VALUE
 
 from ..utils import assert_close
 
-sparse_module = importlib.import_module("hf_nosa.kernels.sparse_train_attention")
-plan_module = importlib.import_module("hf_nosa.kernels.sparse_train_plan")
+sparse_module = importlib.import_module("hf_nosa.kernels.train.sparse_train_attention")
+plan_module = importlib.import_module("hf_nosa.kernels.train.sparse_train_plan")
 needs_triton = pytest.mark.skipif(not sparse_module.HAS_TRITON, reason="needs the triton package")
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -204,8 +204,8 @@ def test_cpu_tensors_take_the_reference(monkeypatch):
 
 def test_reference_equals_the_training_token_mask():
     """The reference's rule is ``training._token_mask``: the same output as attending with that mask."""
-    from hf_nosa.attend import AttentionInputs, attend
-    from hf_nosa.training import _positions, _token_mask
+    from hf_nosa.rules.attend import AttentionInputs, attend
+    from hf_nosa.attention.training import _positions, _token_mask
 
     q, k, v, bias, bitmap, offsets = _inputs(2, 4, 2, 70, 6, 16, 16, pads=(0, 11), density=0.2)
     mask = _token_mask(bitmap, _positions(6, 70, offsets, "cpu"), 70, 16, offsets)
@@ -240,7 +240,7 @@ def test_kernels_match_reference_on_gpu(dtype, D):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sparse_backend_on_gpu_equals_explicit(dtype):
     from hf_nosa import NosaConfig
-    from hf_nosa.training import nosa_training_attention
+    from hf_nosa.attention.training import nosa_training_attention
 
     cfg = NosaConfig(block_size=64, budget_tokens=512, query_tokens=128, sink_tokens=64, local_tokens=128,
                      compress_kernel=32, compress_stride=16)

@@ -13,12 +13,12 @@ import math
 import pytest
 import torch
 
-from hf_nosa.selection import MASK_VALUE
+from hf_nosa.rules.selection import MASK_VALUE
 
 from ..utils import assert_close
 
-sparse_module = importlib.import_module("hf_nosa.kernels.sparse_train_attention")
-plan_module = importlib.import_module("hf_nosa.kernels.sparse_train_plan")
+sparse_module = importlib.import_module("hf_nosa.kernels.train.sparse_train_attention")
+plan_module = importlib.import_module("hf_nosa.kernels.train.sparse_train_plan")
 needs_triton = pytest.mark.skipif(not sparse_module.HAS_TRITON, reason="needs the triton package")
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -166,7 +166,7 @@ def _seen_by_plan(plan, bitmap, P, q_offset, offsets, T):
                                                              (3, 12, 6, 20, (0, 11)), (2, 16, 16, 0, (7, 30))])
 def test_split_plan_covers_each_visible_key_once(G, tile, extra_tile, q_offset, pads):
     """Every key a token sees by the rule is visited exactly once over the two parts, and no other key."""
-    from hf_nosa.training import _positions, _token_mask
+    from hf_nosa.attention.training import _positions, _token_mask
 
     B, Hk, P, T = 2, 2, 8, 48
     Tq, N = T - q_offset, math.ceil(T / P)
@@ -259,7 +259,7 @@ def test_split_work_of_a_causal_selection():
 def test_split_matches_reference_on_gpu(dtype):
     """The 1b shape's heads with the real selection (blocks of 64, a 1024-token budget), padded and not."""
     from hf_nosa import NosaConfig
-    from hf_nosa.training import selected_blocks
+    from hf_nosa.attention.training import selected_blocks
 
     cfg = NosaConfig(block_size=64, budget_tokens=1024, query_tokens=256, sink_tokens=64, local_tokens=256,
                      compress_kernel=32, compress_stride=16)

@@ -12,15 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_nosa.training as training
+import hf_nosa.attention.training as training
 from hf_nosa import NosaConfig
-from hf_nosa.kernels.train_select import (
+from hf_nosa.kernels.train.train_select import (
     dynamic_blocks,
     train_block_scores,
     train_select_blocks,
     train_select_blocks_ref,
 )
-from hf_nosa.selection import (
+from hf_nosa.rules.selection import (
     MASK_VALUE,
     compress_keys,
     eviction_block_scores,
@@ -356,7 +356,7 @@ def test_kernels_at_the_1b_training_shape(monkeypatch, pads):
     """Compiled, at the 1b shape (H 32, Hk 8, D 64, bf16) and the paper's rule (block 64, windows 32 / 16, K 64):
     the scores match the reference's, the choice is exactly the reference's on the kernel's scores, and the whole
     selection differs from the torch path's in at most a near-tie of a few tokens."""
-    from hf_nosa.padding import to_rows
+    from hf_nosa.rules.padding import to_rows
 
     cfg = NosaConfig()
     B, T = (1, 8192) if pads is None else (2, 4096)

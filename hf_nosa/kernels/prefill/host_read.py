@@ -1,0 +1,135 @@
+"""Span read: tokens ``start .. end - 1`` of every (sequence, KV head) of the host store, onto the device.
+
+What a dense read of the store needs (the QUOKA prefill's dense tail reads the whole prompt a piece at a time,
+``hf_nosa.attention.prefix``): ``k, v [B, Hk, T, D]`` in the model's dtype and ``b [B, Hk, T]`` fp32.
+
+- ``read_span_ref``: the torch reference, ``HostStore.read_torch`` (slices of each chunk moved with ``.to``; a slice
+  ``[:, :, a:b]`` of a ``[B, Hk, C, D]`` chunk is not contiguous, so torch first copies it into pageable memory on
+  the CPU and then copies that synchronously: on a 64K prompt at batch 38 this moved 76 GB at CPU-copy speed).
+- ``read_span``: one Triton launch on CUDA. Each program copies one block of one (sequence, KV head) straight from
+  pinned host memory through the store's block table (UVA, as ``fetch_step`` does), dequantizing a quantized
+  store's bytes with their block scale, and taking each row's incomplete block from the store's tail. No host sync:
+  the launch is ordered after the store's writes on the device (the caller's stream waits for the writer stream;
+  an asynchronous write's event is waited on by the stream, not by the host).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
+from ..host_format import cast_rtne, dequantize
+
+if HAS_TRITON:
+
+    @triton.jit(do_not_specialize=["start", "end", "first_block", "table_stride"])
+    def _read_span_kernel(
+        table_ptr, tail_block_ptr, k_out_ptr, v_out_ptr, b_out_ptr,
+        start, end, first_block, table_stride,
+        HK: tl.constexpr, P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+        QUANT: tl.constexpr, FP8: tl.constexpr,
+    ):
+        i_bh = tl.program_id(0).to(tl.int64)  # this (sequence, KV head)'s row in a host chunk
+        blk = first_block + tl.program_id(1)
+        o_p = tl.arange(0, P)
+        o_d = tl.arange(0, D_PAD)
+        m_d = o_d < D
+        tok = blk.to(tl.int64) * P + o_p  # [P]
+        m_t = (tok >= start) & (tok < end)
+        m_td = m_t[:, None] & m_d[None, :]
+        # The table gives the block's first token in row 0 of its chunk and the chunk's row length.
+        row_len = tl.load(table_ptr + 3 * table_stride + blk)
+        src = (i_bh * row_len)[None] + o_p  # [P] tokens from the block's address
+        kv_off = src[:, None] * D + o_d[None, :]
+        host_b = tl.multiple_of(tl.load(table_ptr + 2 * table_stride + blk), 16).to(b_out_ptr.dtype)
+        b_b = tl.load(host_b + src, mask=m_t)
+        if QUANT:
+            # complete blocks: the stored bytes times the block's scale; the row's incomplete block: its tail
+            tail_block = tl.load(tail_block_ptr + i_bh // HK)
+            in_tail = (tok // P) == tail_block  # [P], all equal: per token keeps the masks' dtype
+            m_q = m_td & (in_tail == 0)[:, None]
+            host_k = tl.multiple_of(tl.load(table_ptr + blk), 16).to(tl.pointer_type(tl.uint8))
+            host_v = tl.multiple_of(tl.load(table_ptr + table_stride + blk), 16).to(tl.pointer_type(tl.uint8))
+            scale_off = i_bh * (row_len // P)
+            s_k = tl.load(tl.load(table_ptr + 4 * table_stride + blk).to(tl.pointer_type(tl.float32)) + scale_off)
+            s_v = tl.load(tl.load(table_ptr + 5 * table_stride + blk).to(tl.pointer_type(tl.float32)) + scale_off)
+            b_k = dequantize(tl.load(host_k + kv_off, mask=m_q, other=0), s_k, FP8)
+            b_v = dequantize(tl.load(host_v + kv_off, mask=m_q, other=0), s_v, FP8)
+            b_k = cast_rtne(b_k, k_out_ptr.dtype.element_ty)
+            b_v = cast_rtne(b_v, v_out_ptr.dtype.element_ty)
+            m_tail = m_td & in_tail[:, None]
+            tail_off = (i_bh * P + o_p)[:, None] * D + o_d[None, :]
+            tail_k = tl.load(table_ptr + 6 * table_stride).to(k_out_ptr.dtype)
+            tail_v = tl.load(table_ptr + 7 * table_stride).to(v_out_ptr.dtype)
+            b_k = tl.where(m_tail, tl.load(tail_k + tail_off, mask=m_tail, other=0.0), b_k)
+            b_v = tl.where(m_tail, tl.load(tail_v + tail_off, mask=m_tail, other=0.0), b_v)
+        else:
+            host_k = tl.multiple_of(tl.load(table_ptr + blk), 16).to(k_out_ptr.dtype)
+            host_v = tl.multiple_of(tl.load(table_ptr + table_stride + blk), 16).to(v_out_ptr.dtype)
+            b_k = tl.load(host_k + kv_off, mask=m_td)
+            b_v = tl.load(host_v + kv_off, mask=m_td)
+        T = end - start
+        out = i_bh * T + (tok - start)  # [P] token rows of the [B, Hk, T] output
+        tl.store(k_out_ptr + out[:, None] * D + o_d[None, :], b_k, mask=m_td)
+        tl.store(v_out_ptr + out[:, None] * D + o_d[None, :], b_v, mask=m_td)
+        tl.store(b_out_ptr + out, b_b, mask=m_t)
+
+
+def read_span_ref(host, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of ``read_span``."""
+    return host.read_torch(start, end, device)
+
+
+def _read_span_triton(host, start: int, end: int, device: torch.device):
+    B, Hk, D, P = host.batch, host.kv_heads, host.head_dim, host.block_size
+    T = end - start
+    k = torch.empty(B, Hk, T, D, dtype=host.dtype, device=device)
+    v = torch.empty_like(k)
+    b = torch.empty(B, Hk, T, dtype=torch.float32, device=device)
+    if T == 0:
+        return k, v, b
+    table = host.block_table(device)
+    if host.format is not None:
+        tail_block = host.tail_blocks_on(device)
+    else:
+        tail_block = table  # not read
+    if device.type == "cuda":
+        host.order_after_writes(device)
+    first = start // P
+    n_blocks = (end - 1) // P - first + 1
+    fmt = host.format
+    with on_device(k):
+        launcher(_read_span_kernel)[(B * Hk, n_blocks)](
+            table, tail_block, k, v, b, start, end, first, table.stride(0),
+            HK=Hk, P=P, D=D, D_PAD=next_power_of_2(D),
+            QUANT=fmt is not None, FP8=fmt is not None and not fmt.integer,
+            num_warps=4,
+        )
+    return k, v, b
+
+
+def read_span(host, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens ``start .. end - 1`` of ``host`` (a ``HostStore``) on ``device``: ``k, v [B, Hk, T, D]`` in the
+    model's dtype, ``b [B, Hk, T]`` fp32; one launch reading pinned memory on CUDA, the torch reference elsewhere.
+
+    ``0 <= start <= end <= host.capacity``; the tokens must have been written (on the device: by work the current
+    stream is ordered after)."""
+    device = torch.device(device)
+    if not 0 <= start <= end <= host.capacity:
+        raise ValueError(f"read_span: start={start}, end={end} must satisfy 0 <= start <= end <= capacity "
+                         f"({host.capacity} tokens)")
+    probe = torch.empty(0, device=device)
+    path = kernel_path("host_read", probe)
+    if path == "triton" and device.type == "cuda" and not host.pin:
+        from ..backend import forced_path
+
+        if forced_path() == "triton":
+            raise ValueError("host_read on CUDA with HF_NOSA_KERNELS=triton needs a pinned host store "
+                             "(NosaConfig.offload=True): the kernel reads host memory through its device address.")
+        log_fallback("host_read", "cuda", "the host store is not pinned (NosaConfig.offload=False)")
+        path = "torch"
+    if path == "torch":
+        return read_span_ref(host, start, end, device)
+    if device.type != "cuda":  # the interpreter reads the CPU store as the GPU reads pinned memory
+        host.wait_writes()
+    return _read_span_triton(host, start, end, device)

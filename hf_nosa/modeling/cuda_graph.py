@@ -1,0 +1,391 @@
+"""Replaying a NOSA decode step from a CUDA graph.
+
+transformers' ``generate`` captures CUDA graphs only through ``torch.compile`` with a compileable cache (static
+shapes, no Python state), which NosaCache is not: its host store grows and its counters live in Python. Its
+device-kernel decode path is, however, free of host syncs and reads the token index from the device, so the
+whole model forward of one decode token can be captured by hand and replayed, with the cache's Python bookkeeping
+run around each replay. ``DecodeGraph`` does that; ``greedy_decode`` is a small generation loop on top.
+
+Graphs are kept by key (the batch, every layer's buffer addresses and shapes, whether the step counts locality):
+up to ``MAX_GRAPHS`` of them, the least recently replayed dropped first, so a request whose buffers and shapes
+an earlier one had (the first step after a prefill, or a cache whose compressed keys sit in a workspace buffer of
+the same capacity) replays that graph instead of capturing again. A step of a new key runs eagerly before its
+capture, so kernels are compiled outside it (the first two steps after a prefill run eagerly). A left-padded batch
+replays too: each row's padding length is a device tensor the kernels read (``hf_nosa.rules.padding``). Limits: greedy
+only in ``greedy_decode``; CUDA only. With ``HF_NOSA_DECODE_PARTS`` above 1 the graph holds the batch's parts on
+their own streams, so one part's fetch overlaps another's compute (``hf_nosa.cache.decode_parts``).
+
+A capture that raises is cleaned up before the error reaches the caller (``abandon_capture``): the capture stream
+ends, the caller's stream, the allocator's private pool and the default CUDA generator are put back, so the process
+can go on decoding eagerly (and keep using CUDA random numbers).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import sys
+import warnings
+from collections import OrderedDict
+from contextvars import ContextVar
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_STOCK_FORWARD: ContextVar[bool] = ContextVar("hf_nosa_stock_forward", default=False)
+# Captured decode graphs a DecodeGraph keeps (each holds its own memory pool: one decode step's activations).
+MAX_GRAPHS = 4
+
+
+class stock_forward:
+    """Inside this context a NOSA model's forward is the stock one (``modeling.chunked`` steps aside), so a graph
+    captures the plain decode forward rather than a replay of itself."""
+
+    def __enter__(self):
+        self._token = _STOCK_FORWARD.set(True)
+
+    def __exit__(self, *exc):
+        _STOCK_FORWARD.reset(self._token)
+
+
+def in_stock_forward() -> bool:
+    return _STOCK_FORWARD.get()
+
+
+def cache_keyword(module: torch.nn.Module) -> str:
+    """The name this transformers version gives the cache argument of ``module.forward``."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+class DecodeGraph:
+    """One decode token of ``model`` with a NosaCache, captured once and replayed.
+
+    Args:
+        model: a NOSA causal LM (``hf_nosa.to_nosa``) on CUDA, in eval mode.
+        cache: its NosaCache, after a prefill, on the device-kernel path (CUDA tensors, ``HF_NOSA_KERNELS`` not
+            ``torch``).
+
+    Call it with ``input_ids [B, 1]`` and ``position_ids [B, 1]`` (CUDA long); it returns ``[B, vocab]`` logits
+    (a buffer the next call overwrites).
+    """
+
+    def __init__(self, model, cache):
+        self.model, self.cache = model, cache
+        self.graph: torch.cuda.CUDAGraph | None = None  # the graph of ``key``, the last one replayed
+        self.key = None
+        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()  # key -> (graph, ids, positions, logits), LRU last
+        self._eager_keys: set = set()  # keys that ran their eager step (kept while their graph may be asked for)
+        self.captures = 0
+        self.replays = 0
+        self.capturing_failed: BaseException | None = None  # set when a capture raised (callers fall back)
+        self.eager_syncs: list[str] = []  # where the last eager step of a new key synchronised with the host
+        self._part_streams: list[torch.cuda.Stream] = []  # one per part of the batch (hf_nosa.cache.decode_parts)
+        self._fetch_events: list | None = None  # per layer and part, when the parts' fetches are staggered
+        self.recaptures: list[str] = []  # why the captured graph stopped fitting, once per change (for benchmarks)
+
+    def _layers(self):
+        return list(self.cache.layers)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if not input_ids.is_cuda or input_ids.shape[1] != 1 or position_ids.shape != input_ids.shape:
+            raise ValueError("DecodeGraph takes CUDA input_ids and position_ids of shape [B, 1]")
+        layers = self._layers()
+        if not layers or not all(layer.is_initialized and layer.seen > 0 for layer in layers):
+            raise ValueError("DecodeGraph needs a cache that went through a prefill (every layer initialised)")
+        t = layers[0].seen
+        for layer in layers:
+            layer.prepare_fused_step(t)
+        key = (tuple(input_ids.shape), tuple(layer.fused_graph_key() for layer in layers), *self._parts_key(input_ids))
+        if key in self.graphs:
+            self.graphs.move_to_end(key)
+            self.graph, self.static_ids, self.static_pos, self.static_logits = self.graphs[key]
+            self.key = key
+        else:
+            change = _key_change(self.key, key) if self.key is not None else None
+            if change is not None and (not self.recaptures or self.recaptures[-1] != change):
+                self.recaptures.append(change)
+            if key not in self._eager_keys:
+                # Run a step of this key eagerly first: it compiles every kernel variant the capture will launch
+                # (compiling or loading a module while capturing is not allowed). Host syncs in it are noted: a
+                # sync that is also in the captured step breaks the capture, and the error then names them.
+                if len(self._eager_keys) >= 4 * MAX_GRAPHS:
+                    self._eager_keys.clear()
+                self._eager_keys.add(key)
+                with _noting_host_syncs() as self.eager_syncs:
+                    return self._forward(input_ids, position_ids)
+            self._capture(input_ids, position_ids, key)
+        self.static_ids.copy_(input_ids)
+        self.static_pos.copy_(position_ids)
+        self.graph.replay()
+        self.replays += 1
+        for layer in layers:
+            layer.finish_fused_step(t)
+        return self.static_logits
+
+    def _parts(self, input_ids) -> int:
+        from ..cache.decode_parts import decode_parts  # the cache's module imports this one
+
+        return decode_parts(self.cache, input_ids.shape[0])
+
+    def _parts_key(self, input_ids) -> tuple[int, bool]:
+        from ..cache.decode_parts import stagger_fetches
+
+        parts = self._parts(input_ids)
+        return parts, parts > 1 and stagger_fetches()
+
+    def _model_forward(self, input_ids, position_ids, cache):
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True,
+                         **{cache_keyword(self.model): cache})
+        return out.logits[:, -1]
+
+    def _forward(self, input_ids, position_ids, *, capturing: bool = False):
+        """The model's decode forward; by parts of the batch (``hf_nosa.cache.decode_parts``) each on its own stream
+        when capturing, one after the other otherwise (the eager step before a capture compiles the same kernels)."""
+        parts = self._parts(input_ids)
+        with stock_forward():
+            if parts == 1:
+                return self._model_forward(input_ids, position_ids, self.cache)
+            from ..cache.decode_parts import forward_by_parts
+
+            streams = self._part_streams[:parts] if capturing else None  # made by _capture, before capturing
+            events = self._fetch_events if capturing else None
+            return forward_by_parts(self._model_forward, self.cache, input_ids, position_ids, parts, streams, events)
+
+    def _capture(self, input_ids, position_ids, key) -> None:
+        self.graph = None
+        self.static_ids = input_ids.clone()
+        self.static_pos = position_ids.clone()
+        out = {}
+
+        def step():
+            out["logits"] = self._forward(self.static_ids, self.static_pos, capturing=True)
+
+        parts, stagger = self._parts_key(input_ids)
+        while len(self._part_streams) < parts:
+            self._part_streams.append(torch.cuda.Stream(input_ids.device))
+        if stagger:
+            from ..cache.decode_parts import fetch_events
+
+            self._fetch_events = fetch_events(len(self._layers()), parts, input_ids.device)
+        else:
+            self._fetch_events = None
+
+        compiled = compiled_kernel_variants()
+        try:
+            graph = capture(step, input_ids.device)
+        except Exception as error:  # capture() left the process usable; the caller decides whether to go on eagerly
+            notes = []
+            if self.eager_syncs:
+                notes.append(f"the eager step before the capture synchronised with the host at: "
+                             f"{'; '.join(self.eager_syncs[:3])}")
+            after = compiled_kernel_variants()
+            new = after - compiled if min(after, compiled) >= 0 else 0
+            if new > 0:
+                notes.append(f"Triton compiled {new} kernel variant(s) during the capture, which the eager step "
+                             "before it did not launch")
+            if notes:
+                error = RuntimeError(f"{error} ({'; '.join(notes)})")
+            self.capturing_failed = error
+            raise error
+        self.static_logits = out["logits"]
+        self.graph, self.key = graph, key
+        self.graphs[key] = (graph, self.static_ids, self.static_pos, self.static_logits)
+        while len(self.graphs) > MAX_GRAPHS:
+            self.graphs.popitem(last=False)  # the least recently replayed; its memory pool goes with it
+        self.captures += 1
+
+
+def _key_change(old: tuple, new: tuple) -> str | None:
+    """What differs between two ``DecodeGraph`` keys, in words (the first difference); None when they are equal."""
+    from ..cache.nosa_cache import NosaLayer
+
+    if old[0] != new[0]:
+        return f"input shape {old[0]} -> {new[0]}"
+    if old[2:] != new[2:]:
+        return f"decode parts, staggered {old[2:]} -> {new[2:]}"
+    for i, (a, b) in enumerate(zip(old[1], new[1])):
+        for name, x, y in zip(NosaLayer.FUSED_GRAPH_KEY_NAMES, a, b):
+            if x != y:
+                return f"layer {i}: {name} {x} -> {y}"
+    return None if old == new else "layer count"
+
+
+def compiled_kernel_variants() -> int:
+    """How many Triton kernel variants this package's kernels have compiled so far (-1 where Triton keeps them
+    elsewhere than this version does): a capture that compiles one fails, and this says so."""
+    from ..kernels import backend
+
+    if not backend.HAS_TRITON:
+        return 0
+    total = 0
+    try:
+        for name, module in list(sys.modules.items()):
+            if not name.startswith("hf_nosa.kernels.") or module is None:
+                continue
+            for value in vars(module).values():
+                for cache in getattr(value, "device_caches", {}).values():
+                    total += len(cache[0])
+    except (TypeError, IndexError, AttributeError):
+        return -1
+    return total
+
+
+class _noting_host_syncs:
+    """Context: the places (``file:line``) where CUDA operations synchronised with the host inside it, from torch's
+    sync debug mode in "warn"; other warnings pass through."""
+
+    def __enter__(self) -> list[str]:
+        self.places: list[str] = []
+        self._previous = torch.cuda.get_sync_debug_mode()
+        self._caught = warnings.catch_warnings(record=True)
+        self._records = self._caught.__enter__()
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self.places
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_sync_debug_mode(self._previous)
+        self._caught.__exit__(*exc)
+        for record in self._records:
+            if "synchroniz" in str(record.message):
+                self.places.append(f"{os.path.basename(record.filename)}:{record.lineno}")
+            else:
+                warnings.warn_explicit(record.message, record.category, record.filename, record.lineno)
+
+
+def capture(fn, device: torch.device) -> torch.cuda.CUDAGraph:
+    """``fn()`` captured into a new CUDA graph on its own stream and memory pool; when capturing raises, the
+    process is repaired (``abandon_capture``) before the error propagates."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        stream, caller = torch.cuda.Stream(index), torch.cuda.current_stream(index)
+        torch.cuda.synchronize(index)
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                fn()
+        except BaseException:
+            abandon_capture(graph, stream=stream, caller=caller, pool=pool)
+            raise
+    return graph
+
+
+def abandon_capture(graph: torch.cuda.CUDAGraph, *, stream: torch.cuda.Stream, caller: torch.cuda.Stream, pool,
+                    repair_rng: bool = True) -> None:
+    """Leave the process usable after capturing ``graph`` (begun on ``stream`` with memory ``pool``) raised.
+
+    Why: when a capture is invalidated (an operation not permitted while capturing, e.g. a host sync), torch's
+    ``CUDAGraph.capture_end`` throws at ``cudaStreamEndCapture`` and skips the rest of its work, and
+    ``torch.cuda.graph.__exit__`` then skips restoring the stream. Left as is: (1) the caller keeps running on the
+    capture stream; (2) the caching allocator still counts the capture as underway, so it never again recycles
+    memory that was used on two streams (the prefill's host-to-device writer stream does that); (3) in torch
+    versions that flag the generator state while capturing (2.11 does), ``capture_epilogue`` never runs on the
+    default CUDA generator of the device, and every later CUDA random op (``torch.rand``, ``nn.Linear``'s
+    initialisation) fails with "Offset increment outside graph capture encountered unexpectedly". This ends any
+    capture still open, restores ``caller``, ends and hands back the pool if ``capture_end`` did not, resets the
+    graph, and repairs the generator (``_repair_default_generator``). The pinned-host allocator's pool (newer torch)
+    has no Python hook to end it; it only routes pinned allocations of the dead capture, which no stream matches.
+
+    Raises:
+        RuntimeError: the stream is still capturing after ``cudaStreamEndCapture`` (CUDA is unusable then), or the
+            generator cannot be repaired.
+    """
+    index = stream.device.index
+    with torch.cuda.stream(stream):
+        if torch.cuda.is_current_stream_capturing():
+            try:  # cudaStreamEndCapture ends the capture even when it reports it invalidated
+                graph.capture_end()
+            except RuntimeError:
+                pass
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("NOSA decode: a failed CUDA graph capture could not be ended; its stream still "
+                                   "captures, so this process cannot use CUDA any more.")
+    torch.cuda.set_stream(caller)
+    try:
+        graph.pool()  # only answers after a completed capture_end, whose pool graph.reset() hands back
+    except RuntimeError:
+        end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+        release = getattr(torch._C, "_cuda_releasePool", None)
+        if end is not None and release is not None:
+            try:
+                end(index, pool)
+            except RuntimeError:  # not routed to the pool: capture_begin failed before, or capture_end ended it
+                pass
+            else:
+                release(index, pool)
+    graph.reset()
+    if repair_rng:
+        _repair_default_generator(index)
+
+
+def _rng_usable(index: int) -> bool:
+    """Whether a random op on the default generator of ``cuda:index`` runs; its seed and offset are put back."""
+    gen = torch.cuda.default_generators[index]
+    saved = gen.get_state()
+    try:
+        torch.empty(1, device=f"cuda:{index}").uniform_()
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        gen.set_state(saved)
+
+
+def _repair_default_generator(index: int) -> None:
+    """Clear the "capturing" flag a failed capture left on the default CUDA generator of ``cuda:index``, keeping its
+    seed and offset (see ``abandon_capture``). First a small capture that completes: its ``capture_begin`` /
+    ``capture_end`` run the prologue and epilogue on the same generator state object, which also heals graphs
+    captured earlier that share it. If that fails, the generator is pointed at a fresh state with the same seed and
+    offset (``graphsafe_set_state``)."""
+    if _rng_usable(index):
+        return
+    device = torch.device("cuda", index)
+    x = torch.zeros(1, device=device)
+    graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+    stream, caller = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            x.add_(1)
+    except RuntimeError as error:
+        logger.warning("NOSA decode: repairing the CUDA generator with a small capture failed (%s); "
+                       "swapping in a fresh generator state instead.", error)
+        abandon_capture(graph, stream=stream, caller=caller, pool=pool, repair_rng=False)
+    del graph
+    if _rng_usable(index):
+        return
+    gen = torch.cuda.default_generators[index]
+    fresh = torch.Generator(device=device)
+    fresh.set_state(gen.get_state())
+    gen.graphsafe_set_state(fresh.graphsafe_get_state())
+    if not _rng_usable(index):
+        raise RuntimeError(f"NOSA decode: the default CUDA generator of {device} still fails after a failed CUDA "
+                           "graph capture; random ops on that device will fail in this process.")
+
+
+@torch.no_grad()
+def greedy_decode(model, cache, next_ids: torch.Tensor, steps: int, *, use_graph: bool = True) -> torch.Tensor:
+    """Greedy decoding of ``steps`` tokens after a prefill, with ``DecodeGraph`` (or eagerly).
+
+    Args:
+        next_ids: ``[B, 1]`` the first token to feed (e.g. the argmax of the prefill's last logits).
+
+    Returns:
+        ``[B, steps]`` the tokens fed, ``next_ids`` first.
+    """
+    step = DecodeGraph(model, cache) if use_graph else None
+    ids = next_ids
+    fed = []
+    for _ in range(steps):
+        t = cache.get_seq_length()
+        pos = torch.full_like(ids, t)
+        fed.append(ids)
+        if step is not None:
+            logits = step(ids, pos)
+        else:
+            with stock_forward():
+                out = model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_keyword(model): cache})
+            logits = out.logits[:, -1]
+        ids = logits.argmax(-1, keepdim=True)
+    return torch.cat(fed, 1)
