@@ -19,9 +19,9 @@ import traceback
 
 import torch
 
-from hf_nosa.host_store import HostStore, available_host_memory
-from hf_nosa.kernels.block_scores import window_capacity_for
-from hf_nosa.selection import num_windows
+from hf_nosa.cache.host_store import HostStore, available_host_memory
+from hf_nosa.kernels.decode.block_scores import window_capacity_for
+from hf_nosa.rules.selection import num_windows
 
 GB = 1e9
 SHAPES = {

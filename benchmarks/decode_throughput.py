@@ -8,7 +8,7 @@ contexts 16K / 32K / 64K, the device capped with ``torch.cuda.set_per_process_me
 - ``static_compile``: StaticCache + ``torch.compile(mode="reduce-overhead")``, the fastest stock path;
 - ``offloaded``: ``DynamicCache(offloading=True)``;
 - ``nosa``: NosaCache on the Triton path, eviction heads with random nonzero A, decode step replayed from a CUDA
-  graph (``hf_nosa.kernels.cuda_graph``);
+  graph (``hf_nosa.modeling.cuda_graph``);
 - ``nosa_fp8``: ``nosa`` with ``host_dtype="float8_e4m3fn"`` (K/V blocks in the host store as fp8 with one scale
   per block and KV head, dequantized into the slot pool by the fetch kernel), first at ``nosa``'s batch of the same
   run (``speedup_vs_bf16_same_batch``; the batch nosa's plan gives where nosa has no row), then at its own largest
@@ -60,14 +60,14 @@ from benchmarks.environment import environment  # noqa: E402
 from benchmarks.harness import cap_device, pyplot, save_figure, write_json  # noqa: E402
 from benchmarks.profiling import gpu_ms_by_kernel  # noqa: E402
 from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
-from hf_nosa.baselines import QueryOnlySelector  # noqa: E402
-from hf_nosa.host_store import HostStore  # noqa: E402
-from hf_nosa.kernels.block_scores import block_select  # noqa: E402
-from hf_nosa.decode_parts import decode_parts, stagger_fetches  # noqa: E402
-from hf_nosa.kernels.cuda_graph import DecodeGraph, stock_forward  # noqa: E402
-from hf_nosa.kernels.host_write import host_write  # noqa: E402
+from hf_nosa.eval.baselines import QueryOnlySelector  # noqa: E402
+from hf_nosa.cache.host_store import HostStore  # noqa: E402
+from hf_nosa.kernels.decode.block_scores import block_select  # noqa: E402
+from hf_nosa.cache.decode_parts import decode_parts, stagger_fetches  # noqa: E402
+from hf_nosa.modeling.cuda_graph import DecodeGraph, stock_forward  # noqa: E402
+from hf_nosa.kernels.prefill.host_write import host_write  # noqa: E402
 from hf_nosa.modeling import eviction_heads, randomize_eviction_heads  # noqa: E402
-from hf_nosa.selection import compress_keys, num_windows  # noqa: E402
+from hf_nosa.rules.selection import compress_keys, num_windows  # noqa: E402
 
 # K (or V) bytes of one host-store chunk, at most: the pinned allocator rounds sizes up to a power of two, so
 # chunks just under 256 MB waste little, and torch's pinned pool can serve a later row's chunks from them.
@@ -79,7 +79,7 @@ HOST_CHUNK_BYTES = 256 << 20
 
 def query_only_selector():
     """InfLLMv2-style selection (sink + local window + query-aware top blocks, no eviction head) on the device:
-    ``hf_nosa.baselines.QueryOnlySelector`` with its select run through the block_select kernel (the NOSA rule with
+    ``hf_nosa.eval.baselines.QueryOnlySelector`` with its select run through the block_select kernel (the NOSA rule with
     the whole budget given to the query-aware part)."""
 
     class KernelQueryOnlySelector(QueryOnlySelector):
@@ -302,7 +302,7 @@ def run_row(args, model, shape, method, context, batch, device, dtype, ncfg, bw,
             locality=(after["locality"] if after["decode_steps"] else float("nan")),
             blocks_per_step=(after["blocks_loaded"] - before["blocks_loaded"]) / args.steps,
             pcie_MB_per_step=pcie / 1e6, device_kv_GB=after["device_kv_bytes"] / GB, host_GB=after["host_bytes"] / GB,
-            selector=("hf_nosa.baselines.QueryOnlySelector + block_select kernel" if method == "query_only" else "nosa"),
+            selector=("hf_nosa.eval.baselines.QueryOnlySelector + block_select kernel" if method == "query_only" else "nosa"),
         )
         if graph is not None:
             row.update(graph_captures=graph.captures, graph_replays=graph.replays,

@@ -1,4 +1,4 @@
-"""Dense attention with the eviction bias (``hf_nosa.dense_attention``) against stock sdpa, alone and in a prefill.
+"""Dense attention with the eviction bias (``hf_nosa.attention.dense``) against stock sdpa, alone and in a prefill.
 
 Attention alone (bf16, batch 1, 1b and 8b head shapes): plain causal sdpa (what the stock model runs), the
 biased attention with a random nonzero bias over the whole prompt (``q_offset`` 0: sdpa's causal kernel) and over
@@ -31,9 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.train_step import _sync, _timed  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
-from hf_nosa.attend import AttentionInputs, attend  # noqa: E402
-from hf_nosa.dense_attention import bias_columns, biased_attention, biased_attention_joined  # noqa: E402
-from hf_nosa.kernels.flash_biased import flash_biased  # noqa: E402
+from hf_nosa.rules.attend import AttentionInputs, attend  # noqa: E402
+from hf_nosa.attention.dense import bias_columns, biased_attention, biased_attention_joined  # noqa: E402
+from hf_nosa.kernels.prefill.flash_biased import flash_biased  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 
 HEADS = {"1b": (32, 8, 64), "8b": (32, 8, 128)}
@@ -81,7 +81,7 @@ def attention_rows(name: str, seq_len: int, args, device, dtype) -> list[dict]:
         "biased_last_queries": lambda: biased_attention(q[:, :, -tail:], last, scale),
     }
     if device.type == "cuda":
-        from hf_nosa.kernels.chunk_attention import chunk_attention
+        from hf_nosa.kernels.prefill.chunk_attention import chunk_attention
 
         index = torch.arange(seq_len, device=device, dtype=torch.int32).expand(1, Hk, 1, seq_len)
         runs["chunk_attention_kernel"] = lambda: chunk_attention(
@@ -149,7 +149,7 @@ def quoka_chunk_rows(name: str, args, device, dtype) -> list[dict]:
                                                          [bias[:, :, :budget], bias[:, :, budget:]], scale),
     }
     if device.type == "cuda":
-        from hf_nosa.kernels.chunk_attention import chunk_attention
+        from hf_nosa.kernels.prefill.chunk_attention import chunk_attention
 
         index = torch.arange(S, device=device, dtype=torch.int32).expand(B, Hk, 1, S)
         runs["chunk_attention_kernel"] = lambda: chunk_attention(

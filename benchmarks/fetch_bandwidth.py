@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
-from hf_nosa.host_store import HostStore  # noqa: E402
-from hf_nosa.kernels.fetch import SlotPool, StepCounters, fetch_step  # noqa: E402
+from hf_nosa.cache.host_store import HostStore  # noqa: E402
+from hf_nosa.kernels.decode.fetch import SlotPool, StepCounters, fetch_step  # noqa: E402
 
 # batch, KV heads, head dim, blocks fetched per (sequence, head)
 CONFIGS = [(32, 8, 128, 64), (64, 8, 64, 64), (8, 8, 128, 64), (4, 8, 128, 16), (128, 8, 64, 8)]

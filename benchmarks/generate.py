@@ -38,13 +38,13 @@ from benchmarks.decode_throughput import CAP_GB, HOST_SHARE, build_model  # noqa
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.harness import cap_device, pyplot, save_figure, write_json  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
-from hf_nosa.decode_parts import decode_parts, stagger_fetches  # noqa: E402
-from hf_nosa.host_store import HostStore, available_host_memory  # noqa: E402
-from hf_nosa.kernels.cuda_graph import greedy_decode  # noqa: E402
+from hf_nosa.cache.decode_parts import decode_parts, stagger_fetches  # noqa: E402
+from hf_nosa.cache.host_store import HostStore, available_host_memory  # noqa: E402
+from hf_nosa.modeling.cuda_graph import greedy_decode  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
-from hf_nosa.pool_attention import fetch_parts  # noqa: E402
-from hf_nosa.prefill import tail_piece_tokens  # noqa: E402
-from hf_nosa.workspace import workspace_of  # noqa: E402
+from hf_nosa.attention.pool import fetch_parts  # noqa: E402
+from hf_nosa.prefill.chunked import tail_piece_tokens  # noqa: E402
+from hf_nosa.cache.workspace import workspace_of  # noqa: E402
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 GiB = 1 << 30

@@ -32,9 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.harness import RESULTS  # noqa: E402
 
-norm = importlib.import_module("hf_nosa.kernels.rms_norm")
-rotary = importlib.import_module("hf_nosa.kernels.rotary")
-silu = importlib.import_module("hf_nosa.kernels.silu_mul")
+norm = importlib.import_module("hf_nosa.kernels.layers.rms_norm")
+rotary = importlib.import_module("hf_nosa.kernels.layers.rotary")
+silu = importlib.import_module("hf_nosa.kernels.layers.silu_mul")
 
 
 def cases(rows: int, tokens: int, dtype: torch.dtype):

@@ -51,7 +51,7 @@ from benchmarks.batch_plan import CAP_GB, SHAPES  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.harness import cap_device, write_json  # noqa: E402
 from hf_nosa import NosaCache  # noqa: E402
-from hf_nosa.pool_attention import PARTS_ENV_VAR, fetch_parts  # noqa: E402
+from hf_nosa.attention.pool import PARTS_ENV_VAR, fetch_parts  # noqa: E402
 
 GiB = 1 << 30
 # Where a frame's file lives decides its name in the report and whether it names an allocation's site.
@@ -213,7 +213,7 @@ def formula_parts(model, cache, batch: int, context: int) -> dict:
     """``generate.activation_moments`` (what the formula counts live at each moment that can set the prefill's
     peak) in GiB and MiB per sequence, and ``generate.chunk_activations``, the largest of them."""
     from benchmarks.generate import activation_moments, chunk_activations
-    from hf_nosa.prefill import tail_piece_tokens
+    from hf_nosa.prefill.chunked import tail_piece_tokens
 
     ncfg = cache.nosa_config
     moments = activation_moments(model, cache, batch, context)
@@ -332,7 +332,7 @@ class StorageTracker(TorchDispatchMode):
             if self._triton_root and path.startswith(self._triton_root + os.sep):
                 return None
             short = short_name(path, self.roots)
-            if short == "hf_nosa/host_store.py" and f.f_code.co_name in HOST_FUNCTIONS:
+            if short == "hf_nosa/cache/host_store.py" and f.f_code.co_name in HOST_FUNCTIONS:
                 return "host"
         return "device"
 

@@ -43,7 +43,7 @@ from benchmarks.harness import pyplot, save_figure, write_json  # noqa: E402
 from benchmarks.profiling import gpu_ms_by_kernel  # noqa: E402
 from benchmarks.decode_throughput import SHAPES  # noqa: E402
 from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
-from hf_nosa.workspace import workspace_of  # noqa: E402
+from hf_nosa.cache.workspace import workspace_of  # noqa: E402
 
 SHAPE_1B = SHAPES["1b"]
 

@@ -47,7 +47,7 @@ from benchmarks.harness import cap_device, write_json  # noqa: E402
 from benchmarks.profiling import busy_seconds  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
-from hf_nosa.pool_attention import PARTS_ENV_VAR  # noqa: E402
+from hf_nosa.attention.pool import PARTS_ENV_VAR  # noqa: E402
 
 # First match wins: the order puts the specific names before the generic ones.
 KINDS = [
@@ -163,7 +163,7 @@ def profiled_kernels(run) -> list[tuple[str, float, float]]:
 def host_syncs(model, batch, context) -> dict[str, int]:
     """``file:line`` of every host sync in one prefill (sync debug mode "warn"), with counts; after one prefill of
     the same shape, so that one-time set-up (allocation, compilation) is not counted."""
-    from hf_nosa.kernels.cuda_graph import _noting_host_syncs
+    from hf_nosa.modeling.cuda_graph import _noting_host_syncs
 
     prefill(model, batch, context, seed=1)
     with _noting_host_syncs() as places:

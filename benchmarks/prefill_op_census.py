@@ -40,23 +40,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 PHASES = [  # (phase, file relative to its package, function or None for any): the innermost match on the stack
-    ("selection", "hf_nosa/prefill.py", "quoka_select"),
-    ("fetch_move_in", "hf_nosa/prefill.py", "_move_in_previous_chunk"),
-    ("fetch", "hf_nosa/prefill.py", "fetch"),
-    ("fetch", "hf_nosa/kernels/fetch.py", "fetch_selection"),
-    ("host_write", "hf_nosa/prefill.py", "write_to_host"),
-    ("compressed_keys", "hf_nosa/compressed_keys.py", None),
-    ("eviction_head", "hf_nosa/attention.py", "forward"),
-    ("attention", "hf_nosa/cache_attention.py", "attend_cache_inputs"),
-    ("quoka_inputs", "hf_nosa/prefill.py", "_quoka_inputs"),
-    ("cache_other", "hf_nosa/cache.py", "update"),
+    ("selection", "hf_nosa/prefill/chunked.py", "quoka_select"),
+    ("fetch_move_in", "hf_nosa/prefill/chunked.py", "_move_in_previous_chunk"),
+    ("fetch", "hf_nosa/prefill/chunked.py", "fetch"),
+    ("fetch", "hf_nosa/kernels/decode/fetch.py", "fetch_selection"),
+    ("host_write", "hf_nosa/prefill/chunked.py", "write_to_host"),
+    ("compressed_keys", "hf_nosa/cache/compressed_keys.py", None),
+    ("eviction_head", "hf_nosa/modeling/attention.py", "forward"),
+    ("attention", "hf_nosa/attention/dispatch.py", "attend_cache_inputs"),
+    ("quoka_inputs", "hf_nosa/prefill/chunked.py", "_quoka_inputs"),
+    ("cache_other", "hf_nosa/cache/nosa_cache.py", "update"),
 ]
 METADATA = {"empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "detach", "alias", "lift_fresh",
             "set_", "resize_", "_reshape_alias", "_unsafe_view"}
 # (file, function, text of the line or None): sites whose tensors are CPU tensors on CUDA too (no launch, no sync)
-HOST_SIDE = [("hf_nosa/prefill.py", "_first_tail_query", None), ("hf_nosa/host_store.py", None, None),
-             ("hf_nosa/selection.py", "window_offsets", None),  # called without a device by quoka_score's launch
-             ("hf_nosa/kernels/quoka_score.py", "_launch", "int(offsets[0])")]
+HOST_SIDE = [("hf_nosa/prefill/chunked.py", "_first_tail_query", None), ("hf_nosa/cache/host_store.py", None, None),
+             ("hf_nosa/rules/selection.py", "window_offsets", None),  # called without a device by quoka_score's launch
+             ("hf_nosa/kernels/prefill/quoka_score.py", "_launch", "int(offsets[0])")]
 SYNC = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "is_nonzero", "equal"}
 
 
@@ -124,7 +124,7 @@ def hook(model, census: Census, quoka: dict):
         layer.register_forward_pre_hook(lambda *_, i=i: setattr(census, "where", (chunk[0], i)))
         layer.register_forward_hook(lambda *_: setattr(census, "where", (chunk[0], None)))
 
-    from hf_nosa.prefill import PrefillPaths
+    from hf_nosa.prefill.chunked import PrefillPaths
 
     original = PrefillPaths._quoka_inputs
 
@@ -153,7 +153,7 @@ def hook(model, census: Census, quoka: dict):
 
     # flash_biased interpreted over a QUOKA chunk (512 queries x 4.6K keys in 32 x 32 tiles) takes minutes per
     # layer: count its launch, compute its result with the torch reference (what the tests hold it to).
-    from hf_nosa.kernels import flash_biased as flash_module
+    from hf_nosa.kernels.prefill import flash_biased as flash_module
 
     def reference_launch(query, keys, values, bias, scale, q_offset, causal, out, config=None, prefix=None, lse=None):
         if census.where is not None and not census.paused:

@@ -27,7 +27,7 @@ from benchmarks.batch_plan import SHAPES  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
-from hf_nosa.prefill import PrefillPaths  # noqa: E402
+from hf_nosa.prefill.chunked import PrefillPaths  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 

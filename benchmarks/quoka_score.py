@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaConfig  # noqa: E402
-from hf_nosa.kernels.quoka_score import quoka_score  # noqa: E402
-from hf_nosa.selection import windows_available  # noqa: E402
+from hf_nosa.kernels.prefill.quoka_score import quoka_score  # noqa: E402
+from hf_nosa.rules.selection import windows_available  # noqa: E402
 
 LAYERS, H, HK, D = 16, 32, 8, 64
 

@@ -58,8 +58,8 @@ WHY: list[dict] = []  # per call: what it compiled, captured and pinned (the cau
 
 def _counters(model) -> dict:
     """Kernel variants compiled so far, decode graphs captured (and why recaptured), pinned host pool bytes."""
-    from hf_nosa.kernels.cuda_graph import compiled_kernel_variants
-    from hf_nosa.workspace import workspace_of
+    from hf_nosa.modeling.cuda_graph import compiled_kernel_variants
+    from hf_nosa.cache.workspace import workspace_of
 
     workspace = workspace_of(model)
     graph = workspace.decode_graph

@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
-from hf_nosa.retrofit import _build_model, load_recipe  # noqa: E402
-from hf_nosa.selection_loss import selection_loss  # noqa: E402
+from hf_nosa.training.retrofit import _build_model, load_recipe  # noqa: E402
+from hf_nosa.attention.selection_loss import selection_loss  # noqa: E402
 
 # SmolLM2-135M-Instruct (the GGUF's config): weights are random here, only the shapes matter for time
 SHAPE_SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -58,11 +58,11 @@ def _sync(device) -> None:
 def build(variant: str, recipe: dict, shape: dict, device, dtype):
     from peft import get_peft_model
 
-    from hf_nosa.retrofit import lora_config
+    from hf_nosa.training.retrofit import lora_config
 
     base = {"family": "llama", "config": shape, "seed": 0}
     if variant == "dense":
-        from hf_nosa.retrofit import load_base
+        from hf_nosa.training.retrofit import load_base
 
         model = load_base(base, dtype=dtype)
         model.config.use_cache = False

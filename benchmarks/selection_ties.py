@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import hf_nosa.training as training  # noqa: E402
-from hf_nosa.kernels.train_select import train_block_scores, train_select_blocks, train_select_blocks_ref  # noqa: E402
-from hf_nosa.selection import compress_keys, pool_windows_to_blocks, query_block_scores  # noqa: E402
+import hf_nosa.attention.training as training  # noqa: E402
+from hf_nosa.kernels.train.train_select import train_block_scores, train_select_blocks, train_select_blocks_ref  # noqa: E402
+from hf_nosa.rules.selection import compress_keys, pool_windows_to_blocks, query_block_scores  # noqa: E402
 from tests.test_training import _sparse_model  # noqa: E402
 
 

@@ -25,9 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.train_step import SHAPES, _inputs  # noqa: E402
-from hf_nosa import NosaConfig, training  # noqa: E402
-from hf_nosa.kernels import train_select  # noqa: E402
-from hf_nosa.retrofit import load_recipe  # noqa: E402
+from hf_nosa import NosaConfig  # noqa: E402
+from hf_nosa.attention import training  # noqa: E402
+from hf_nosa.kernels.train import train_select  # noqa: E402
+from hf_nosa.training.retrofit import load_recipe  # noqa: E402
 
 SCORE_KNOBS = ("SCORES_ROWS", "SCORES_BLOCK_W", "SCORES_BLOCK_N", "SCORES_WARPS")
 # (rows, windows, blocks, warps) tried by default; --full tries every combination of the values they take.

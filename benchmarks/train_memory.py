@@ -7,7 +7,7 @@ ending, its MLP ending, in the first forward or in the backward's rerun; the los
 the memory allocated then and the peak since the previous event, so the timeline shows which stretch of the step
 sets the peak and how NOSA's differs from dense's. A mode that does not fit is recorded with the allocator's message
 and the frames it failed in, beside the events that ran before. The allocator runs as ``retrofit`` runs it (expandable
-segments, ``hf_nosa/allocator.py``) unless ``PYTORCH_ALLOC_CONF`` says otherwise; each event records the memory
+segments, ``hf_nosa/training/allocator.py``) unless ``PYTORCH_ALLOC_CONF`` says otherwise; each event records the memory
 reserved and the part of it stranded inside segments that also hold live tensors (``inactive_split_gb``).
 
     python -m benchmarks train memory --shape 8b --length 65536 --out docs/results
@@ -29,9 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.environment import environment  # noqa: E402
 from benchmarks.train_step import SHAPE_SMOKE, SHAPES, SMOKE_NOSA, _reset_peak, build  # noqa: E402
 from hf_nosa import NosaConfig  # noqa: E402
-from hf_nosa.allocator import allocator_setting, use_expandable_segments  # noqa: E402
-from hf_nosa.held_forward import in_backward  # noqa: E402
-from hf_nosa.retrofit import load_recipe  # noqa: E402
+from hf_nosa.training.allocator import allocator_setting, use_expandable_segments  # noqa: E402
+from hf_nosa.attention.held_forward import in_backward  # noqa: E402
+from hf_nosa.training.retrofit import load_recipe  # noqa: E402
 
 GB = 2**30
 

@@ -3,7 +3,7 @@
 A step is what ``hf-nosa retrofit`` runs: forward + backward + AdamW on LoRA (llama-3.2-1b recipe) and the
 eviction heads, bf16 autocast, gradient checkpointing, batch 1, the allocator with expandable segments (unless
 ``PYTORCH_ALLOC_CONF`` is set; recorded as ``allocator``). "dense" is the stock model with the same LoRA
-and sdpa attention; "nosa" is the converted model training with ``hf_nosa.training`` (random nonzero eviction
+and sdpa attention; "nosa" is the converted model training with ``hf_nosa.attention.training`` (random nonzero eviction
 heads, so the selection is not trivial). Also times the attention of one layer alone (forward + backward): with
 ``--backends sparse`` the split path (the default) and the union path beside it, with the split path's work per part
 (``split_work``); with flex, each FlexAttention layout (``fold`` 1, the default: one query head per row tile; the
@@ -38,12 +38,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
-from hf_nosa.allocator import allocator_setting, use_expandable_segments  # noqa: E402
+from hf_nosa.training.allocator import allocator_setting, use_expandable_segments  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
-from hf_nosa import training  # noqa: E402
-from hf_nosa.kernels.sparse_train_plan import split_plan, split_work  # noqa: E402
-from hf_nosa.retrofit import load_recipe, lora_config  # noqa: E402
-from hf_nosa.training import (  # noqa: E402
+from hf_nosa.attention import training  # noqa: E402
+from hf_nosa.kernels.train.sparse_train_plan import split_plan, split_work  # noqa: E402
+from hf_nosa.training.retrofit import load_recipe, lora_config  # noqa: E402
+from hf_nosa.attention.training import (  # noqa: E402
     FLEX_TILE,
     flex_block_mask,
     flex_fold,
@@ -51,7 +51,7 @@ from hf_nosa.training import (  # noqa: E402
     selected_blocks,
 )
 
-sparse_module = importlib.import_module("hf_nosa.kernels.sparse_train_attention")  # its SPLIT switch
+sparse_module = importlib.import_module("hf_nosa.kernels.train.sparse_train_attention")  # its SPLIT switch
 
 SHAPE_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072)

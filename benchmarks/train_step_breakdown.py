@@ -33,10 +33,10 @@ from benchmarks.profiling import (  # noqa: E402
 )
 from benchmarks.train_step import SHAPES, _inputs, _reset_peak, build  # noqa: E402
 from hf_nosa import NosaConfig  # noqa: E402
-from hf_nosa import training  # noqa: E402
-from hf_nosa.kernels.sparse_train_attention import sparse_train_attention  # noqa: E402
-from hf_nosa.retrofit import load_recipe  # noqa: E402
-from hf_nosa.training import selected_blocks  # noqa: E402
+from hf_nosa.attention import training  # noqa: E402
+from hf_nosa.kernels.train.sparse_train_attention import sparse_train_attention  # noqa: E402
+from hf_nosa.training.retrofit import load_recipe  # noqa: E402
+from hf_nosa.attention.training import selected_blocks  # noqa: E402
 
 
 def _table(times: dict[str, float], top: int) -> dict:

@@ -1,5 +1,5 @@
 """A pass key given in turn 1, asked in turn 2 on the reused NosaCache: found as often as when the same conversation
-is sent as one prompt? SmolLM2-135M-Instruct with the shipped retrofit adapter (``hf_nosa.demo.load_smollm2``: its
+is sent as one prompt? SmolLM2-135M-Instruct with the shipped retrofit adapter (``hf_nosa.cli.demo.load_smollm2``: its
 layout, a budget of 1/8 of 8K), CPU, fp32.
 
 Per pass-key sample (``hf_nosa.eval.generate_samples("passkey")``, RULER protocol, ``--length`` tokens):
@@ -28,7 +28,7 @@ import warnings
 import torch
 
 from hf_nosa import NosaCache
-from hf_nosa.demo import load_smollm2
+from hf_nosa.cli.demo import load_smollm2
 from hf_nosa.eval.runner import environment
 from hf_nosa.eval.tasks import generate_samples
 

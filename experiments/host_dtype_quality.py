@@ -44,10 +44,10 @@ from transformers import DynamicCache
 import hf_nosa
 from hf_nosa import NosaCache, to_nosa
 from hf_nosa.config import HOST_DTYPES
-from hf_nosa.demo import DEFAULT_MODEL, demo_settings
+from hf_nosa.cli.demo import DEFAULT_MODEL, demo_settings
 from hf_nosa.eval import evaluate_tasks, generate_samples, load_model, long_generation_perplexity, perplexity_documents
 from hf_nosa.eval.runner import _Traffic, dense_attention_outside_nosa_cache, environment, nosa_layout
-from hf_nosa.host_quant import dequantize_blocks, quantize_blocks
+from hf_nosa.cache.host_quant import dequantize_blocks, quantize_blocks
 
 MODELS = ("demo", "smollm2")
 DTYPES = ("float32", "bfloat16")

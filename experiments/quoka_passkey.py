@@ -26,11 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from hf_nosa import NosaCache, to_nosa
-from hf_nosa import quoka as quoka_module
+from hf_nosa.prefill import quoka as quoka_module
 from hf_nosa.eval.runner import environment, nosa_layout
 from hf_nosa.eval.tasks import generate_samples
-from hf_nosa.loading import load_causal_lm
-from hf_nosa.selection import pool_windows_to_blocks
+from hf_nosa.modeling.loading import load_causal_lm
+from hf_nosa.rules.selection import pool_windows_to_blocks
 
 SCORINGS = ("library", "cosine")
 

@@ -33,8 +33,8 @@ from transformers.models.llama import modeling_llama
 
 from hf_nosa.eval.runner import nosa_layout
 from hf_nosa.eval.tasks import generate_samples
-from hf_nosa.loading import load_causal_lm
-from hf_nosa.selection import compress_keys, force_sink_and_local, pool_windows_to_blocks, topk_recent_first
+from hf_nosa.modeling.loading import load_causal_lm
+from hf_nosa.rules.selection import compress_keys, force_sink_and_local, pool_windows_to_blocks, topk_recent_first
 
 KEPT = 16
 

@@ -5,7 +5,7 @@ Issue 16 asks for locality >= 0.94 on retrofitted SmolLM2 (8K, budget 1024); the
 is NOSA's rule (``selection.select_blocks``) with one change: a block selected at the previous step has its
 query-aware score multiplied by ``1 + margin`` before the choice, so a new block must beat it by that factor to take
 its place. ``margin 0`` is NOSA itself. It runs on the NosaCache engine through the selector hook the baselines use
-(``hf_nosa.selectors``), in torch, so it measures quality and traffic, not speed.
+(``hf_nosa.cache.selectors``), in torch, so it measures quality and traffic, not speed.
 
 Each cell: SmolLM2-135M-Instruct with the shipped adapter merged (or the base converted untrained, ``--untrained``),
 the adapter's layout, ``long_generation_perplexity`` on ``--docs`` standard-library documents of ``--length`` tokens
@@ -32,9 +32,9 @@ import transformers
 
 from hf_nosa import NosaCache, NosaConfig, to_nosa
 from hf_nosa.eval.perplexity import long_generation_perplexity, perplexity_documents
-from hf_nosa.loading import load_causal_lm
-from hf_nosa.retrofit import merge_adapter
-from hf_nosa.selection import eviction_block_scores, query_block_scores, select_blocks
+from hf_nosa.modeling.loading import load_causal_lm
+from hf_nosa.training.retrofit import merge_adapter
+from hf_nosa.rules.selection import eviction_block_scores, query_block_scores, select_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: benchmarks.environment
 from benchmarks.environment import source_commit  # noqa: E402

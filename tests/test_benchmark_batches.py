@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import hf_nosa.host_store
+import hf_nosa.cache.host_store
 from benchmarks import batch_plan as bp
 from benchmarks import decode_throughput as dt
 from benchmarks import generate as gen
@@ -50,7 +50,7 @@ def test_planned_batch_passes_the_cache_host_check_and_one_more_does_not(monkeyp
     budget = int(torch.randint(2_000_000, 8_000_000, (1,), generator=torch.Generator().manual_seed(1)))
     batch, bound, _ = bp.pick_batch("nosa", "smoke", context, steps, ncfg, BIG_CAP, budget, 0, 0, torch.float32)
     assert bound == "host" and batch > 2
-    monkeypatch.setattr(hf_nosa.host_store, "available_host_memory", lambda: budget)
+    monkeypatch.setattr(hf_nosa.cache.host_store, "available_host_memory", lambda: budget)
     cfg = model.config
 
     def initialise(b):
@@ -253,7 +253,7 @@ def test_generate_host_batch_counts_what_the_cache_checks(monkeypatch, host_dtyp
     config = argparse.Namespace(nosa=dict(host_dtype=host_dtype, block_size=64), **s)
     model = argparse.Namespace(config=config, dtype=torch.bfloat16)
     batch = gen.nosa_host_batch(model, 65536, 512)
-    one = s["num_hidden_layers"] * hf_nosa.host_store.HostStore.planned_bytes(
+    one = s["num_hidden_layers"] * hf_nosa.cache.host_store.HostStore.planned_bytes(
         1, s["num_key_value_heads"], s["head_dim"], torch.bfloat16, 64, host_dtype, 65536 + 512)
     assert batch * one <= gen.HOST_SHARE * available < (batch + 1) * one
 

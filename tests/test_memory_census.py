@@ -13,8 +13,8 @@ from benchmarks.memory_census import (
     Event, StorageTracker, cuda_events, group_live, live_at, package_roots, projected_formula, replay,
 )
 from hf_nosa import NosaConfig
-from hf_nosa.host_store import HostStore
-from hf_nosa.pool_attention import PARTS_ENV_VAR
+from hf_nosa.cache.host_store import HostStore
+from hf_nosa.attention.pool import PARTS_ENV_VAR
 
 ROOTS = {"hf_nosa": "/x/hf_nosa", "transformers": "/y/transformers", "torch": "/y/torch"}
 
@@ -76,8 +76,8 @@ def test_replay_phases_and_bad_events():
 
 
 def test_groups_by_innermost_hf_nosa_or_transformers_frame():
-    attn = frames(("torch/nn/functional.py", 1, "pad"), ("hf_nosa/dense_attention.py", 80, "_widened"),
-                  ("hf_nosa/pool_attention.py", 70, "attend_with_pool_blocks"))
+    attn = frames(("torch/nn/functional.py", 1, "pad"), ("hf_nosa/attention/dense.py", 80, "_widened"),
+                  ("hf_nosa/attention/pool.py", 70, "attend_with_pool_blocks"))
     mlp = frames(("transformers/models/llama/modeling_llama.py", 164, "forward"),
                  ("hf_nosa/modeling/chunked.py", 148, "_chunked"))
     other = frames(("torch/functional.py", 3, "f"), ("script.py", 9, "main"))
@@ -86,17 +86,17 @@ def test_groups_by_innermost_hf_nosa_or_transformers_frame():
     rows = group_live(live, batch=2, roots=ROOTS)
     assert [(r["site"], r["function"], r["bytes"], r["count"]) for r in rows] == [
         ("transformers/models/llama/modeling_llama.py:164", "forward", 600, 1),
-        ("hf_nosa/dense_attention.py:80", "_widened", 400, 2),
+        ("hf_nosa/attention/dense.py:80", "_widened", 400, 2),
         ("script.py:9", "main", 7, 1),
         ("(no python frame)", "", 1, 1),
     ]
-    assert rows[1]["callers"] == ["hf_nosa/pool_attention.py:70 attend_with_pool_blocks"]
+    assert rows[1]["callers"] == ["hf_nosa/attention/pool.py:70 attend_with_pool_blocks"]
     assert rows[1]["mib_per_sequence"] == 200 / (1 << 20)
     assert len(group_live(live, batch=2, roots=ROOTS, top=2)) == 2
 
 
 def test_cuda_trace_requested_against_completed_frees():
-    where = [{"filename": "/x/hf_nosa/read_ahead.py", "line": 1, "name": "start"},
+    where = [{"filename": "/x/hf_nosa/attention/read_ahead.py", "line": 1, "name": "start"},
              {"filename": "/z/run.py", "line": 2, "name": "<module>"}]
     trace = [
         {"action": "segment_alloc", "addr": 0, "size": 4096},

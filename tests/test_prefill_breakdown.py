@@ -65,6 +65,6 @@ def test_host_profile_splits_self_time_by_package():
 def test_package_and_short_name_of_a_profile_entry():
     path = "/x/site-packages/transformers/models/llama/modeling_llama.py"
     assert package_of(path, "forward") == "transformers"
-    assert package_of("/w/hf_nosa/prefill.py", "_prefill") == "hf_nosa"
+    assert package_of("/w/hf_nosa/prefill/chunked.py", "_prefill") == "hf_nosa"
     assert package_of("~", "<built-in method torch.cat>") == "builtin"
     assert short_name(path, 12, "forward") == "transformers/models/llama/modeling_llama.py:12(forward)"

@@ -41,10 +41,10 @@ def _x(cat, name, ts, dur, tid, **args):
 
 def test_idle_time_goes_to_the_innermost_function_that_launched_the_kernel_after_it():
     outer = "/env/site-packages/transformers/models/llama/modeling_llama.py(300): forward"
-    inner = "/repo/hf_nosa/training.py(440): nosa_training_attention"
+    inner = "/repo/hf_nosa/attention/training.py(440): nosa_training_attention"
     trace = dict(traceEvents=[
         _x("python_function", outer, 0, 1000, tid=1),
-        _x("python_function", "/repo/hf_nosa/masks.py(10): helper", 5, 10, tid=1),  # ended before the launches
+        _x("python_function", "/repo/hf_nosa/rules/masks.py(10): helper", 5, 10, tid=1),  # ended before the launches
         _x("python_function", inner, 100, 400, tid=1),
         _x("python_function", "/env/site-packages/torch/nn/functional.py(1): linear", 150, 5, tid=1),
         _x("cuda_runtime", "cudaLaunchKernel", 20, 2, tid=1, correlation=1),    # outer's: k1
@@ -59,8 +59,8 @@ def test_idle_time_goes_to_the_innermost_function_that_launched_the_kernel_after
         _x("gpu_memcpy", "copy", 0, 5, tid=9),                 # a side stream, less busy
     ])
     rows = {r["site"]: r for r in idle_by_launch_site(trace, min_gap_ms=0.02)}
-    assert rows["hf_nosa/training.py(440): nosa_training_attention"] == dict(
-        site="hf_nosa/training.py(440): nosa_training_attention", idle_ms=0.135, gaps=2, host_late=1)
+    assert rows["hf_nosa/attention/training.py(440): nosa_training_attention"] == dict(
+        site="hf_nosa/attention/training.py(440): nosa_training_attention", idle_ms=0.135, gaps=2, host_late=1)
     assert rows["(no package frame)"]["idle_ms"] == 0.3 and rows["(no package frame)"]["host_late"] == 1
     assert rows["(no launch found)"]["gaps"] == 1
     assert abs(sum(r["idle_ms"] for r in rows.values()) - (30 + 105 + 300 + 40) / 1e3) < 1e-9

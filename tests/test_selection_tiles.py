@@ -4,7 +4,7 @@ a row per configuration, the knobs set while it runs and restored after, errors 
 import torch
 
 from benchmarks import selection_tiles
-from hf_nosa.kernels import train_select
+from hf_nosa.kernels.train import train_select
 
 from .conftest import small_nosa_config
 

@@ -16,7 +16,7 @@ import torch
 
 from hf_nosa.eval.corpus import corpus_text
 from hf_nosa.eval.tasks import TokenCounter, make_sample
-from hf_nosa.tokenizer import SPECIAL_TOKENS, build_tokenizer, byte_ids
+from hf_nosa.modeling.tokenizer import SPECIAL_TOKENS, build_tokenizer, byte_ids
 
 EOS = SPECIAL_TOKENS.index("</s>")
 

@@ -42,8 +42,8 @@ from hf_nosa.eval import TASKS, evaluate  # noqa: E402
 from hf_nosa.eval.corpus import corpus_text  # noqa: E402
 from hf_nosa.eval.runner import budget_for, environment, format_row, nosa_layout  # noqa: E402
 from hf_nosa.hub import export  # noqa: E402
-from hf_nosa.selection_loss import enable_selection_loss, selection_loss  # noqa: E402
-from hf_nosa.tokenizer import VOCAB_SIZE, build_tokenizer  # noqa: E402
+from hf_nosa.attention.selection_loss import enable_selection_loss, selection_loss  # noqa: E402
+from hf_nosa.modeling.tokenizer import VOCAB_SIZE, build_tokenizer  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -66,7 +66,7 @@ PRESETS = {
         # (round 2: the retrofit learned to answer without them).
         nosa=dict(block_size=64, budget_tokens=1024, sink_tokens=64, local_tokens=256, query_tokens=256,
                   compress_kernel=4, compress_stride=2),
-        # eviction_loss: weight of hf_nosa.selection_loss.eviction_alignment_loss, summed over layers. Without it
+        # eviction_loss: weight of hf_nosa.attention.selection_loss.eviction_alignment_loss, summed over layers. Without it
         # every A stayed within 0.06 of 0 in 1,200 steps (round 2, run A); with 0.1 it reached 0.6-1.1; 0.3 scored
         # lower (round 3, run G). selection_loss: its query-aware counterpart. 0.03-0.1 raised NOSA at 8K in all four
         # round-3 pairs (0.45 -> 0.56 at q128, 0.53 -> 0.82-0.87 at q256) and broke 16K in all four; 0.5 wrecked the
@@ -233,7 +233,7 @@ def stretch_rope(model, factor: float, *, original: int) -> None:
 
 def use_training_backend(backend: str) -> str:
     """Pin the NOSA training attention's backend for this process ("auto" leaves hf_nosa's choice)."""
-    import hf_nosa.attention as attention_module
+    import hf_nosa.modeling.attention as attention_module
 
     if backend == "auto" or not hasattr(attention_module, "nosa_training_attention"):
         return backend
@@ -373,7 +373,7 @@ def write_recipe(run: Run, settings: dict, layout: NosaConfig, steps: int) -> No
         recipe.update(selection_loss=r.get("selection_loss", 0.0), eviction_loss=r.get("eviction_loss", 0.0),
                       gradient_checkpointing=False)
     try:
-        from hf_nosa.retrofit import load_recipe
+        from hf_nosa.training.retrofit import load_recipe
 
         load_recipe(recipe)
         checked = True

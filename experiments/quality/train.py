@@ -50,7 +50,7 @@ def train(
         param_groups: AdamW groups, each with its own ``lr`` (the peak).
         step_hook: called as ``step_hook(step)`` before each step (curricula).
         extra_loss: called after each forward; a tensor it returns is added to the loss (auxiliary objectives such
-            as ``hf_nosa.selection_loss.selection_loss``), None adds nothing.
+            as ``hf_nosa.attention.selection_loss.selection_loss``), None adds nothing.
 
     Returns:
         ``{"steps", "tokens", "seconds", "losses": [[step, loss], ...], "final_loss"}``.

@@ -225,8 +225,8 @@ def run(args, recipe: dict) -> int:
 
     from hf_nosa.eval import evaluate
     from hf_nosa.eval.runner import environment
-    from hf_nosa.loading import load_pretrained, load_tokenizer
-    from hf_nosa.retrofit import merge_adapter, read_run
+    from hf_nosa.modeling.loading import load_pretrained, load_tokenizer
+    from hf_nosa.training.retrofit import merge_adapter, read_run
 
     started = time.time()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -345,7 +345,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: it must be at least 1")
     if args.keep_dir is None and args.command != "segment":
         raise ValueError("--keep-dir is required: the folder of the kept adapters (step-N)")
-    from hf_nosa.recipe import load_recipe
+    from hf_nosa.training.recipe import load_recipe
 
     recipe = plain(load_recipe(args.recipe))
     if args.command == "run":

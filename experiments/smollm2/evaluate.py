@@ -2,7 +2,7 @@
 
 A cell is ``MODEL:METHOD``. MODEL is ``base`` (SmolLM2-135M-Instruct; ``evaluate`` converts it with ``to_nosa``,
 A = 0, for the NosaCache methods: "NOSA untrained") or ``retrofit`` (the base with the retrofit adapter merged by
-``hf_nosa.retrofit.merge_adapter``: LoRA and trained eviction heads). METHOD is one of ``hf_nosa.eval.METHODS``:
+``hf_nosa.training.retrofit.merge_adapter``: LoRA and trained eviction heads). METHOD is one of ``hf_nosa.eval.METHODS``:
 ``default`` (full attention; for ``retrofit`` the merged weights with the eviction bias, under full attention),
 ``nosa``, ``query_only``, ``quest``, ``shadowkv``.
 
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     from hf_nosa.eval.runner import budget_for, environment, nosa_layout
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2", help="the base model (a name hf_nosa.loading resolves)")
+    parser.add_argument("--model", default="smollm2", help="the base model (a name hf_nosa.modeling.loading resolves)")
     parser.add_argument("--adapter", default=None, help="retrofit adapter folder (needed by retrofit:* cells)")
     parser.add_argument("--length", type=int, required=True, help="prompt length in tokens")
     parser.add_argument("--cells", required=True, help="MODEL:METHOD,... in the order to run")
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     if not pending:
         return 0
 
-    from hf_nosa.loading import load_pretrained, load_tokenizer
+    from hf_nosa.modeling.loading import load_pretrained, load_tokenizer
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     models, margins = {}, {}
     if any(m == "retrofit" for m, _ in pending):
         from hf_nosa import NosaConfig
-        from hf_nosa.retrofit import merge_adapter, read_run
+        from hf_nosa.training.retrofit import merge_adapter, read_run
 
         models["retrofit"] = merge_adapter(args.adapter, base_model=copy.deepcopy(base)).to(device, dtype).eval()
         section = NosaConfig.from_model_config(models["retrofit"].config)

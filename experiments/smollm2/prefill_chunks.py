@@ -26,8 +26,8 @@ import transformers
 
 from hf_nosa import NosaConfig
 from hf_nosa.eval.runner import evaluate_tasks
-from hf_nosa.loading import load_causal_lm
-from hf_nosa.retrofit import merge_adapter
+from hf_nosa.modeling.loading import load_causal_lm
+from hf_nosa.training.retrofit import merge_adapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks.environment
 from benchmarks.environment import source_commit  # noqa: E402

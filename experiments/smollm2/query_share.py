@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     from hf_nosa.eval.runner import budget_for, environment
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2", help="the base model (a name hf_nosa.loading resolves)")
+    parser.add_argument("--model", default="smollm2", help="the base model (a name hf_nosa.modeling.loading resolves)")
     parser.add_argument("--adapter", default=None, help="retrofit adapter folder; default the one hf_nosa ships")
     parser.add_argument("--length", type=int, default=8192, help="document length in tokens")
     parser.add_argument("--budget-ratio", type=int, default=8, help="budget = length / ratio, whole blocks")
@@ -158,8 +158,8 @@ def main(argv=None) -> int:
     models = {}
     base, tokenizer = load_model(args.model)  # fp32 on the CPU: the adapter merges at full precision
     if any(m == "retrofit" for m, _ in pending):
-        from hf_nosa.demo import SMOLLM2_ADAPTER
-        from hf_nosa.retrofit import merge_adapter, read_run
+        from hf_nosa.cli.demo import SMOLLM2_ADAPTER
+        from hf_nosa.training.retrofit import merge_adapter, read_run
 
         adapter = args.adapter or SMOLLM2_ADAPTER
         models["retrofit"] = merge_adapter(adapter, base_model=copy.deepcopy(base)).eval()

@@ -7,7 +7,7 @@ Copies the three files the demo needs (``SHIPPED``: the PEFT config, the weights
 and ``nosa_retrofit.json`` with the NosaConfig) from ``adapter.tar`` of ``gpu.sh retrofit`` (or a folder
 ``hf-nosa retrofit`` wrote) into ``hf_nosa/assets/smollm2_adapter``, after checking that it is a SmolLM2 adapter with an
 eviction head in each of the 30 layers. The PEFT config names the base by the path of the GGUF file on the machine
-that trained it; the shipped copy names it ``smollm2``, what ``hf_nosa.loading`` resolves anywhere. ``--resident-margin``
+that trained it; the shipped copy names it ``smollm2``, what ``hf_nosa.modeling.loading`` resolves anywhere. ``--resident-margin``
 sets ``NosaConfig.resident_margin`` in the shipped ``nosa_retrofit.json`` (decoding only: training ignores it, so an
 adapter trained without it may ship with it); the record keeps what the run trained with under ``trained_nosa_config``.
 """
