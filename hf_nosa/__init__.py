@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 __all__ = ["NosaCache", "NosaConfig", "to_nosa", "__version__"]
 
 _LAZY = {"NosaCache": ".cache", "NosaConfig": ".config", "to_nosa": ".modeling"}
-_WATCHED = ("transformers.generation.utils", "hf_nosa.modeling.generation")  # GenerationMixin; register() itself
+_WATCHED = ("transformers.generation.utils", "hf_nosa.generation")  # GenerationMixin; register() itself
 
 
 def __getattr__(name):
@@ -36,14 +36,14 @@ def _loaded(name: str) -> bool:
 
 
 def _register() -> None:
-    """Teach generate "nosa" (``hf_nosa.modeling.generation.register``) once transformers' generation code has loaded
-    and hf_nosa.modeling.generation is not halfway through its own import (it imports transformers: it then registers at
+    """Teach generate "nosa" (``hf_nosa.generation.register``) once transformers' generation code has loaded
+    and hf_nosa.generation is not halfway through its own import (it imports transformers: it then registers at
     its end)."""
     if not _loaded(_WATCHED[0]) or (_WATCHED[1] in sys.modules and not _loaded(_WATCHED[1])):
         return
     for finder in [f for f in sys.meta_path if isinstance(f, _RegisterOnLoad)]:
         sys.meta_path.remove(finder)
-    from .modeling.generation import register
+    from .generation import register
 
     register()
 

@@ -112,7 +112,7 @@ def test_register_is_idempotent():
     from transformers.generation import configuration_utils
 
     wrapped = GenerationMixin._prepare_cache_for_generation
-    hf_nosa.modeling.generation.register()
-    hf_nosa.modeling.generation.register()
+    hf_nosa.generation.register()
+    hf_nosa.generation.register()
     assert GenerationMixin._prepare_cache_for_generation is wrapped
     assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS.count("nosa") == 1

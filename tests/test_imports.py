@@ -177,3 +177,17 @@ def test_every_module_on_an_import_cycle_imports_first():
     assert result.returncode == 0, result.stderr[-3000:]
     failures = json.loads(result.stdout.strip().splitlines()[-1])
     assert failures == {}, "\n".join(f"{name}:\n{error}" for name, error in failures.items())
+
+
+def test_hf_nosa_imported_before_or_after_transformers_models():
+    """``import hf_nosa`` first, then a transformers model (its file imports GenerationMixin, which makes hf_nosa
+    register "nosa" half-way through that model file's import): both orders load, and generate knows "nosa"."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    check = ("from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS as names; "
+             "assert 'nosa' in names, names")
+    for order in ("import hf_nosa; from transformers import LlamaForCausalLM, Qwen3ForCausalLM",
+                  "from transformers import LlamaForCausalLM; import hf_nosa; hf_nosa.NosaCache",
+                  "import hf_nosa; from transformers import GenerationConfig; from transformers import Qwen2ForCausalLM"):
+        result = subprocess.run([sys.executable, "-c", f"{order}; {check}"], env=env, capture_output=True, text=True,
+                                timeout=120, cwd=REPO_ROOT)
+        assert result.returncode == 0, f"{order}:\n{result.stderr[-2000:]}"

@@ -178,7 +178,7 @@ def remote_generate(model, *args, **kwargs):
     with a warning: its eviction heads start untrained (``A = 0``), which leaves its outputs under any other cache
     exactly as they were.
     """
-    from .generation import generate
+    from ..generation import generate
 
     if _wants_nosa_cache(kwargs) and not eviction_heads(model):
         logger.warning(

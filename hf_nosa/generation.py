@@ -6,6 +6,11 @@ tuple and wraps that one method: for "nosa" it lets transformers build its defau
 puts it under its own keyword), then swaps in a NosaCache. It also wraps ``GenerationMixin.generate`` so that a
 call on a user's NosaCache is one turn (``NosaCache.turn``): a generate that raises part-way leaves the cache as it
 was before the call, where transformers would leave it half written. Idempotent and version-checked.
+
+This module sits at the package's top, beside ``config``, not in ``modeling/``: ``import hf_nosa`` runs
+``register()`` the moment transformers' generation code finishes loading, which can be in the middle of transformers
+importing a model file (``modeling_llama`` imports ``GenerationMixin``); importing ``hf_nosa.modeling`` there would
+import that half-loaded model file again. It needs only the cache and the config.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.generation import configuration_utils
 
-from ..cache.nosa_cache import NosaCache
-from ..cache.workspace import workspace_of
-from ..config import NosaConfig
+from .cache.nosa_cache import NosaCache
+from .cache.workspace import workspace_of
+from .config import NosaConfig
 
 CACHE_IMPLEMENTATION = "nosa"
 MIN_TRANSFORMERS, MAX_TRANSFORMERS = Version("5.17.0"), Version("6.0.0")
@@ -110,7 +115,7 @@ def _generate_wrapper(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         if getattr(getattr(self, "config", None), "nosa", None) is not None:
-            from . import check_eviction_heads
+            from .modeling import check_eviction_heads
 
             _check_not_empty(args[0] if args else kwargs.get("input_ids", kwargs.get("inputs")))
             check_eviction_heads(self)  # every call, even one whose new input is a single token
