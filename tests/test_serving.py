@@ -310,3 +310,80 @@ def test_non_finite_eviction_heads_are_refused_when_serving_starts():
     with pytest.raises(ValueError, match="layer 1: eviction_head.A holds NaN or inf"):
         model.generate_batch(_prompts((20,), seed=13), generation_config=_generation_config(),
                              continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128))
+
+
+def test_an_exported_architecture_is_found_where_transformers_serve_looks(monkeypatch):
+    """``transformers serve`` loads a model by ``getattr(transformers, config.architectures[0])``; loading the NOSA
+    remote classes names them there, also in a ``transformers`` module object another module still holds (importing a
+    model file can put a new one in sys.modules)."""
+    import sys
+    import types
+
+    from hf_nosa.modeling import remote
+
+    stale = types.ModuleType("transformers")
+    holder = types.ModuleType("serving_holder_for_test")
+    holder.transformers = stale
+    monkeypatch.setitem(sys.modules, holder.__name__, holder)
+    remote.expose_to_transformers()
+    for name in ("NosaLlamaForCausalLM", "NosaQwen2ForCausalLM", "NosaQwen3ForCausalLM", "NosaLlamaConfig"):
+        assert getattr(stale, name) is getattr(remote, name)
+        assert getattr(sys.modules["transformers"], name) is getattr(remote, name)
+    assert sys.modules["transformers"].LlamaForCausalLM is transformers.LlamaForCausalLM  # its own names untouched
+
+
+@pytest.mark.slow
+def test_transformers_serve_answers_with_nosa_on_an_exported_checkpoint(tmp_path):
+    """``transformers serve <exported NOSA checkpoint> --trust-remote-code --continuous-batching`` runs: a completion
+    equals NOSA generate on that prompt alone (greedy), through hf_nosa's manager."""
+    import json
+    import os
+    import pathlib
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        pytest.skip("transformers serve needs fastapi, uvicorn and openai (the test extra installs them)")
+    cli = pathlib.Path(sys.executable).with_name("transformers")
+    if not cli.exists():
+        pytest.skip("the transformers command is not installed beside this interpreter")
+    folder = tmp_path / "demo"
+    shutil.copytree(pathlib.Path(__file__).resolve().parents[1] / "hf_nosa" / "assets" / "demo_model", folder)
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    prompt = "The pass key is 18843. Remember it. The grass is green. What is the pass key?"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[1])}
+    server = subprocess.Popen([str(cli), "serve", str(folder), "--trust-remote-code", "--continuous-batching",
+                               "--device", "cpu", "--port", str(port)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://localhost:{port}"
+        for _ in range(600):  # until it answers (it loads the model first), or it exits
+            if server.poll() is not None:
+                pytest.fail(f"transformers serve exited:\n{server.stdout.read()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        body = json.dumps(dict(model=str(folder), prompt=prompt, max_tokens=12, temperature=0)).encode()
+        request = urllib.request.Request(f"{base}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        served = json.load(urllib.request.urlopen(request, timeout=300))["choices"][0]["text"]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="nosa")
+    assert served == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert type(model.init_continuous_batching()).__name__ == "NosaBatchingManager"

@@ -162,6 +162,41 @@ def register_auto_classes() -> None:
         AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
 
 
+def expose_to_transformers() -> None:
+    """Name the NOSA config and model classes in the ``transformers`` namespace, under their own names (idempotent;
+    a name transformers already has is left alone).
+
+    Why: ``transformers serve`` (5.25) loads a checkpoint with ``getattr(transformers, config.architectures[0])``,
+    not through ``auto_map``, so an exported checkpoint's architecture ("NosaLlamaForCausalLM") is unknown to it even
+    with ``--trust-remote-code``. The checkpoint's remote code imports this module when ``AutoConfig`` reads it,
+    before serve looks the name up; serve then loads the model with these classes.
+    """
+    for namespace in _transformers_namespaces():
+        for classes in REMOTE_CLASSES.values():
+            for cls in classes:
+                if cls.__name__ not in vars(namespace):
+                    setattr(namespace, cls.__name__, cls)
+
+
+def _transformers_namespaces() -> list:
+    """``sys.modules["transformers"]`` and every other ``transformers`` module object a loaded module holds as a
+    global: importing a model file can put a new ``transformers`` module in ``sys.modules`` (seen with 5.25), while
+    serve's own module keeps the one it imported."""
+    import sys
+    import types
+
+    found = {}
+    for module in [sys.modules.get("transformers"), *list(sys.modules.values())]:
+        held = module if getattr(module, "__name__", None) == "transformers" else getattr(module, "__dict__", {}).get(
+            "transformers")
+        if isinstance(held, types.ModuleType) and held.__name__ == "transformers":
+            found[id(held)] = held
+    return list(found.values())
+
+
+expose_to_transformers()
+
+
 def _wants_nosa_cache(kwargs: dict) -> bool:
     if kwargs.get("cache_implementation") == "nosa":
         return True
