@@ -384,6 +384,19 @@ def test_a_sparse_turn_on_the_gpu_equals_the_cpu_and_survives_a_failed_decode(mo
     torch.testing.assert_close(retried_logits.cpu(), results["cuda"][1], atol=1e-3, rtol=1e-3)
 
 
+def _variant_keys() -> set:
+    """``kernel: specialization key`` of every Triton variant hf_nosa's kernels compiled so far."""
+    import sys
+
+    found = set()
+    for name, module in list(sys.modules.items()):
+        if name.startswith("hf_nosa.kernels.") and module is not None:
+            for attr, value in vars(module).items():
+                for cache in getattr(value, "device_caches", {}).values():
+                    found.update(f"{name}.{attr}: {key}" for key in cache[0])
+    return found
+
+
 @_gpu
 def test_a_stream_of_new_lengths_compiles_and_captures_nothing_after_the_longest(monkeypatch):
     """No warm-up per shape: after a first request (the longest) and a second, requests of other lengths (not
@@ -407,8 +420,9 @@ def test_a_stream_of_new_lengths_compiles_and_captures_nothing_after_the_longest
     run(model, 517)
     variants, graph = compiled_kernel_variants(), workspace_of(model).decode_graph
     captures = graph.captures
+    keys = _variant_keys()
     answers = {length: run(model, length) for length in (150, 333, 1003, 771)}
-    assert compiled_kernel_variants() == variants
+    assert compiled_kernel_variants() == variants, sorted(_variant_keys() - keys)
     assert graph.captures == captures, graph.recaptures
     for length in (333, 1003):
         assert torch.equal(answers[length], run(_model("llama", cfg, seed=5).cuda(), length))

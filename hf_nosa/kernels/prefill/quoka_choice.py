@@ -21,6 +21,9 @@ from ..backend import HAS_TRITON, kernel_path, launcher, next_power_of_2, on_dev
 
 BLOCK_T = 128  # queries per step (a 512-token chunk in 4)
 REGISTER_ROW = 8192  # chunks up to this many queries keep a head's cosines in registers for the n passes
+# The register row is at least this wide (masked past T): a prompt's last chunk has any length below the chunk
+# size, and a width per power of two of it compiled a variant per bucket in the middle of a request stream.
+MIN_REGISTER_ROW = 2048
 # The cosine padding queries get: above every real one (cosines are bounded by the mean's norm), below +inf (kept).
 PADDING = 3.0e38
 
@@ -153,6 +156,7 @@ def quoka_kept_queries(query: torch.Tensor, n_keep: int, valid: torch.Tensor | N
             query, flags, cos, out, *query.stride(), *valid_strides,
             out.stride(0), out.stride(1), out.stride(3), out.stride(4),
             H, T, D, n, HAS_VALID=has_valid, BLOCK_T=BLOCK_T, BLOCK_D=max(16, next_power_of_2(D)), PADDING=PADDING,
-            BLOCK_ALL=next_power_of_2(T) if T <= REGISTER_ROW else 0, num_warps=8 if T > 2048 else 4,
+            BLOCK_ALL=max(MIN_REGISTER_ROW, next_power_of_2(T)) if T <= REGISTER_ROW else 0,
+            num_warps=8 if T > MIN_REGISTER_ROW else 4,
         )
     return out
