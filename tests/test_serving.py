@@ -112,9 +112,13 @@ def test_a_persistent_manager_serves_a_second_batch_from_empty_caches():
                                      continuous_batching_config=config, persistent_manager=True)
         manager = model._cached_continuous_batching_manager
         assert manager.nosa_requests.entries == {} and manager.nosa_requests.host_reserved == 0
+        pool = manager.nosa_requests.host_pool
+        allocated = pool.allocated_bytes
+        assert allocated > 0 and pool.held == {} and pool.free_bytes() == allocated  # every store given back
         second = model.generate_batch(prompts[::-1], generation_config=_generation_config(),
                                       continuous_batching_config=config, persistent_manager=True)
         assert model._cached_continuous_batching_manager is manager
+        assert pool.allocated_bytes == allocated  # the second batch's host stores are the first's, reused
     finally:
         model.destroy_cached_continuous_batching_manager()
     assert [first["req_0"].generated_tokens, first["req_1"].generated_tokens] == expected
@@ -387,3 +391,25 @@ def test_transformers_serve_answers_with_nosa_on_an_exported_checkpoint(tmp_path
     out = model.generate(ids, max_new_tokens=12, do_sample=False, cache_implementation="nosa")
     assert served == tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert type(model.init_continuous_batching()).__name__ == "NosaBatchingManager"
+
+
+def test_the_host_pool_reuses_a_given_back_buffer_best_fit_and_keeps_owners_apart():
+    from hf_nosa.serving.host_pool import MIN_BUFFER_BYTES, HostPool, RequestWorkspace
+
+    pool = HostPool()
+    a = pool.take("a", (1, 2, 1000, 64), torch.float32, pin=False)  # 512,000 bytes: one 1 MiB buffer
+    b = pool.take("b", (3 << 20,), torch.uint8, pin=False)  # 3 MiB: rounded up to 4 MiB
+    assert pool.allocated_bytes == MIN_BUFFER_BYTES + (4 << 20)
+    assert a.data_ptr() != b.data_ptr() and pool.held_bytes("a") == MIN_BUFFER_BYTES
+    pool.give_back("b")
+    pool.give_back("a")
+    small = pool.take("c", (100, 64), torch.bfloat16, pin=False)  # the 1 MiB buffer fits: the smaller one is taken
+    assert small.data_ptr() == a.data_ptr() and pool.allocated_bytes == MIN_BUFFER_BYTES + (4 << 20)
+    large = pool.take("c", (2 << 20,), torch.uint8, pin=False)
+    assert large.data_ptr() == b.data_ptr() and pool.free == []
+    pool.take("d", (10,), torch.uint8, pin=False)  # nothing free: a new buffer
+    assert pool.allocated_bytes == 2 * MIN_BUFFER_BYTES + (4 << 20)
+    workspace = RequestWorkspace(pool, "e")
+    host = workspace.take((0, "host_k_0"), (1, 2, 16, 4), torch.float32, "cpu")
+    device = workspace.take((0, "slot_k"), (1, 2, 3), torch.float32, "meta")
+    assert pool.held_bytes("e") == MIN_BUFFER_BYTES and host.shape == (1, 2, 16, 4) and device.device.type == "meta"

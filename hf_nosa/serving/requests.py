@@ -23,6 +23,7 @@ import torch
 from ..cache.host_store import HostStore, available_host_memory
 from ..cache.nosa_cache import NosaCache
 from ..config import NosaConfig
+from .host_pool import HostPool, RequestWorkspace
 
 
 DEVICE_SHARE = 0.5  # of the free device memory, for the requests' working sets when ServingBudget sets none
@@ -92,6 +93,7 @@ class RequestCaches:
     plan: list[tuple[str, int, int]] = field(default_factory=list)
     host_reserved: int = 0
     device_reserved: int = 0
+    host_pool: HostPool = field(default_factory=HostPool)  # host stores pinned once, reused request after request
 
     def __post_init__(self):
         self.nosa_config = NosaConfig.from_model_config(self.model_config, self.nosa_config)
@@ -165,6 +167,7 @@ class RequestCaches:
         self.host_reserved -= entry.host_bytes
         self.device_reserved -= entry.device_bytes
         entry.cache = None
+        self.host_pool.give_back(request_id)
 
     def release_all(self) -> None:
         for request_id in list(self.entries):
@@ -183,6 +186,7 @@ class RequestCaches:
             )
         if entry.cache is None:
             entry.cache = NosaCache(self.model_config, self.nosa_config, max_cache_len=entry.max_tokens)
+            entry.cache.attach_workspace(RequestWorkspace(self.host_pool, request_id))
         return entry, entry.cache
 
     def held_tokens(self) -> int:
