@@ -1,5 +1,7 @@
-"""DeviceWorkspace's host pool: one grow-only buffer per key, so a call of another shape pins nothing new."""
+"""DeviceWorkspace: the host pool (one grow-only buffer per key, so a call of another shape pins nothing new) and the
+capacity buffers that only grow (a shorter request decodes on a longer one's, unchanged)."""
 
+import pytest
 import torch
 
 from hf_nosa.cache.workspace import HOST_GROWTH, DeviceWorkspace
@@ -49,3 +51,46 @@ def test_a_capacity_buffer_is_reused_by_any_shorter_request_and_replaced_by_a_lo
     assert ws.take((0, "slot_k"), (1, 8, 33, 64, 64), torch.bfloat16, "meta").shape[2] == 33  # no grow: exact
     assert exact.shape[2] == 65
 
+
+
+class _Oversized(DeviceWorkspace):
+    """Every capacity buffer (``grow``) comes 4x larger than asked along its capacity dimension, as a longer earlier
+    request leaves it; everything else is new and exact."""
+
+    def take(self, key, shape, dtype, device, *, pin=False, grow=None):
+        shape = list(shape)
+        if grow is not None:
+            shape[grow] *= 4
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _decode_with(workspace, kernels: bool, monkeypatch):
+    from hf_nosa import NosaCache, to_nosa
+    from hf_nosa.modeling import randomize_eviction_heads
+
+    from .conftest import SPARSE, small_nosa_config, tiny_model
+
+    if kernels:  # the device kernels on CPU tensors, in the Triton interpreter
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
+    model = to_nosa(tiny_model("llama", seed=6), small_nosa_config(**SPARSE, prefill_chunk_size=64))
+    randomize_eviction_heads(model, generator=torch.Generator().manual_seed(7))
+    ids = torch.randint(3, 97, (2, 150), generator=torch.Generator().manual_seed(8))
+    cache = NosaCache(model.config, max_cache_len=170)
+    if workspace is not None:
+        cache.attach_workspace(workspace)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits), cache
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_decoding_on_capacity_buffers_larger_than_asked_changes_nothing(kernels, monkeypatch):
+    """A request after a longer one decodes on the longer one's compressed keys and block table (larger than it
+    needs): tokens and logits equal a cache whose buffers are exactly its own, on the torch path and the kernels."""
+    tokens, logits, _ = _decode_with(None, kernels, monkeypatch)
+    big_tokens, big_logits, cache = _decode_with(_Oversized(), kernels, monkeypatch)
+    layer = cache.layers[0]
+    assert layer.compressed.keys.shape[2] >= 4 * 256 and layer.compressed.bias.shape[2] == layer.compressed.keys.shape[2]
+    assert torch.equal(big_tokens, tokens)
+    torch.testing.assert_close(big_logits, logits, atol=1e-5, rtol=1e-5)
