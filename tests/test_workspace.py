@@ -75,17 +75,17 @@ def _decode_with(workspace, kernels: bool, monkeypatch):
         monkeypatch.setenv("HF_NOSA_KERNELS", "triton")
     model = to_nosa(tiny_model("llama", seed=6), small_nosa_config(**SPARSE, prefill_chunk_size=64))
     randomize_eviction_heads(model, generator=torch.Generator().manual_seed(7))
-    ids = torch.randint(3, 97, (2, 150), generator=torch.Generator().manual_seed(8))
-    cache = NosaCache(model.config, max_cache_len=170)
+    ids = torch.randint(3, 97, (2, 90), generator=torch.Generator().manual_seed(8))
+    cache = NosaCache(model.config, max_cache_len=100)
     if workspace is not None:
         cache.attach_workspace(workspace)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=8,
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=5,
                          do_sample=False, output_logits=True, return_dict_in_generate=True)
     return out.sequences, torch.stack(out.logits), cache
 
 
-@pytest.mark.parametrize("kernels", [False, True])
-def test_decoding_on_capacity_buffers_larger_than_asked_changes_nothing(kernels, monkeypatch):
+@pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_decoding_on_capacity_buffers_larger_than_asked_changes_nothing(kernels, monkeypatch, prompt_rotary_on_torch):
     """A request after a longer one decodes on the longer one's compressed keys and block table (larger than it
     needs): tokens and logits equal a cache whose buffers are exactly its own, on the torch path and the kernels."""
     tokens, logits, _ = _decode_with(None, kernels, monkeypatch)
