@@ -176,8 +176,34 @@ def run_stream(model, prompts, rate: float, args, device) -> dict:
         row["peak_device_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
     requests = getattr(manager, "nosa_requests", None)
     if requests is not None:
-        row["host_budget_bytes"] = requests.budget.host_bytes
+        row.update(host_budget_bytes=requests.budget.host_bytes, host_pool_bytes=requests.host_pool.allocated_bytes,
+                   **requests.stats())
     return row
+
+
+def floor_analysis(model, lengths: list[int], new_tokens: int, cap_gb: float | None, budget_tokens: int,
+                   locality: float | None, pcie_gb_s: float = 51.0, hbm_tb_s: float = 3.35) -> dict:
+    """What bounds each method, by arithmetic (issue: stock's concurrency is about free device memory / (context x
+    bytes per token); NOSA's step is about batch x (1 - locality) x budget x bytes per token over PCIe plus the
+    budget's KV over HBM). ``pcie_gb_s``: the host-to-device rate measured for block fetches (facts.md); ``hbm_tb_s``:
+    an H100's HBM3. Per decode step and sequence, at the stream's mean context."""
+    text = model.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    kv_token = 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * itemsize  # K and V, every layer
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    context = sum(lengths) / len(lengths) + new_tokens / 2
+    free = cap_gb * 1e9 - weights if cap_gb else None
+    miss = 1.0 - (locality if locality is not None and locality == locality else 0.0)
+    return dict(
+        kv_bytes_per_token=kv_token, weights_bytes=weights, mean_context=context, pcie_gb_s=pcie_gb_s,
+        hbm_tb_s=hbm_tb_s,
+        stock_max_concurrency=(free / (context * kv_token)) if free else None,
+        stock_step_s_per_sequence=context * kv_token / (hbm_tb_s * 1e12),
+        nosa_fetch_s_per_sequence=miss * budget_tokens * kv_token / (pcie_gb_s * 1e9),
+        nosa_attention_s_per_sequence=budget_tokens * kv_token / (hbm_tb_s * 1e12),
+        locality_used=1.0 - miss,
+    )
 
 
 def run_rates(method: str, prompts, args, device, dtype) -> dict:
@@ -215,8 +241,8 @@ def main(argv=None):
         args.budget_tokens = 64
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cap = args.cap_gb or CAP_GB.get(args.shape)
     if device.type == "cuda":
-        cap = args.cap_gb or CAP_GB.get(args.shape)
         if cap:
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total))
@@ -224,6 +250,11 @@ def main(argv=None):
     if args.rates:
         rows = [run_rates(method, prompts, args, device, dtype) for method in args.methods.split(",")]
         result = dict(environment=environment(), args=vars(args), lengths=[len(p) for p in prompts], rows=rows)
+        nosa = [r for row in rows if row["method"] == "nosa" for r in row["rates"]]
+        locality = nosa[-1].get("locality") if nosa else None
+        result["floor"] = floor_analysis(build_model(args.shape, "meta", dtype), [len(p) for p in prompts],
+                                         args.new_tokens, cap if device.type == "cuda" else None,
+                                         nosa_config(args).budget_tokens, locality)
         if args.out:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:

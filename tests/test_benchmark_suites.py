@@ -97,3 +97,27 @@ def test_the_results_index_describes_a_result_by_its_command(tmp_path):
     assert f"| 2026-12-07 | [2026-12-07_prefill_breakdown.json](2026-12-07_prefill_breakdown.json) | {summary} | " \
            f"`python -m benchmarks prefill breakdown --out DIR` |" in index
     assert f"| plot: {summary} |" in index
+
+
+def test_serve_floor_analysis_and_stream_metrics_on_known_numbers():
+    """benchmarks/serve.py's bookkeeping: the floor arithmetic of the 1b shape, and the stream's metrics from
+    per-token timestamps (time to first token, per output token, requests decoding at once)."""
+    import types
+
+    import torch
+
+    from benchmarks.decode_throughput import build_model
+    from benchmarks.serve import floor_analysis, stream_metrics
+
+    model = build_model("1b", "meta", torch.bfloat16)
+    floor = floor_analysis(model, [16384, 49152], 1024, 24, 4096, 0.9)
+    assert floor["kv_bytes_per_token"] == 2 * 16 * 8 * 64 * 2
+    assert floor["mean_context"] == 32768 + 512
+    weights = sum(p.numel() * 2 for p in model.parameters())
+    assert abs(floor["stock_max_concurrency"] - (24e9 - weights) / (33280 * 32768)) < 1e-9
+    assert abs(floor["nosa_fetch_s_per_sequence"] - 0.1 * 4096 * 32768 / 51e9) < 1e-15
+    out = [types.SimpleNamespace(created_time=0.0, timestamps=[1.0, 1.5, 2.0], generated_tokens=[1, 2, 3]),
+           types.SimpleNamespace(created_time=0.5, timestamps=[1.75, 2.25, 3.25], generated_tokens=[4, 5, 6])]
+    metrics = stream_metrics(out, 0.0, 4.0)
+    assert metrics["output_tok_s"] == 6 / 4.0 and metrics["max_decoding"] == 2
+    assert metrics["ttft_p50_s"] in (1.0, 1.25) and metrics["tpot_p99_s"] == 0.75

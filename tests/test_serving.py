@@ -394,22 +394,50 @@ def test_transformers_serve_answers_with_nosa_on_an_exported_checkpoint(tmp_path
 
 
 def test_the_host_pool_reuses_a_given_back_buffer_best_fit_and_keeps_owners_apart():
-    from hf_nosa.serving.host_pool import MIN_BUFFER_BYTES, HostPool, RequestWorkspace
+    from hf_nosa.serving.host_pool import MIN_BUFFER_BYTES, HostPool, RequestWorkspace, rounded_bytes
 
+    assert rounded_bytes(1) == MIN_BUFFER_BYTES and rounded_bytes(3 << 20) == 4 << 20 and rounded_bytes(4 << 20) == 4 << 20
     pool = HostPool()
-    a = pool.take("a", (1, 2, 1000, 64), torch.float32, pin=False)  # 512,000 bytes: one 1 MiB buffer
-    b = pool.take("b", (3 << 20,), torch.uint8, pin=False)  # 3 MiB: rounded up to 4 MiB
-    assert pool.allocated_bytes == MIN_BUFFER_BYTES + (4 << 20)
-    assert a.data_ptr() != b.data_ptr() and pool.held_bytes("a") == MIN_BUFFER_BYTES
+    a = pool.take("a", (1, 2, 1000, 64), torch.float32, pin=False)  # 512,000 bytes
+    b = pool.take("b", (3 << 20,), torch.uint8, pin=False)  # 3 MiB: a 4 MiB buffer
+    first = rounded_bytes(512_000)
+    assert pool.allocated_bytes == first + (4 << 20)
+    assert a.data_ptr() != b.data_ptr() and pool.held_bytes("a") == first
     pool.give_back("b")
     pool.give_back("a")
-    small = pool.take("c", (100, 64), torch.bfloat16, pin=False)  # the 1 MiB buffer fits: the smaller one is taken
-    assert small.data_ptr() == a.data_ptr() and pool.allocated_bytes == MIN_BUFFER_BYTES + (4 << 20)
+    small = pool.take("c", (100, 64), torch.bfloat16, pin=False)  # both fit: the smaller buffer is taken
+    assert small.data_ptr() == a.data_ptr() and pool.allocated_bytes == first + (4 << 20)
     large = pool.take("c", (2 << 20,), torch.uint8, pin=False)
     assert large.data_ptr() == b.data_ptr() and pool.free == []
     pool.take("d", (10,), torch.uint8, pin=False)  # nothing free: a new buffer
-    assert pool.allocated_bytes == 2 * MIN_BUFFER_BYTES + (4 << 20)
+    assert pool.allocated_bytes == first + (4 << 20) + MIN_BUFFER_BYTES
     workspace = RequestWorkspace(pool, "e")
     host = workspace.take((0, "host_k_0"), (1, 2, 16, 4), torch.float32, "cpu")
     device = workspace.take((0, "slot_k"), (1, 2, 3), torch.float32, "meta")
     assert pool.held_bytes("e") == MIN_BUFFER_BYTES and host.shape == (1, 2, 16, 4) and device.device.type == "meta"
+
+
+def test_the_manager_counts_what_its_requests_moved_as_their_caches_do_alone():
+    """``RequestCaches.stats``: bytes moved to the device and locality over every request (released ones kept),
+    equal to the sums of NOSA generate on each request alone with its own NosaCache."""
+    from hf_nosa import NosaCache
+
+    model = enable(_sparse_model("llama", seed=17))
+    prompts = _prompts((45, 160, 300), seed=17)
+    alone = []
+    for prompt in prompts:
+        cache = NosaCache(model.config)
+        ids = torch.tensor([prompt])
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                       generation_config=_generation_config())
+        alone.append(cache.stats())
+    try:
+        model.generate_batch(prompts, generation_config=_generation_config(),
+                             continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128),
+                             persistent_manager=True)
+        stats = model._cached_continuous_batching_manager.nosa_requests.stats()
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    assert stats["bytes_to_device"] == sum(s["bytes_to_device"] for s in alone) > 0
+    assert stats["blocks_loaded"] == sum(s["blocks_loaded"] for s in alone)
+    assert 0.0 <= stats["locality"] <= 1.0

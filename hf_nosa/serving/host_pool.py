@@ -19,7 +19,12 @@ import math
 
 import torch
 
-MIN_BUFFER_BYTES = 1 << 20  # smaller host buffers (a store's tails, scales) are rounded up to this
+MIN_BUFFER_BYTES = 1 << 16  # smaller host buffers (a store's tails, scales) are rounded up to this
+
+
+def rounded_bytes(nbytes: int) -> int:
+    """The size of a new pool buffer for ``nbytes``: the next power of two, at least ``MIN_BUFFER_BYTES``."""
+    return max(MIN_BUFFER_BYTES, 1 << max(0, nbytes - 1).bit_length())
 
 
 class HostPool:
@@ -38,7 +43,7 @@ class HostPool:
             buffer = min(fits, key=lambda b: b.numel())
             self.free = [b for b in self.free if b is not buffer]
         else:
-            size = max(MIN_BUFFER_BYTES, 1 << max(0, nbytes - 1).bit_length())
+            size = rounded_bytes(nbytes)
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
             self.allocated_bytes += size
         self.held.setdefault(owner, []).append(buffer)

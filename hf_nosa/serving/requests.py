@@ -94,6 +94,7 @@ class RequestCaches:
     host_reserved: int = 0
     device_reserved: int = 0
     host_pool: HostPool = field(default_factory=HostPool)  # host stores pinned once, reused request after request
+    finished: list = field(default_factory=list)  # [blocks, bytes] and [resident, selected] of released requests
 
     def __post_init__(self):
         self.nosa_config = NosaConfig.from_model_config(self.model_config, self.nosa_config)
@@ -166,6 +167,8 @@ class RequestCaches:
             return
         self.host_reserved -= entry.host_bytes
         self.device_reserved -= entry.device_bytes
+        if entry.cache is not None:
+            self.finished = self._counters([entry.cache], self.finished)
         entry.cache = None
         self.host_pool.give_back(request_id)
 
@@ -188,6 +191,30 @@ class RequestCaches:
             entry.cache = NosaCache(self.model_config, self.nosa_config, max_cache_len=entry.max_tokens)
             entry.cache.attach_workspace(RequestWorkspace(self.host_pool, request_id))
         return entry, entry.cache
+
+    @staticmethod
+    def _counters(caches, totals: list) -> list:
+        """``totals`` plus the caches' ``[blocks loaded, bytes moved]`` and ``[resident, selected]`` counters
+        (device tensors, no host sync)."""
+        layers = [layer for cache in caches for layer in cache.layers if layer.is_initialized]
+        if not layers:
+            return totals
+        counts = torch.stack([layer.counters.counts[:2] for layer in layers]).sum(0)
+        share = torch.stack([layer.counters.locality.double() for layer in layers]).sum(0)
+        return [counts, share] if not totals else [totals[0] + counts.to(totals[0].device),
+                                                    totals[1] + share.to(totals[1].device)]
+
+    def stats(self) -> dict:
+        """What every request so far (released or running) moved to the device: ``blocks_loaded``,
+        ``bytes_to_device`` and ``locality`` (the share of selected blocks already on the device), as
+        ``NosaCache.stats`` counts them; one host sync."""
+        live = [entry.cache for entry in self.entries.values() if entry.cache is not None]
+        totals = self._counters(live, list(self.finished))
+        if not totals:
+            return dict(blocks_loaded=0, bytes_to_device=0, locality=float("nan"))
+        counts, share = (t.cpu() for t in totals)
+        return dict(blocks_loaded=int(counts[0]), bytes_to_device=int(counts[1]),
+                    locality=float(share[0] / share[1]) if share[1] > 0 else float("nan"))
 
     def held_tokens(self) -> int:
         """Tokens the admitted requests' caches hold (layer 0)."""
