@@ -50,6 +50,7 @@ train retrofit       retrofit_profile      where the SmolLM2-135M retrofit's mic
 serve                serve                 continuous batching (generate_batch), stock against NOSA
 conversation         conversation          a new turn on a reused conversation cache against re-prefilling it
 conversation stream  request_stream        batch-1 requests of different lengths, stock static + compile against NOSA
+serve tp             tensor_parallel       1 GPU against N (tp_plan="auto", under torchrun): generate and generate_batch
 """  # suite [part], its script in benchmarks/, what it measures: columns 2+ spaces apart
 SUITES: dict[str, Suite] = {}
 for row in TABLE.splitlines():

@@ -142,3 +142,25 @@ def test_continuous_batching_sharded_equals_generate_alone(tmp_path):
                 serving=dict(prompts=prompts, new=8, max_batch_tokens=128))
     ranks = run_ranks(spec, tmp_path)
     assert [r["serving"] for r in ranks] == [expected, expected]
+
+
+@pytest.mark.slow
+def test_the_tensor_parallel_benchmark_runs_on_two_cpu_ranks(tmp_path):
+    """benchmarks/tensor_parallel.py (the GPU run of 1 GPU against 2) at the smoke shape on two gloo ranks: generate
+    at two batches and continuous batching, every request answered."""
+    env = fresh_env(tmp_path)
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
+    out = tmp_path / "tp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "benchmarks/tensor_parallel.py", "--shape", "smoke", "--context", "200", "--new-tokens", "3",
+           "--batches", "1", "2", "--requests", "3", "--max-batch-tokens", "128", "--folder", str(tmp_path / "ckpt"),
+           "--out", str(out)]
+    result = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    report = json.loads(out.read_text())
+    assert report["world_size"] == 2 and [row["batch"] for row in report["generate"]] == [1, 2]
+    assert all(row["decode_tok_s"] > 0 for row in report["generate"])
+    served = report["continuous_batching"]
+    assert served["errors"] == [] and served["generated_tokens"] == 3 * 3
