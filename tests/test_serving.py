@@ -441,3 +441,23 @@ def test_the_manager_counts_what_its_requests_moved_as_their_caches_do_alone():
     assert stats["bytes_to_device"] == sum(s["bytes_to_device"] for s in alone) > 0
     assert stats["blocks_loaded"] == sum(s["blocks_loaded"] for s in alone)
     assert 0.0 <= stats["locality"] <= 1.0
+
+
+def test_a_tensor_parallel_rank_admits_by_the_kv_heads_it_holds():
+    """Under tensor parallelism a rank's caches hold its share of the KV heads: the manager sizes requests by that
+    share (host and device bytes halve on one of two ranks), so admitted concurrency grows with the ranks."""
+    from hf_nosa.modeling.tensor_parallel import KVHeadShard
+    from hf_nosa.serving import RequestCaches
+
+    model = enable(_sparse_model("llama", seed=19))
+    whole = RequestCaches(model.config, dtype=torch.float32)
+    half = RequestCaches(model.config, dtype=torch.float32, rank_kv_heads=whole.kv_heads // 2)
+    assert whole.kv_heads == model.config.num_key_value_heads == 2
+    assert half.host_bytes(4096) * 2 == whole.host_bytes(4096) and half.device_bytes(4096) * 2 == whole.device_bytes(4096)
+    head = model.model.layers[0].self_attn.eviction_head
+    head.tensor_parallel = KVHeadShard(None, 0, 2, 0, 1, model.config.head_dim)  # as shard_eviction_heads sets it
+    try:
+        manager = init_continuous_batching(model)
+        assert manager.nosa_requests.kv_heads == 1
+    finally:
+        head.tensor_parallel = None

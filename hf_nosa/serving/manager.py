@@ -124,8 +124,9 @@ class NosaBatchingManager(ContinuousBatchingManager):
                 f"NOSA serving: num_return_sequences={returns} is not supported yet (a request's NosaCache is not "
                 "forked); send the prompt several times instead."
             )
+        shard = getattr(model.model.layers[0].self_attn.eviction_head, "tensor_parallel", None)
         self.nosa_requests = RequestCaches(model.config, nosa_config, budget or ServingBudget(), model.dtype,
-                                           model.device)
+                                           model.device, rank_kv_heads=shard.hi - shard.lo if shard else None)
         config = nosa_batching_config(continuous_batching_config, self.nosa_requests)
         self.nosa_ledger_tokens = None
         if config.num_blocks is None:

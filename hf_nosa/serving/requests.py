@@ -80,6 +80,7 @@ class RequestCaches:
         model_config: the model's config (its "nosa" section is the default NosaConfig; layers, KV heads, head dim).
         nosa_config: overrides the model's NosaConfig for every request.
         budget: host and device bytes the requests may hold at once.
+        rank_kv_heads: under tensor parallelism, the KV heads this rank holds (None: the model's).
         dtype: the model's dtype (the host store keeps K/V in it unless ``host_dtype`` says otherwise).
         device: the model's device (where the working sets live).
     """
@@ -95,12 +96,14 @@ class RequestCaches:
     device_reserved: int = 0
     host_pool: HostPool = field(default_factory=HostPool)  # host stores pinned once, reused request after request
     finished: list = field(default_factory=list)  # [blocks, bytes] and [resident, selected] of released requests
+    rank_kv_heads: int | None = None  # under tensor parallelism: the KV heads this rank holds (of every layer)
 
     def __post_init__(self):
         self.nosa_config = NosaConfig.from_model_config(self.model_config, self.nosa_config)
         text = self.model_config.get_text_config(decoder=True)
         self.n_layers = text.num_hidden_layers
-        self.kv_heads = text.num_key_value_heads
+        # a rank's caches hold its share of the KV heads: admission counts what this rank's memory holds
+        self.kv_heads = self.rank_kv_heads or text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.max_positions = getattr(text, "max_position_embeddings", None)
         self.budget = self.budget.resolved(self.device)
