@@ -39,15 +39,24 @@ case "${1:-}" in
   train-memory-8b)  # docs/benchmarks.md "By length": the 8b step's memory at 64K event by event, NOSA with the default allocator, then NOSA and dense with expandable segments (an H200; about 6 minutes)
     PYTORCH_ALLOC_CONF=expandable_segments:False timeout 200 python -m benchmarks train memory --shape 8b --length 65536 --modes nosa --steps 1 --out "$OUT" --tag default 2>&1 | grep -E '^\{' | cut -c1-1500
     timeout 340 python -m benchmarks train memory --shape 8b --length 65536 --modes nosa,dense --out "$OUT" --tag expandable 2>&1 | grep -E '^\{' | cut -c1-1500 ;;
-  serve)          # continuous batching: 16 requests of 4K-16K tokens through generate_batch, stock against NOSA (docs/serving.md)
-    timeout 570 python -m benchmarks serve --shape 1b --requests 16 --min 4096 --max 16384 --out "$OUT/serve_1b.json" 2>&1 | tee "$OUT/serve_1b.log" | grep -v Warning | tail -12 ;;
+  serve)          # continuous batching: the GPU serving tests, then a saturating stream of 16 requests of 16K-64K (1024 new tokens) through the manager, stock against NOSA (docs/serving.md). Serving needs transformers >= 5.18: carry the wheels (transformers, and huggingface_hub and tokenizers if the machine's are older than it needs) in build/serving_wheels and set SERVING_WHEELS=../build/serving_wheels from a .bench snapshot
+    wheels="${SERVING_WHEELS:-build/serving_wheels}"
+    if [ -d "$wheels" ]; then
+      pip install -q --no-deps --target /tmp/serving_tf "$wheels"/*.whl 2>&1 | tail -2
+      export PYTHONPATH="/tmp/serving_tf:$PYTHONPATH"
+    fi
+    python -c "import transformers; print('transformers', transformers.__version__)"
+    timeout 150 python -m pytest -q tests/test_serving_gpu.py -p no:cacheprovider --tb=short 2>&1 | tail -6
+    timeout 400 python -m benchmarks serve --shape 1b --requests "${SERVE_REQUESTS:-16}" --min 16384 --max 65536 --new-tokens "${SERVE_NEW_TOKENS:-1024}" --rates inf --out "$OUT/serve_1b.json" 2>&1 | tee "$OUT/serve_1b.log" | grep -v Warning | tail -6 ;;
+  turn-profile)   # docs/benchmarks.md "Conversations": where the batch-8 turn's time goes (torch.profiler tables under $OUT/turn-b8-*), one conversation (about 2 minutes)
+    timeout 300 python -m benchmarks conversation --shape 1b --batches 8 --repeats 1 --profile "$OUT/turn" --out "$OUT/conversation_b8.json" 2>&1 | grep -v Warning | tail -3 ;;
   conversation-tests)  # docs/benchmarks.md "Conversations": a new turn on a reused cache and atomic turns on the kernels, with the decode-graph and whole-prompt GPU tests (about 4 minutes)
     timeout 560 python -m pytest -q -m gpu tests/test_conversations.py tests/test_gpu_generate.py tests/test_whole_prompt.py -p no:cacheprovider --tb=short > "$OUT/gpu_tests_conversations.log" 2>&1
     tail -30 "$OUT/gpu_tests_conversations.log" ;;
   conversation)   # docs/benchmarks.md "Conversations": a 4096-token turn on a 60K conversation, batch 1 and 8, against re-prefilling it (about 5 minutes)
     timeout 560 python -m benchmarks conversation --shape 1b --batches 1 8 --out "$OUT/conversation.json" 2>&1 | tee "$OUT/conversation.log" | grep -v Warning | tail -8 ;;
-  request-stream)  # docs/benchmarks.md "Conversations": 10 batch-1 requests of 8K-64K, 128 new tokens each, stock static + compile against NOSA, each call against its repeat (about 6 minutes)
-    timeout "${STREAM_TIMEOUT:-570}" python -m benchmarks conversation stream --shape 1b --methods ${STREAM_METHODS:-static nosa} --out "$OUT/request_stream.json" 2>&1 | tee "$OUT/request_stream.log" | grep -v Warning | tail -8 ;;
+  request-stream)  # docs/benchmarks.md "Conversations": 10 batch-1 requests of 8K-64K, 128 new tokens each, stock static + compile against NOSA, each call against its repeat, Triton's cache empty as on a fresh machine (about 6 minutes)
+    TRITON_CACHE_DIR="$(mktemp -d)" timeout "${STREAM_TIMEOUT:-570}" python -m benchmarks conversation stream --shape 1b --methods ${STREAM_METHODS:-static nosa} --out "$OUT/request_stream.json" 2>&1 | tee "$OUT/request_stream.log" | grep -v Warning | tail -8 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|generate-8b|ttft|train|train-lengths-1b|train-lengths-8b|train-memory-8b|serve|conversation-tests|conversation|request-stream" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|generate-8b|ttft|train|train-lengths-1b|train-lengths-8b|train-memory-8b|serve|turn-profile|conversation-tests|conversation|request-stream" >&2; exit 2 ;;
 esac
