@@ -5,6 +5,9 @@ files that subclass the classes below. Each model class is the stock ``*ForCausa
 converted to NOSA in ``__init__``, so ``from_pretrained`` loads the eviction heads by name like any other weight.
 ``remote_generate`` is what the checkpoint's ``custom_generate/generate.py`` calls.
 
+Importing this module also names these classes in the ``transformers`` namespace (``expose_to_transformers``), where
+``transformers serve`` looks a checkpoint's architecture up.
+
 Example:
     >>> from hf_nosa.modeling.remote import register_auto_classes
     >>> register_auto_classes()  # then AutoModelForCausalLM.from_pretrained(folder) works without remote code
