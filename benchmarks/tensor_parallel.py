@@ -13,10 +13,10 @@ writes the JSON):
 A random-weight Llama of ``--shape`` (``batch_plan.SHAPES``) is written once to ``--folder`` (rank 0; the others
 wait) and loaded sharded with ``from_pretrained(folder, tp_plan="auto")``, then converted with ``to_nosa`` on
 every rank (random eviction heads, the same on every rank). ``generate``: for each of ``--batches`` (rows of
-``--context`` random tokens), the time of ``max_new_tokens=1`` and of ``--new-tokens``: decode tok/s is
-``batch x (new_tokens - 1)`` over the difference; a batch that runs out of memory ends the sweep. Continuous
-batching: ``--requests`` prompts of ``--context`` tokens through ``generate_batch``: output tok/s over the call and
-the most requests decoding at once (from per-token timestamps).
+``--context`` random tokens), after an untimed call, the time of ``max_new_tokens=1`` and of ``--new-tokens``:
+decode tok/s is ``batch x (new_tokens - 1)`` over the difference; a batch that runs out of memory ends the sweep.
+Continuous batching: ``--requests`` prompts of ``--context`` tokens through ``generate_batch``: output tok/s over
+the call and the most requests decoding at once (from per-token timestamps).
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ def generate_rows(model, args, device) -> list[dict]:
         kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                       cache_implementation="nosa")
         try:
+            model.generate(max_new_tokens=2, min_new_tokens=2, **kwargs)  # this batch's first call: compilation
             times = []
             for new in (1, args.new_tokens):
                 _sync(device)
@@ -97,7 +98,8 @@ def generate_rows(model, args, device) -> list[dict]:
         decode_s = times[1] - times[0]
         rows.append(dict(batch=batch, first_token_s=times[0], total_s=times[1],
                          decode_tok_s=batch * (args.new_tokens - 1) / decode_s if decode_s > 0 else None))
-        print(json.dumps(rows[-1]), flush=True) if dist.get_rank() == 0 else None
+        if dist.get_rank() == 0:
+            print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

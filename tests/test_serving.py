@@ -396,7 +396,8 @@ def test_transformers_serve_answers_with_nosa_on_an_exported_checkpoint(tmp_path
 def test_the_host_pool_reuses_a_given_back_buffer_best_fit_and_keeps_owners_apart():
     from hf_nosa.serving.host_pool import MIN_BUFFER_BYTES, HostPool, RequestWorkspace, rounded_bytes
 
-    assert rounded_bytes(1) == MIN_BUFFER_BYTES and rounded_bytes(3 << 20) == 4 << 20 and rounded_bytes(4 << 20) == 4 << 20
+    assert rounded_bytes(1) == MIN_BUFFER_BYTES
+    assert rounded_bytes(3 << 20) == 4 << 20 and rounded_bytes(4 << 20) == 4 << 20
     pool = HostPool()
     a = pool.take("a", (1, 2, 1000, 64), torch.float32, pin=False)  # 512,000 bytes
     b = pool.take("b", (3 << 20,), torch.uint8, pin=False)  # 3 MiB: a 4 MiB buffer
@@ -453,7 +454,8 @@ def test_a_tensor_parallel_rank_admits_by_the_kv_heads_it_holds():
     whole = RequestCaches(model.config, dtype=torch.float32)
     half = RequestCaches(model.config, dtype=torch.float32, rank_kv_heads=whole.kv_heads // 2)
     assert whole.kv_heads == model.config.num_key_value_heads == 2
-    assert half.host_bytes(4096) * 2 == whole.host_bytes(4096) and half.device_bytes(4096) * 2 == whole.device_bytes(4096)
+    assert half.host_bytes(4096) * 2 == whole.host_bytes(4096)
+    assert half.device_bytes(4096) * 2 == whole.device_bytes(4096)
     head = model.model.layers[0].self_attn.eviction_head
     head.tensor_parallel = KVHeadShard(None, 0, 2, 0, 1, model.config.head_dim)  # as shard_eviction_heads sets it
     try:

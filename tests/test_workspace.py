@@ -91,6 +91,7 @@ def test_decoding_on_capacity_buffers_larger_than_asked_changes_nothing(kernels,
     tokens, logits, _ = _decode_with(None, kernels, monkeypatch)
     big_tokens, big_logits, cache = _decode_with(_Oversized(), kernels, monkeypatch)
     layer = cache.layers[0]
-    assert layer.compressed.keys.shape[2] >= 4 * 256 and layer.compressed.bias.shape[2] == layer.compressed.keys.shape[2]
+    assert layer.compressed.keys.shape[2] >= 4 * 256
+    assert layer.compressed.bias.shape[2] == layer.compressed.keys.shape[2]
     assert torch.equal(big_tokens, tokens)
     torch.testing.assert_close(big_logits, logits, atol=1e-5, rtol=1e-5)

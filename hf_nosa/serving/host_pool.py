@@ -52,7 +52,8 @@ class HostPool:
     def give_back(self, owner: str) -> None:
         """``owner``'s buffers become free for the next requests."""
         buffers = self.held.pop(owner, [])
-        if buffers and any(b.is_pinned() for b in buffers) and torch.cuda.is_available() and torch.cuda.is_initialized():
+        pinned = any(b.is_pinned() for b in buffers)
+        if pinned and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # copies into them may still be queued on a side stream
         self.free.extend(buffers)
 
