@@ -246,7 +246,7 @@ def biased_attention(query: torch.Tensor, inputs: AttentionInputs, scale: float,
         if (attn_mask is None and query.is_cuda and not compiling and not grad
                 and runs_on_kernel(query, "dense biased attention")):
             # The bias inside one flash pass: D stays 64 where the columns below move it onto 96-wide tiles
-            # (32K causal, 1b: 11.8 against 14.0 ms; benchmarks/results/dense_attention.json).
+            # (32K causal, 1b: 11.8 against 14.0 ms; docs/results/2026-12-02_dense_attention.json).
             return flash_biased(q, k, v, bias.float(), scale, q_offset=inputs.q_offset, causal=inputs.causal)
         q, k, v = bias_columns(q, k, v, bias, scale)
 

@@ -13,7 +13,7 @@ Where the Triton kernels run (CUDA), the attention is ``kernels.prefill.flash_bi
 in the pool and then the chunk's own keys: no copy, and the bias one fp32 load per key. On an H200 it ran a 1b-shaped
 chunk of 512 queries over 4096 pool keys at 240 TFLOP/s against 104 for the sdpa route with the bias in extra head
 dimensions, which also copies blocks and chunk into widened buffers first (``dense_attention
-.biased_attention_joined``; benchmarks/results/quoka_attention_512.json). That route stays where the kernel does
+.biased_attention_joined``; docs/results/2026-12-02_quoka_attention_512.json). That route stays where the kernel does
 not run: the CPU, and head dims the kernel does not take.
 
 ``attend.with_prefix_read`` fetches every row at once and puts the blocks before the chunk's keys: the reference.

@@ -4,7 +4,7 @@ QUOKA's dense tail (``prefill.PrefillPaths._first_tail_query``) lets the prompt'
 queries see every earlier token (``DenseTail``): the chunk holding them attends by QUOKA, and then those queries alone
 attend again over the whole prefix, their rows of the output replaced (``attend.with_dense_tail``). Before, every
 query of that chunk read the whole prefix: at 64K and batch 4, 2048 queries where 64 need it, 30% of the prefill's
-attention work (benchmarks/results/prefill_breakdown_64k_b4_cefa7bb.json).
+attention work (docs/results/2026-12-03_prefill_breakdown_64k_b4_cefa7bb.json).
 
 Read at once, that prefix is a whole layer's K/V on the device for ``B x prompt`` tokens (5 GB at 38 x 64K tokens in
 the 1B shape, before the attention's own copies), which would make peak device memory grow with the prompt. Here it

@@ -23,7 +23,7 @@ Four backends compute the same thing:
   ``HF_NOSA_KERNELS=triton`` and ``TRITON_INTERPRET=1`` (``kernels/backend.py``). The CUDA default
   (``CUDA_BACKEND``). A retrofit step of the 1b shape on an H200, split path, selection kernels and held rerun:
   1.284 s at 32K and 2.857 s at 64K against dense sdpa's 1.428 and 4.311 s
-  (``benchmarks/results/train_step_4e446fe.json``; the tile-union path took 2.87 s at 32K).
+  (``docs/results/2026-12-04_train_step_4e446fe.json``; the tile-union path took 2.87 s at 32K).
 - ``"explicit"`` (CPU): an additive mask per chunk of queries on sdpa (``attention.dense.biased_attention``).
 - ``"reference"``: the same masks through the einsum attention of ``rules/attend.py`` (the per-token reference).
 

@@ -5,7 +5,7 @@ the selection changed (host to device, bound by PCIe), the attention over the sl
 the GPU busy the whole step, but the fetch kernel mostly waits on PCIe: at 64K tokens x 42 sequences (1b shape,
 graph-replayed engine, H200) the fetch takes 14.2 ms of a 20.9 ms step with the fp8 host store (27.4 of 34.0 with
 bf16), and the selection (2.3 ms), the attention (1.9) and the rest of the model (2.4) run while no block moves
-(``benchmarks/results/fetch_blocks_2_fp8.json``, ``breakdown_ms``).
+(``docs/results/2026-12-02_fetch_blocks_2_fp8.json``, ``breakdown_ms``).
 
 Here the batch is split into parts and every part runs the whole model forward on its own stream, over a view of
 its rows of the cache (``CacheRows``). Rows share nothing in a decode step, so the parts need no synchronisation

@@ -267,7 +267,7 @@ class NosaLayer(PrefillPaths, DecodePaths, CacheLayerMixin):
 
     def _store(self, start, k, v, b) -> None:
         # The compressed keys first: beside a host write in flight the extension's kernel took 0.13 ms a launch at
-        # 64K, batch 4, against under 9 us at batch 1 (benchmarks/results/prefill_breakdown_64k_b*_eceb868.json)
+        # 64K, batch 4, against under 9 us at batch 1 (docs/results/2026-12-03_prefill_breakdown_64k_b*_eceb868.json)
         self.compressed.extend(k, b, start)
         self._writer = write_to_host(self.host, start, k, v, b) or self._writer
         self.seen = start + k.shape[2]

@@ -4,7 +4,7 @@ A QUOKA prompt normally goes through the whole model one chunk at a time (``mode
 holds more than a chunk's activations and a budget of K/V; each chunk's blocks are read back from the host store and
 the dense tail reads the whole prompt once more. That costs PCIe time and, at small batches, launch-bound host work
 per chunk and layer: at 64K and batch 1 on an H200, generate's prefill in 2048-token chunks took 1.14 s of wall time
-for 0.61 s of GPU work (1b shape, ``benchmarks/results/prefill_breakdown_64k_b1_eceb868.json``).
+for 0.61 s of GPU work (1b shape, ``docs/results/2026-12-03_prefill_breakdown_64k_b1_eceb868.json``).
 
 When the prompt is small enough to keep its activations on the device (``NosaConfig.prefill_whole_prompt_tokens``),
 it goes through each layer whole, and the layer cuts it into the same chunks (``NosaConfig.prefill_chunk``). Each

@@ -3,10 +3,11 @@
 ``fetch.fetch_step`` plans and copies in one launch, one program per (sequence, KV head). A program reads the host
 through PCIe a few blocks at a time, each round waiting for its loads, so the fetch's rate grows with the number of
 programs: on an H200 at 64K tokens a fetch over 8 rows x 8 KV heads ran at 48 GB/s (PCIe's rate), one over 4 rows
-took as long for half the bytes (``benchmarks/results/decode_parts_*.json``, eager breakdown). When a step runs a part
-of the batch at a time (``hf_nosa.cache.decode_parts``) each part's fetch has only its rows' programs, so the plan
-launch writes each row's copy list (block and destination slot, by rank) and this launch copies it with ``split``
-programs per (sequence, KV head), program j taking the ranks j, j + split, ... ``_copy_blocks`` is the copy both use.
+took as long for half the bytes (``docs/results/2026-12-02_decode_parts_*.json``, eager breakdown). When a step
+runs a part of the batch at a time (``hf_nosa.cache.decode_parts``) each part's fetch has only its rows' programs,
+so the plan launch writes each row's copy list (block and destination slot, by rank) and this launch copies it with
+``split`` programs per (sequence, KV head), program j taking the ranks j, j + split, ... ``_copy_blocks`` is the copy
+both use.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ accumulation; the bias is added after the scaling, as in ``attend``.
 Tried and measured slower: a separate loop over the selected blocks without the causal test and the skip branch
 (so that its loads could be pipelined) took 2.57 ms against 2.26 ms for one 16-chunk group of a 64K-token layer on
 an H200 (1B shape, bf16; about 130 TFLOP/s here against ~445 for cuDNN's dense flash attention;
-benchmarks/results/chunk_attention_split_loop.json).
+docs/results/2026-11-30_chunk_attention_split_loop.json).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ inside the kernel, causal (query ``i`` sees keys ``j <= q_offset + i``) or not, 
 Why a kernel of our own: the sdpa route (``attention.dense.bias_columns``) carries the bias in extra head
 dimensions, which moves D = 64 onto FlashAttention's 96-wide tiles (1.5x the work) and measured 141 TFLOP/s on a
 QUOKA chunk and 322 on a causal 32K prompt, against 245 and 486 for the same calls without a bias (H200,
-``benchmarks/results/dense_attention.json``). Here the bias is one fp32 load per key tile and the head dimension
+``docs/results/2026-12-02_dense_attention.json``). Here the bias is one fp32 load per key tile and the head dimension
 stays D.
 
 Layout as FlashAttention-2 (and Triton's fused-attention tutorial): one program per (tile of ``BLOCK_M`` queries,

@@ -38,8 +38,8 @@ def write_programs() -> int:
 
     The write is bound by PCIe, not by the SMs; on the side stream beside a layer's compute, one program per tile
     (16K programs for a 64K prompt at batch 1) took the SMs from the main stream's kernels: at 64K, batch 1, the
-    query choice that runs beside it stretched from 16 to 50 ms (H200, benchmarks/results/
-    prefill_breakdown_64k_b1_whole_593d5b9.json). Each program loops over tiles instead.
+    query choice that runs beside it stretched from 16 to 50 ms (H200, docs/results/
+    2026-12-03_prefill_breakdown_64k_b1_whole_593d5b9.json). Each program loops over tiles instead.
     """
     value = os.environ.get(WRITE_PROGRAMS_ENV_VAR, "32")
     if not value.isdigit() or int(value) < 1:

@@ -22,7 +22,7 @@ attention's forward and backward. Two kernels instead, neither of which writes a
    work grows with the blocks scored, so the training path scores only its chunk's candidates. Filling the budget
    after Q by walking the eviction scores' static order instead of a second threshold search was tried and
    measured 2.6x slower per layer at 64K on an H200 (46 ms against 18 ms:
-   ``benchmarks/results/selection_tiles_64k_beaec9d.json``).
+   ``docs/results/2026-12-04_selection_tiles_64k_beaec9d.json``).
 
 The eviction block score (``selection.eviction_block_scores``: per block, the max of its windows' mean b over the
 windows complete at the token) is query-agnostic wherever a block's windows are all complete. At any token of block
