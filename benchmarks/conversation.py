@@ -120,7 +120,7 @@ def conversation_row(model, batch, context, answer, turn, device, seed=0) -> dic
 
 def profile_turn(model, batch, context, answer, turn, device, out_prefix, seed=0) -> dict:
     """The new turn of ``conversation_row`` under torch.profiler: where its time goes (CUDA kernels by total time,
-    host operations by their own time), written to ``out_prefix``-cuda.txt / -cpu.txt; returns the turn's wall time
+    host operations by their own time), written to ``out_prefix``-cuda.txt / -cpu.txt, and its timeline to -trace.json.gz; returns the turn's wall time
     and the GPU's busy time."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -141,6 +141,7 @@ def profile_turn(model, batch, context, answer, turn, device, out_prefix, seed=0
         f.write(averages.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
     with open(f"{out_prefix}-cpu.txt", "w") as f:
         f.write(averages.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+    prof.export_chrome_trace(f"{out_prefix}-trace.json.gz")  # the timeline: what overlaps what, stream by stream
     busy = sum(e.self_device_time_total for e in averages if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
     del cache, out
     gc.collect()
