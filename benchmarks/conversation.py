@@ -120,8 +120,8 @@ def conversation_row(model, batch, context, answer, turn, device, seed=0) -> dic
 
 def profile_turn(model, batch, context, answer, turn, device, out_prefix, seed=0) -> dict:
     """The new turn of ``conversation_row`` under torch.profiler: where its time goes (CUDA kernels by total time,
-    host operations by their own time), written to ``out_prefix``-cuda.txt / -cpu.txt, and its timeline to -trace.json.gz; returns the turn's wall time
-    and the GPU's busy time."""
+    host operations by their own time), written to ``out_prefix``-cuda.txt / -cpu.txt, and its timeline to
+    -trace.json.gz; returns the turn's wall time and the GPU's busy time."""
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(seed)
