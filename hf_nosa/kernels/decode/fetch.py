@@ -173,7 +173,7 @@ def count_share(locality: torch.Tensor, resident: torch.Tensor, selected: torch.
 if HAS_TRITON:
     from .fetch_copy import _copy_blocks, _fetch_copy_kernel
 
-    @triton.jit(do_not_specialize=["table_stride", "row0"])
+    @triton.jit(do_not_specialize=["table_stride", "table_row_stride", "row0"])
     def _fetch_step_kernel(
         sel_ptr, slot_block_ptr, tail_ptr, slot_k_ptr, slot_v_ptr, slot_b_ptr, table_ptr,
         k_new_ptr, v_new_ptr, b_new_ptr, step_ptr, offset_ptr, counts_ptr, locality_ptr,
@@ -181,7 +181,7 @@ if HAS_TRITON:
         stride_sel_b, stride_sel_h, stride_sb_b, stride_sb_h, stride_tail_b, stride_tail_h,
         stride_k_b, stride_k_h, stride_k_s, stride_v_b, stride_v_h, stride_v_s, stride_b_b, stride_b_h, stride_b_s,
         stride_kn_b, stride_kn_h, stride_vn_b, stride_vn_h, stride_bn_b, stride_bn_h,
-        table_stride, block_bytes, count_locality, n_programs, row0,
+        table_stride, table_row_stride, block_bytes, count_locality, n_programs, row0,
         HK: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
         P: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, NB: tl.constexpr,
         MASK: tl.constexpr, WRITE_HOST: tl.constexpr, DECODE: tl.constexpr,
@@ -190,6 +190,10 @@ if HAS_TRITON:
         i_bh = tl.program_id(0)
         i_b = i_bh // HK
         i_h = i_bh % HK
+        # A table per row (one store per row, ``serving.host_rows``): row b's blocks are in its own store's table,
+        # where it is the store's only sequence; table_row_stride 0: one store, row b is its sequence b.
+        table_ptr += (i_b + row0).to(tl.int64) * table_row_stride
+        i_seq = tl.where(table_row_stride == 0, i_b + row0, 0)
         t_step = tl.load(step_ptr)
         t = t_step - tl.load(offset_ptr + i_b)  # the row-relative index of the token (hf_nosa.rules.padding)
         pos = (t % P).to(tl.int32)
@@ -231,7 +235,7 @@ if HAS_TRITON:
         o_p = tl.arange(0, P)
         o_d = tl.arange(0, D_PAD)
         m_d = o_d < D
-        i_row = ((i_b + row0) * HK + i_h).to(tl.int64)  # this (sequence, head)'s row in a host chunk
+        i_row = (i_seq * HK + i_h).to(tl.int64)  # this (sequence, head)'s row in a host chunk
         p_k_slots = slot_k_ptr + i_b.to(tl.int64) * stride_k_b + i_h * stride_k_h
         p_v_slots = slot_v_ptr + i_b.to(tl.int64) * stride_v_b + i_h * stride_v_h
         p_b_slots = slot_b_ptr + i_b.to(tl.int64) * stride_b_b + i_h * stride_b_h
@@ -337,7 +341,8 @@ def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, 
     split = 1 if step_rows is None else -(-step_rows // B)
     S = pool.slot_block.shape[-1]
     P, D = pool.slot_k.shape[3], pool.slot_k.shape[4]
-    table = host.block_table(pool.slot_k.device)
+    table = host.block_table(pool.slot_k.device)  # [rows, n], or [B, rows, n]: one store per row (HostRows)
+    table_row_stride = table.stride(0) if table.dim() == 3 else 0
     block_bytes = host.block_bytes()
     fmt = host.format
     quant, fp8 = fmt is not None, fmt is not None and not fmt.integer
@@ -357,7 +362,7 @@ def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, 
             pool.slot_v.stride(0), pool.slot_v.stride(1), pool.slot_v.stride(2),
             pool.slot_b.stride(0), pool.slot_b.stride(1), pool.slot_b.stride(2),
             k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), b_new.stride(0), b_new.stride(1),
-            table.stride(0), block_bytes, int(bool(count_locality)), step_programs, row0,
+            table.stride(-2), table_row_stride, block_bytes, int(bool(count_locality)), step_programs, row0,
             HK=Hk, K=K, K_PAD=next_power_of_2(K), S=S, S_PAD=next_power_of_2(S), P=P, D=D,
             D_PAD=next_power_of_2(D), NB=blocks_per_copy(), MASK=MASK_VALUE, WRITE_HOST=True, DECODE=decode,
             QUANT=quant, FP8=fp8, QMAX=fmt.qmax if fmt is not None else 1.0, COPY=split == 1,
@@ -369,7 +374,7 @@ def _fetch_step_triton(selected, pool: SlotPool, host: HostStore, k_new, v_new, 
                 pool.slot_k.stride(0), pool.slot_k.stride(1), pool.slot_k.stride(2),
                 pool.slot_v.stride(0), pool.slot_v.stride(1), pool.slot_v.stride(2),
                 pool.slot_b.stride(0), pool.slot_b.stride(1), pool.slot_b.stride(2),
-                table.stride(0), row0,
+                table.stride(-2), table_row_stride, row0,
                 HK=Hk, K=K, SPLIT=split, P=P, D=D, D_PAD=next_power_of_2(D), NB=blocks_per_copy(), QUANT=quant,
                 FP8=fp8, num_warps=8,
             )
@@ -431,6 +436,8 @@ def fetch_step(
             ``slot_b`` is ``MASK_VALUE`` wherever a slot position holds no token.
         host: the host store; gets the new token. It must have room for it (``host.ensure_capacity``) and, when
             the pool is on CUDA, be pinned. The caller records the new length (``host.mark_device_written``).
+            Or one store per row (``hf_nosa.serving.host_rows.HostRows``, a ``[B, rows, n]`` block table): row b
+            reads and writes its own store, where it is sequence 0 (requests of a continuous-batching step).
         k_new, v_new: ``[B, Hk, 1, D]`` the new token's key and value; ``b_new``: ``[B, Hk, 1]`` float32 its score.
         step: ``[1]`` long on the pool's device, the cache index t of the new token; advanced by one.
         counters: advanced on the device (blocks and bytes loaded; locality when ``count_locality``).

@@ -60,11 +60,11 @@ if HAS_TRITON:
         tl.store(p_v_slots + slot_off, b_v, mask=m_nd)
         tl.store(p_b_slots + dst[:, None] * stride_b_s + o_p[None, :], b_b, mask=m_n[:, None])
 
-    @triton.jit(do_not_specialize=["table_stride", "row0"])
+    @triton.jit(do_not_specialize=["table_stride", "table_row_stride", "row0"])
     def _fetch_copy_kernel(
         copy_blk_ptr, copy_dst_ptr, n_copy_ptr, slot_k_ptr, slot_v_ptr, slot_b_ptr, table_ptr,
         stride_k_b, stride_k_h, stride_k_s, stride_v_b, stride_v_h, stride_v_s, stride_b_b, stride_b_h, stride_b_s,
-        table_stride, row0,
+        table_stride, table_row_stride, row0,
         HK: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
         D_PAD: tl.constexpr, NB: tl.constexpr, QUANT: tl.constexpr, FP8: tl.constexpr,
     ):
@@ -73,7 +73,9 @@ if HAS_TRITON:
         i_b = i_bh // HK
         i_h = i_bh % HK
         n = tl.load(n_copy_ptr + i_bh)
-        i_row = ((i_b + row0) * HK + i_h).to(tl.int64)
+        # one store per row (table_row_stride > 0): the row's own table, where it is sequence 0 (fetch.py's kernel)
+        table_ptr += (i_b + row0).to(tl.int64) * table_row_stride
+        i_row = (tl.where(table_row_stride == 0, i_b + row0, 0) * HK + i_h).to(tl.int64)
         p_k_slots = slot_k_ptr + i_b.to(tl.int64) * stride_k_b + i_h * stride_k_h
         p_v_slots = slot_v_ptr + i_b.to(tl.int64) * stride_v_b + i_h * stride_v_h
         p_b_slots = slot_b_ptr + i_b.to(tl.int64) * stride_b_b + i_h * stride_b_h

@@ -1,0 +1,123 @@
+"""The batched decode fetch of continuous batching: one ``fetch_step`` launch over rows that each read and write their
+own host store (``serving.host_rows.HostRows``: a block table per row), against the torch reference doing the same
+row by row; and ``stack_rows``, which views per-request rows of a shared tensor as one batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_nosa.attention.pool import part_bounds
+from hf_nosa.cache.host_store import HostStore
+from hf_nosa.kernels.decode.fetch import SlotPool, StepCounters, fetch_step, fetch_step_ref
+from hf_nosa.serving.host_rows import HostRows, stack_rows
+
+from .kernels.test_fetch import check_pool_against_host, clone_host, make_state, next_selection
+from .kernels.test_host_write import assert_same_store
+
+
+def _rows(lengths, Hk, D, P, K, dtype, host_dtype, gen, width=64):
+    """One store per row (a sequence of ``lengths[r]`` tokens, host chunks of 3 blocks) whose block tables are
+    rows of one shared tensor, and the rows' slot pools in shared ``[R, ...]`` tensors."""
+    rows = [make_state(1, Hk, D, P, K, T, dtype, torch.device("cpu"), 3, gen, host_dtype=host_dtype)
+            for T in lengths]
+    tables = torch.zeros(len(lengths), HostStore.table_rows(host_dtype), width, dtype=torch.long)
+    stores = []
+    for r, (store, _) in enumerate(rows):
+        store._table, store._table_version = tables[r], -1
+        stores.append(store)
+    pool = SlotPool(*(torch.cat([p[i] for _, p in rows]) for i in range(5)))
+    return stores, pool
+
+
+def _twin(stores, host_dtype, width=64):
+    tables = torch.zeros(len(stores), HostStore.table_rows(host_dtype), width, dtype=torch.long)
+    twins = []
+    for r, store in enumerate(stores):
+        twin = clone_host(store)
+        twin._table, twin._table_version = tables[r], -1
+        twins.append(twin)
+    return twins
+
+
+@pytest.mark.parametrize("lengths,dtype,host_dtype,parts", [
+    ((150, 41, 97), torch.float32, "auto", 1),  # rows at different blocks, chunks and tail positions
+    ((64, 30, 111, 17), torch.bfloat16, "auto", 1),
+    ((75, 120, 33), torch.bfloat16, "float8_e4m3fn", 1),  # quantized stores: tails and block scales per row
+    ((64, 30, 111, 17), torch.float32, "int8", 2),  # by parts: the copy runs in fetch_copy's launch
+])
+def test_a_fetch_over_rows_of_different_stores_matches_the_reference_interpreted(interpret, lengths, dtype,
+                                                                                 host_dtype, parts):
+    Hk, D, P, K, steps = 2, 32, 16, 4, 12
+    gen = torch.Generator().manual_seed(sum(lengths))
+    R = len(lengths)
+    stores_ref, pool_ref = _rows(lengths, Hk, D, P, K, dtype, host_dtype, gen)
+    stores_ker, pool_ker = _twin(stores_ref, host_dtype), SlotPool(*(x.clone() for x in pool_ref))
+    counters_ref, counters_ker = StepCounters.zeros("cpu"), StepCounters.zeros("cpu")
+    longest = max(lengths)
+    offsets = torch.tensor([longest - n for n in lengths])  # row r's token is T - offsets[r] = its own length
+    step_ref = torch.tensor([longest])
+    step_ker = step_ref.clone()
+    selected = torch.full((R, Hk, K), -1, dtype=torch.long)
+    for i in range(steps):
+        rows_t = [n + i for n in lengths]
+        selected = next_selection(selected, [t // P for t in rows_t], K, gen, "cpu")
+        k_new = torch.randn(R, 1, Hk, D, generator=gen).to(dtype).transpose(1, 2)  # model layout
+        v_new = torch.randn(R, 1, Hk, D, generator=gen).to(dtype).transpose(1, 2)
+        b_new = torch.randn(R, 1, Hk, generator=gen).transpose(1, 2)
+        for store, t in zip(stores_ref + stores_ker, rows_t + rows_t):
+            store.ensure_capacity(t + 1)
+        fetch_step_ref(selected, pool_ref, HostRows(stores_ref, "cpu"), k_new, v_new, b_new, step_ref, counters_ref,
+                       i > 0, offsets)
+        rows = HostRows(stores_ker, "cpu")
+        for b0, b1 in part_bounds(R, parts):  # the table stays every row's: a part's row b is row b0 + b
+            part = slice(b0, b1)
+            fetch_step(selected[part], SlotPool(*(x[part] for x in pool_ker)), rows, k_new[part], v_new[part],
+                       b_new[part], step_ker, counters_ker, count_locality=i > 0, offsets=offsets[part], row0=b0,
+                       step_rows=R)
+        for store, t in zip(stores_ker, rows_t):
+            store.mark_device_written(t + 1, torch.device("cpu"))
+        S = K + 1
+        for name, ref, ker in zip(SlotPool._fields, pool_ref, pool_ker):
+            if name in ("slot_k", "slot_v", "slot_b"):  # the scratch slot S is the reference's dumping ground
+                ref, ker = ref[:, :, :S], ker[:, :, :S]
+            torch.testing.assert_close(ker, ref, rtol=0, atol=0, equal_nan=True, msg=f"step {i}: {name}")
+        assert int(step_ker) == int(step_ref) == longest + i + 1
+        torch.testing.assert_close(counters_ker.counts, counters_ref.counts, rtol=0, atol=0)
+        torch.testing.assert_close(counters_ker.locality, counters_ref.locality, rtol=1e-6, atol=1e-6)
+        for r, (store, t) in enumerate(zip(stores_ker, rows_t)):  # each row holds its own store's blocks
+            check_pool_against_host(SlotPool(*(x[r : r + 1] for x in pool_ker)), store, t)
+    assert int(counters_ker.counts[0]) > 0
+    for store_ker, store_ref, n in zip(stores_ker, stores_ref, lengths):
+        assert store_ker.length == store_ref.length == n + steps
+        assert_same_store(store_ker, store_ref)
+
+
+def test_stack_rows_views_equally_spaced_rows_and_refuses_the_rest():
+    shared = torch.randn(5, 2, 3)
+    rows = [shared[r : r + 1] for r in (1, 2, 3)]
+    stacked = stack_rows(rows)
+    assert stacked.data_ptr() == shared[1].data_ptr() and torch.equal(stacked, shared[1:4])
+    stacked[2].fill_(7.0)  # a view: writes reach the shared memory
+    assert bool((shared[3] == 7.0).all())
+    assert torch.equal(stack_rows([shared[r] for r in (0, 1)], leading=False), shared[:2])
+    assert stack_rows([shared[0:1], shared[2:3]]) is not None  # equal spacing of two rows
+    assert stack_rows([shared[0:1], shared[1:2], shared[3:4]]) is None  # a gap
+    assert stack_rows([shared[0:1], torch.randn(1, 2, 3)]) is None  # another storage
+    assert stack_rows([shared[1:2], shared[0:1]]) is None  # out of order
+    assert stack_rows([shared[0:2]]) is None  # not one row
+
+
+def test_host_rows_names_what_does_not_fit():
+    one = HostStore(1, 2, 8, torch.float32, 16, pin=False)
+    two = HostStore(2, 2, 8, torch.float32, 16, pin=False)
+    with pytest.raises(ValueError, match="batch=2"):
+        HostRows([one, two], "cpu")
+    other = HostStore(1, 2, 8, torch.float32, 32, pin=False)
+    with pytest.raises(ValueError, match="block_size=32"):
+        HostRows([one, other], "cpu")
+    one.reserve(32)
+    other = HostStore(1, 2, 8, torch.float32, 16, pin=False)
+    other.reserve(32)
+    with pytest.raises(ValueError, match="not rows of one shared tensor"):
+        HostRows([one, other], "cpu")
