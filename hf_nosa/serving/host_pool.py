@@ -7,8 +7,9 @@ finished requests and hands them to the next ones: a request pins memory only wh
 enough (best fit; new buffers are rounded up to a power of two bytes, as torch's pinned allocator does).
 
 ``RequestWorkspace`` is what a request's NosaCache draws its buffers from (``NosaCache.attach_workspace``): host
-buffers from the pool, device buffers new (a request's slot pool and compressed keys are its own; the model's
-``DeviceWorkspace`` serves one cache at a time). ``HostPool.give_back`` returns a request's buffers when it is
+buffers from the pool; its slot pool, compressed keys, rings and block table as its row of the manager's shared
+tensors (``row_pool.RowPool``, so the decode tokens of all requests run as one batch); other device buffers new (the
+model's ``DeviceWorkspace`` serves one cache at a time). ``HostPool.give_back`` returns a request's buffers when it is
 released; on CUDA it first waits for the device, so that no copy still queued on a side stream writes into a buffer
 the next request already holds.
 """
@@ -71,12 +72,18 @@ class RequestWorkspace:
 
     decode_graph = None  # requests decode inside transformers' step, never through a NOSA decode graph
 
-    def __init__(self, pool: HostPool, owner: str):
+    def __init__(self, pool: HostPool, owner: str, rows=None, row: int | None = None):
+        """``rows``, ``row``: the manager's ``RowPool`` and the request's row in it (None: no row, buffers new)."""
         self.pool, self.owner = pool, owner
+        self.rows, self.row = rows, row
 
     def take(self, key: tuple, shape: tuple, dtype: torch.dtype, device, *, pin: bool = False,
              grow: int | None = None) -> torch.Tensor:
         shape = tuple(int(s) for s in shape)
+        if self.row is not None and not pin:
+            view = self.rows.take(self.row, key, shape, dtype, device)
+            if view is not None:
+                return view
         if torch.device(device).type == "cpu":
             return self.pool.take(self.owner, shape, dtype, pin)
         return torch.empty(shape, dtype=dtype, device=device)

@@ -24,6 +24,7 @@ from ..cache.host_store import HostStore, available_host_memory
 from ..cache.nosa_cache import NosaCache
 from ..config import NosaConfig
 from .host_pool import HostPool, RequestWorkspace
+from .row_pool import RowPool
 
 
 DEVICE_SHARE = 0.5  # of the free device memory, for the requests' working sets when ServingBudget sets none
@@ -38,16 +39,22 @@ class ServingBudget:
     cannot be read. ``device_bytes``: device memory for their working sets (slot pools and compressed keys); None: on
     CUDA, ``DEVICE_SHARE`` of the device memory free when the manager starts (the rest is left to the step's
     activations and the kernels' workspaces), elsewhere no limit (the CPU's working sets are host memory too).
+    ``decode_rows``: requests whose decode tokens run as one batched step (rows of the shared slot pools,
+    ``row_pool.RowPool``); a request admitted beyond them decodes alone.
     """
 
     host_bytes: int | None = None
     device_bytes: int | None = None
+    decode_rows: int = 32
 
     def __post_init__(self):
         for name in ("host_bytes", "device_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"ServingBudget.{name}={value!r} is invalid: it must be a positive int or None.")
+        rows = self.decode_rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:
+            raise ValueError(f"ServingBudget.decode_rows={rows!r} is invalid: it must be a positive int.")
 
     def resolved(self, device: torch.device | str = "cpu") -> "ServingBudget":
         """This budget with what was left None read from the OS and the device (see the class docstring)."""
@@ -57,7 +64,7 @@ class ServingBudget:
         device = torch.device(device)
         if device_bytes is None and device.type == "cuda":
             device_bytes = int(torch.cuda.mem_get_info(device)[0] * DEVICE_SHARE)
-        return ServingBudget(host_bytes=host, device_bytes=device_bytes)
+        return ServingBudget(host_bytes=host, device_bytes=device_bytes, decode_rows=self.decode_rows)
 
 
 @dataclass
@@ -70,6 +77,7 @@ class RequestEntry:
     device_bytes: int
     cache: NosaCache | None = None
     prefilling: bool = False  # between NosaCache.begin_prefill and end_prefill
+    row: int | None = None  # the request's row of the shared slot pools (row_pool.RowPool), None: none free
 
 
 @dataclass
@@ -97,6 +105,10 @@ class RequestCaches:
     host_pool: HostPool = field(default_factory=HostPool)  # host stores pinned once, reused request after request
     finished: list = field(default_factory=list)  # [blocks, bytes] and [resident, selected] of released requests
     rank_kv_heads: int | None = None  # under tensor parallelism: the KV heads this rank holds (of every layer)
+    # what batched decode steps moved (serving.decode_batch), by layer: they count in the step's counters, not the
+    # requests' own
+    step_counters: dict = field(default_factory=dict)
+    decode_runs: dict = field(default_factory=dict)  # rows of a batched decode update -> how many updates had them
 
     def __post_init__(self):
         self.nosa_config = NosaConfig.from_model_config(self.model_config, self.nosa_config)
@@ -107,6 +119,7 @@ class RequestCaches:
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.max_positions = getattr(text, "max_position_embeddings", None)
         self.budget = self.budget.resolved(self.device)
+        self.rows = RowPool(self.budget.decode_rows)
 
     # ----- sizes -----
 
@@ -174,6 +187,8 @@ class RequestCaches:
             self.finished = self._counters([entry.cache], self.finished)
         entry.cache = None
         self.host_pool.give_back(request_id)
+        self.rows.give_back(entry.row)
+        entry.row = None
 
     def release_all(self) -> None:
         for request_id in list(self.entries):
@@ -192,7 +207,8 @@ class RequestCaches:
             )
         if entry.cache is None:
             entry.cache = NosaCache(self.model_config, self.nosa_config, max_cache_len=entry.max_tokens)
-            entry.cache.attach_workspace(RequestWorkspace(self.host_pool, request_id))
+            entry.row = self.rows.assign()
+            entry.cache.attach_workspace(RequestWorkspace(self.host_pool, request_id, self.rows, entry.row))
         return entry, entry.cache
 
     @staticmethod
@@ -213,6 +229,11 @@ class RequestCaches:
         ``NosaCache.stats`` counts them; one host sync."""
         live = [entry.cache for entry in self.entries.values() if entry.cache is not None]
         totals = self._counters(live, list(self.finished))
+        if self.step_counters:  # batched decode steps: blocks and bytes per request summed; locality per run step
+            counts = torch.stack([c.counts[:2] for c in self.step_counters.values()]).sum(0)
+            share = torch.stack([c.locality.double() for c in self.step_counters.values()]).sum(0)
+            totals = [counts, share] if not totals else [totals[0] + counts.to(totals[0].device),
+                                                         totals[1] + share.to(totals[1].device)]
         if not totals:
             return dict(blocks_loaded=0, bytes_to_device=0, locality=float("nan"))
         counts, share = (t.cpu() for t in totals)

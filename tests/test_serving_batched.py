@@ -1,0 +1,137 @@
+"""The decode tokens of a continuous-batching step as one batched update per layer (``serving.decode_batch``), on
+the device kernels under the Triton interpreter: every request still gets the tokens NOSA ``generate`` gives it
+alone, several requests share each batched update, the manager's counters still sum what each request moved, and
+a cancelled request's row of the shared slot pools goes to the next request."""
+
+import pytest
+import torch
+import transformers
+from packaging.version import Version
+from transformers import ContinuousBatchingConfig
+
+from hf_nosa.serving import MIN_TRANSFORMERS
+
+if Version(Version(transformers.__version__).base_version) < MIN_TRANSFORMERS:
+    pytest.skip(f"serving needs transformers >= {MIN_TRANSFORMERS}", allow_module_level=True)
+
+from hf_nosa import NosaCache  # noqa: E402
+from hf_nosa.serving import ServingBudget, enable, init_continuous_batching  # noqa: E402
+from hf_nosa.serving.row_pool import RowPool  # noqa: E402
+
+from .test_serving import _generation_config, _prompts, _record_plans, _sparse_model, _wait_for  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NEW = 6
+
+
+def _alone(model, prompt, new_tokens=NEW):
+    cache = NosaCache(model.config)
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                         generation_config=_generation_config(new_tokens))
+    return out[0, len(prompt):].tolist(), cache.stats()
+
+
+@pytest.mark.slow
+def test_batched_decode_steps_equal_generate_alone_interpreted(interpret, prompt_rotary_on_torch):
+    """Prompts of 60, 90 and 150 tokens under a 128-token step: the short ones decode together while the long one
+    arrives in pieces; each request's tokens equal generate alone on the same kernels, and batched updates of two
+    and three rows ran."""
+    model = _sparse_model("llama", seed=21)
+    prompts = _prompts((60, 90, 150), seed=21)
+    alone = [_alone(model, p) for p in prompts]
+    enable(model)
+    plans = _record_plans(model)
+    try:
+        out = model.generate_batch(prompts, generation_config=_generation_config(NEW),
+                                   continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128),
+                                   persistent_manager=True)
+        requests = model._cached_continuous_batching_manager.nosa_requests
+        stats, runs = requests.stats(), dict(requests.decode_runs)
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    assert [out[f"req_{i}"].generated_tokens for i in range(len(prompts))] == [tokens for tokens, _ in alone]
+    layers = model.config.num_hidden_layers
+    decode_tokens = sum(n == 1 for plan in plans for _, _, n in plan)
+    assert sum(rows * count for rows, count in runs.items()) == decode_tokens * layers  # every decode token batched
+    assert runs.get(2, 0) > 0 and runs.get(3, 0) > 0, runs  # several requests in one update
+    assert any(len(plan) > 1 and any(n > 1 for _, _, n in plan) for plan in plans)  # prompt pieces beside decoding
+    assert stats["blocks_loaded"] == sum(s["blocks_loaded"] for _, s in alone) > 0
+    assert stats["bytes_to_device"] == sum(s["bytes_to_device"] for _, s in alone)
+    assert 0.0 <= stats["locality"] <= 1.0
+
+
+@pytest.mark.slow
+def test_a_cancelled_request_frees_its_row_for_the_next_interpreted(interpret, prompt_rotary_on_torch):
+    model = _sparse_model("llama", seed=23)
+    first, cancelled, late = _prompts((60, 70, 66), seed=23)  # no budget cut: one slot pool shape
+    expected_first, expected_late = _alone(model, first, 12)[0], _alone(model, late)[0]
+    manager = init_continuous_batching(model, _generation_config(NEW), ContinuousBatchingConfig(max_batch_tokens=128),
+                                       budget=ServingBudget(decode_rows=4))
+    requests = manager.nosa_requests
+    manager.start()
+    try:
+        manager.add_request(first, request_id="first", max_new_tokens=12)
+        manager.add_request(cancelled, request_id="cancelled", max_new_tokens=200)
+        _wait_for(lambda: "cancelled" in requests.entries and requests.entries["cancelled"].cache is not None
+                  and requests.entries["cancelled"].cache.get_seq_length() > len(cancelled), timeout=120)
+        row = requests.entries["cancelled"].row
+        assert row is not None and requests.host_pool.held_bytes("cancelled") > 0
+        slot_k = requests.entries["cancelled"].cache.layers[0].slot_k.data_ptr()
+        manager.cancel_request("cancelled")
+        _wait_for(lambda: "cancelled" not in requests.entries, timeout=60)
+        assert row in requests.rows.free_rows and requests.host_pool.held_bytes("cancelled") == 0
+        manager.add_request(late, request_id="late")
+        _wait_for(lambda: "late" in requests.entries and requests.entries["late"].cache is not None
+                  and requests.entries["late"].cache.layers[0].is_initialized, timeout=120)
+        assert requests.entries["late"].row == row  # the lowest free row: the cancelled request's
+        assert requests.entries["late"].cache.layers[0].slot_k.data_ptr() == slot_k  # the same shared memory
+        results = {}
+        _wait_for(lambda: results.update({r.request_id: r for r in [manager.get_result(timeout=0.05)] if r
+                                          and r.is_finished()}) or {"first", "late"} <= set(results), timeout=300)
+    finally:
+        manager.stop(block=True, timeout=10)
+    assert results["first"].generated_tokens == expected_first
+    assert results["late"].generated_tokens == expected_late
+    assert requests.entries == {} and sorted(requests.rows.free_rows) == list(range(4))
+
+
+def test_the_row_pool_hands_out_rows_of_shared_banks():
+    rows = RowPool(3)
+    a, b = rows.assign(), rows.assign()
+    assert (a, b) == (0, 1)
+    slot_a = rows.take(a, (0, "slot_k"), (1, 2, 5, 4, 8), torch.float32, "cpu")
+    slot_b = rows.take(b, (0, "slot_k"), (1, 2, 5, 4, 8), torch.float32, "cpu")
+    assert slot_a.shape == (1, 2, 5, 4, 8) and slot_b.data_ptr() - slot_a.data_ptr() == slot_a.numel() * 4
+    keys = rows.take(a, (0, "compressed_keys"), (1, 2, 64, 8), torch.float32, "cpu")
+    shorter = rows.take(b, (0, "compressed_keys"), (1, 2, 16, 8), torch.float32, "cpu")
+    assert shorter.shape == keys.shape  # a capacity dimension comes as large as the bank's
+    longer = rows.take(b, (0, "compressed_keys"), (1, 2, 128, 8), torch.float32, "cpu")
+    assert longer.shape[2] == 128 and len(rows.banks[(0, "compressed_keys")]) == 2
+    table = rows.take(a, (0, "host_table"), (4, 64), torch.int64, "cpu")
+    assert table.shape == (4, 64)  # a block table has no batch dimension: the row is bank[r]
+    assert rows.take(a, (0, "host_k_0"), (1, 2, 64, 8), torch.float32, "cpu") is None  # host chunks: the HostPool's
+    assert rows.take(a, (0, "slot_k"), (2, 2, 5, 4, 8), torch.float32, "cpu") is None  # a batch of 2: no row
+    rows.give_back(a)
+    assert rows.assign() == 0 and rows.assign() == 2 and rows.assign() is None
+    with pytest.raises(ValueError, match="max_rows=0"):
+        RowPool(0)
+    with pytest.raises(ValueError, match="decode_rows=0"):
+        ServingBudget(decode_rows=0)
+
+
+def test_the_torch_reference_path_decodes_request_by_request(monkeypatch):
+    """Without the device kernels (the CPU default) no batched update runs: each request's own update is the
+    reference the batched step is tested against."""
+    monkeypatch.delenv("HF_NOSA_KERNELS", raising=False)
+    model = enable(_sparse_model("llama", seed=25))
+    prompts = _prompts((60, 70), seed=25)
+    try:
+        model.generate_batch(prompts, generation_config=_generation_config(3),
+                             continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128),
+                             persistent_manager=True)
+        requests = model._cached_continuous_batching_manager.nosa_requests
+        assert requests.decode_runs == {} and requests.step_counters == {}
+        assert requests.rows.bank_bytes() > 0  # the rows are still views of the shared slot pools
+    finally:
+        model.destroy_cached_continuous_batching_manager()
