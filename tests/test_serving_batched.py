@@ -71,16 +71,19 @@ def test_a_cancelled_request_frees_its_row_for_the_next_interpreted(interpret, p
     requests = manager.nosa_requests
     manager.start()
     try:
-        manager.add_request(first, request_id="first", max_new_tokens=12)
+        # the cancelled request first: row 0, the lowest free row again after the cancel whether or not "first"
+        # (row 1) has finished by then
         manager.add_request(cancelled, request_id="cancelled", max_new_tokens=200)
+        manager.add_request(first, request_id="first", max_new_tokens=12)
         _wait_for(lambda: "cancelled" in requests.entries and requests.entries["cancelled"].cache is not None
                   and requests.entries["cancelled"].cache.get_seq_length() > len(cancelled), timeout=120)
         row = requests.entries["cancelled"].row
-        assert row is not None and requests.host_pool.held_bytes("cancelled") > 0
+        assert row == 0 and requests.host_pool.held_bytes("cancelled") > 0
         slot_k = requests.entries["cancelled"].cache.layers[0].slot_k.data_ptr()
         manager.cancel_request("cancelled")
-        _wait_for(lambda: "cancelled" not in requests.entries, timeout=60)
-        assert row in requests.rows.free_rows and requests.host_pool.held_bytes("cancelled") == 0
+        # release pops the entry, then gives back its host buffers and its row: wait for the whole of it
+        _wait_for(lambda: "cancelled" not in requests.entries and row in requests.rows.free_rows
+                  and requests.host_pool.held_bytes("cancelled") == 0, timeout=60)
         manager.add_request(late, request_id="late")
         _wait_for(lambda: "late" in requests.entries and requests.entries["late"].cache is not None
                   and requests.entries["late"].cache.layers[0].is_initialized, timeout=120)

@@ -7,8 +7,10 @@ slot pool), admitted by host and device bytes, scheduled by transformers on NOSA
     >>> outputs = model.generate_batch(prompts, generation_config=GenerationConfig(max_new_tokens=64))  # doctest: +SKIP
 
 One idea per module: ``requests`` (the per-request caches and the budget), ``paged_cache`` (transformers' cache and
-allocator, narrowed), ``scheduler`` (the chunk grid), ``attention`` (a packed step, request by request), ``manager``
-(the manager and ``enable``). docs/serving.md says how transformers reaches the attention and what is left to do.
+allocator, narrowed), ``scheduler`` (the chunk grid), ``attention`` (a packed step: prompt pieces request by
+request), ``decode_batch`` (its decode tokens as one batched update), ``row_pool`` (the requests' rows of shared
+device tensors), ``host_rows`` (their host stores as rows of one), ``host_pool`` (host memory reused across
+requests), ``manager`` (the manager and ``enable``). docs/serving.md says how transformers reaches the attention and what is left to do.
 
 Only ``attention`` is imported with the package (``nosa_attention`` routes to it); the others import transformers'
 continuous-batching internals, which move between versions, when first used.

@@ -226,7 +226,9 @@ class RequestCaches:
     def stats(self) -> dict:
         """What every request so far (released or running) moved to the device: ``blocks_loaded``,
         ``bytes_to_device`` and ``locality`` (the share of selected blocks already on the device), as
-        ``NosaCache.stats`` counts them; one host sync."""
+        ``NosaCache.stats`` counts them, plus the batched decode updates' (``step_counters``: blocks and bytes are
+        the per-request sums; each batched update is one step of the locality, its share over all its rows); one
+        host sync."""
         live = [entry.cache for entry in self.entries.values() if entry.cache is not None]
         totals = self._counters(live, list(self.finished))
         if self.step_counters:  # batched decode steps: blocks and bytes per request summed; locality per run step

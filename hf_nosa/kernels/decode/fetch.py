@@ -285,13 +285,16 @@ if HAS_TRITON:
                     b_vt = tl.where(mine, v_new[None, :], b_vt).to(tl.float32)
                     for which in tl.static_range(2):  # K, then V: bytes in table rows 0 / 1, scales in rows 4 / 5
                         p_bits = tl.load(table_ptr + which * table_stride + blk_t).to(tl.pointer_type(tl.uint8))
-                        p_scale = tl.load(table_ptr + (4 + which) * table_stride + blk_t).to(tl.pointer_type(tl.float32))
+                        p_scale = tl.load(table_ptr + (4 + which) * table_stride + blk_t).to(
+                            tl.pointer_type(tl.float32))
                         store_quantized(b_kt if which == 0 else b_vt, p_bits + store_off, p_scale + scale_off,
                                         m_d[None, :], FP8, QMAX)
                 else:  # the row's tail in the store, [B, Hk, P, D] in the model's dtype
                     tail_row = (i_row * P + pos) * D
-                    tl.store(tl.load(table_ptr + 6 * table_stride).to(slot_k_ptr.dtype) + tail_row + o_d, k_new, mask=m_d)
-                    tl.store(tl.load(table_ptr + 7 * table_stride).to(slot_v_ptr.dtype) + tail_row + o_d, v_new, mask=m_d)
+                    p_tail_k = tl.load(table_ptr + 6 * table_stride).to(slot_k_ptr.dtype)
+                    p_tail_v = tl.load(table_ptr + 7 * table_stride).to(slot_v_ptr.dtype)
+                    tl.store(p_tail_k + tail_row + o_d, k_new, mask=m_d)
+                    tl.store(p_tail_v + tail_row + o_d, v_new, mask=m_d)
             else:
                 host_k = tl.load(table_ptr + blk_t).to(slot_k_ptr.dtype)
                 host_v = tl.load(table_ptr + table_stride + blk_t).to(slot_v_ptr.dtype)
@@ -538,15 +541,18 @@ def _check_step(selected, pool, host, k_new, v_new, b_new, step, counters, row0:
     if selected.shape[2] >= S:
         raise ValueError(f"selected holds {selected.shape[2]} blocks but the pool has only {S} slots (needs K + 1)")
     if pool.slot_k.shape != (B, Hk, S + 1, P, D) or pool.slot_v.shape != pool.slot_k.shape:
-        raise ValueError(f"slot_k/slot_v must be [B, Hk, S + 1, P, D] = {(B, Hk, S + 1, P, D)}; got {tuple(pool.slot_k.shape)}")
+        raise ValueError(f"slot_k/slot_v must be [B, Hk, S + 1, P, D] = {(B, Hk, S + 1, P, D)}; "
+                         f"got {tuple(pool.slot_k.shape)}")
     if pool.slot_b.shape != (B, Hk, S + 1, P) or pool.slot_b.dtype != torch.float32:
-        raise ValueError(f"slot_b must be float32 [B, Hk, S + 1, P]; got {pool.slot_b.dtype} {tuple(pool.slot_b.shape)}")
+        raise ValueError(f"slot_b must be float32 [B, Hk, S + 1, P]; "
+                         f"got {pool.slot_b.dtype} {tuple(pool.slot_b.shape)}")
     for name, t in (("slot_k", pool.slot_k), ("slot_v", pool.slot_v), ("slot_b", pool.slot_b)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     for name, t in (("k_new", k_new), ("v_new", v_new)):
         if tuple(t.shape) != (B, Hk, 1, D) or t.stride(-1) != 1 or t.dtype != pool.slot_k.dtype:
-            raise ValueError(f"{name} must be {pool.slot_k.dtype} [B, Hk, 1, D] = {(B, Hk, 1, D)} with a contiguous last dim")
+            raise ValueError(f"{name} must be {pool.slot_k.dtype} [B, Hk, 1, D] = {(B, Hk, 1, D)} "
+                             "with a contiguous last dim")
     if tuple(b_new.shape) != (B, Hk, 1) or b_new.dtype != torch.float32:
         raise ValueError(f"b_new must be float32 [B, Hk, 1] = {(B, Hk, 1)}; got {b_new.dtype} {tuple(b_new.shape)}")
     if step.numel() != 1 or step.dtype != torch.long or step.device != pool.slot_k.device:
