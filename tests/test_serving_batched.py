@@ -138,3 +138,52 @@ def test_the_torch_reference_path_decodes_request_by_request(monkeypatch):
         assert requests.rows.bank_bytes() > 0  # the rows are still views of the shared slot pools
     finally:
         model.destroy_cached_continuous_batching_manager()
+
+
+def test_a_shorter_request_moves_into_the_wider_bank_to_batch_with_a_longer_one():
+    """Requests whose compressed keys and block tables came from banks of different capacities: the shorter one's
+    move into the wider bank (its windows and table kept), after which both rows stack as one batch."""
+    from types import SimpleNamespace
+
+    from hf_nosa.cache.compressed_keys import CompressedKeys
+    from hf_nosa.cache.host_store import HostStore
+    from hf_nosa.serving.decode_batch import _widen
+    from hf_nosa.serving.host_rows import HostRows, stack_rows
+
+    from .conftest import SPARSE, small_nosa_config
+
+    cfg = small_nosa_config(**SPARSE)
+    rows = RowPool(2)
+    g = torch.Generator().manual_seed(27)
+    layers = []
+    for row, tokens in ((0, 600), (1, 3000)):  # 256 and 1024 windows; 64 and 256 blocks of table
+        def take(name, shape, dtype, device, row=row):
+            return rows.take(row, (0, name), shape, dtype, device)
+
+        like = torch.zeros(1, 2, 1, 8)
+        compressed = CompressedKeys(cfg, like, tokens=tokens, allocate=take)
+        compressed.keys.copy_(torch.randn(compressed.keys.shape, generator=g))
+        compressed.bias.copy_(torch.randn(compressed.bias.shape, generator=g))
+        blocks = tokens // cfg.block_size
+        table = take("host_table", (4, 1 << (blocks - 1).bit_length()), torch.int64, "cpu").zero_()
+        host = HostStore(1, 2, 8, torch.float32, cfg.block_size, pin=False, table=table)
+        host.reserve(tokens)
+        host.write(0, torch.randn(1, 2, 40, 8, generator=g), torch.randn(1, 2, 40, 8, generator=g),
+                   torch.randn(1, 2, 40, generator=g))
+        layers.append(SimpleNamespace(compressed=compressed, host=host, layer_idx=0, device=torch.device("cpu")))
+    short, long = layers
+    assert stack_rows([short.compressed.keys, long.compressed.keys]) is None  # two banks
+    kept_keys, kept_bias = short.compressed.keys.clone(), short.compressed.bias.clone()
+    table = short.host.block_table("cpu").clone()
+    _widen(rows, 0, short)
+    n = kept_keys.shape[2]
+    assert short.compressed.keys.shape == long.compressed.keys.shape
+    assert torch.equal(short.compressed.keys[:, :, :n], kept_keys) and not short.compressed.keys[:, :, n:].any()
+    assert torch.equal(short.compressed.bias[:, :, :n], kept_bias) and not short.compressed.bias[:, :, n:].any()
+    widened = short.host.block_table("cpu")
+    assert torch.equal(widened[:, : table.shape[1]], table) and not widened[:, table.shape[1]:].any()
+    assert stack_rows([short.compressed.keys, long.compressed.keys]) is not None
+    assert HostRows([short.host, long.host], "cpu").table.shape[0] == 2
+    pointers = (short.compressed.keys.data_ptr(), short.host.block_table("cpu").data_ptr())
+    _widen(rows, 0, short)  # once there, nothing moves
+    assert (short.compressed.keys.data_ptr(), short.host.block_table("cpu").data_ptr()) == pointers

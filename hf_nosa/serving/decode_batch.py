@@ -78,12 +78,12 @@ def decode_batched(requests, module, query, key, value, bias, out, decoding: lis
         if layer.selector is not None:
             alone.append(request_id)
             continue
-        if entry.row is not None:
-            _widen(requests.rows, entry.row, layer)
         t = layer.seen
         # the run's step tensor is the layer's step here: its own is left as it is (and set again if it decodes alone)
         layer._step_value = t
-        layer.prepare_fused_step(t)
+        layer.prepare_fused_step(t)  # may give the compressed keys more room: then widened at once
+        if entry.row is not None:
+            _widen(requests.rows, entry.row, layer)
         rows.append(_Row(row=entry.row, position=position, layer=layer, t=t))
     rows.sort(key=lambda r: (r.row is None, r.row if r.row is not None else 0))
     runs: list[list[_Row]] = []
