@@ -187,3 +187,39 @@ def test_a_shorter_request_moves_into_the_wider_bank_to_batch_with_a_longer_one(
     pointers = (short.compressed.keys.data_ptr(), short.host.block_table("cpu").data_ptr())
     _widen(rows, 0, short)  # once there, nothing moves
     assert (short.compressed.keys.data_ptr(), short.host.block_table("cpu").data_ptr()) == pointers
+
+
+def test_the_rows_fit_the_device_budget():
+    from hf_nosa.serving import RequestCaches
+
+    model = _sparse_model("llama", seed=29)
+    unbounded = RequestCaches(model.config)
+    assert unbounded.rows.max_rows == ServingBudget().decode_rows == 32
+    cfg = unbounded.nosa_config
+    full = unbounded.device_bytes(max(cfg.budget_tokens, cfg.prefill_budget_blocks * cfg.block_size))
+    bounded = RequestCaches(model.config, budget=ServingBudget(device_bytes=5 * full + 1, decode_rows=8))
+    assert bounded.rows.max_rows == 5
+    assert RequestCaches(model.config, budget=ServingBudget(device_bytes=1)).rows.max_rows == 1
+
+
+@pytest.mark.slow
+def test_a_request_beyond_the_rows_decodes_alone_interpreted(interpret, prompt_rotary_on_torch, monkeypatch):
+    """Three requests on two rows: the third draws buffers of its own and decodes as a run of one beside the
+    batched run of the other two; every request's tokens still equal generate alone."""
+    model = _sparse_model("llama", seed=31)
+    prompts = _prompts((60, 70, 80), seed=31)
+    alone = [_alone(model, p)[0] for p in prompts]
+    assigned = []
+    assign = RowPool.assign
+    monkeypatch.setattr(RowPool, "assign", lambda self: assigned.append(assign(self)) or assigned[-1])
+    enable(model, budget=ServingBudget(decode_rows=2))
+    try:
+        out = model.generate_batch(prompts, generation_config=_generation_config(NEW),
+                                   continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128),
+                                   persistent_manager=True)
+        runs = dict(model._cached_continuous_batching_manager.nosa_requests.decode_runs)
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    assert [out[f"req_{i}"].generated_tokens for i in range(len(prompts))] == alone
+    assert assigned == [0, 1, None]
+    assert runs.get(2, 0) > 0 and runs.get(1, 0) > 0 and 3 not in runs, runs

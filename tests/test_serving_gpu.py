@@ -1,5 +1,6 @@
 """GPU: NOSA under transformers' continuous batching on CUDA (pinned host stores, the device kernels, transformers'
-compute stream) gives each request the tokens of NOSA generate on it alone (which decodes with its captured graph).
+compute stream) gives each request the tokens of NOSA generate on it alone (which decodes with its captured graph),
+with the decode tokens of a step in batched updates (``serving.decode_batch``).
 
 Not run yet (no GPU machine could be started when it was written). Serving needs transformers >= 5.18; the GPU machine
 has 5.17, so carry a wheel (docs/serving.md), e.g. ``pip install --no-deps --target /tmp/tf transformers-5.18.0 +
@@ -33,6 +34,12 @@ def test_on_the_gpu_generate_batch_equals_generate_alone(family):
     prompts = _prompts((40, 150, 300, 700), seed=11)
     expected = [_alone(model, p) for p in prompts]
     enable(model)
-    out = model.generate_batch(prompts, generation_config=_generation_config(),
-                               continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128))
+    try:
+        out = model.generate_batch(prompts, generation_config=_generation_config(),
+                                   continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128),
+                                   persistent_manager=True)
+        runs = dict(model._cached_continuous_batching_manager.nosa_requests.decode_runs)
+    finally:
+        model.destroy_cached_continuous_batching_manager()
     assert [out[f"req_{i}"].generated_tokens for i in range(len(prompts))] == expected
+    assert max(runs) > 1, runs  # the decode tokens of several requests went through one batched update

@@ -119,7 +119,7 @@ class RequestCaches:
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.max_positions = getattr(text, "max_position_embeddings", None)
         self.budget = self.budget.resolved(self.device)
-        self.rows = RowPool(self.budget.decode_rows)
+        self.rows = RowPool(self.decode_rows())
 
     # ----- sizes -----
 
@@ -146,6 +146,17 @@ class RequestCaches:
         pool = Hk * slots * P * (2 * D * itemsize + 4)
         compressed = Hk * (-(-tokens // cfg.compress_stride)) * (D * itemsize + 4)
         return self.n_layers * (pool + compressed)
+
+    def decode_rows(self) -> int:
+        """Rows of the shared slot pools (``row_pool.RowPool``): ``ServingBudget.decode_rows``, and with a device
+        budget no more than it holds working sets of requests that use the whole slot budget (a bank holds all its
+        rows from the start, taken or not)."""
+        rows = self.budget.decode_rows
+        if self.budget.device_bytes is not None:
+            cfg = self.nosa_config
+            full = self.device_bytes(max(cfg.budget_tokens, cfg.prefill_budget_blocks * cfg.block_size))
+            rows = max(1, min(rows, self.budget.device_bytes // full))
+        return rows
 
     # ----- admission -----
 
