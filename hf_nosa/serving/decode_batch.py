@@ -125,8 +125,9 @@ def _widen(rows, row: int, layer) -> None:
             compressed.keys, compressed.bias = keys, bias
             compressed._match_capacities()
     host = layer.host
-    table = rows.widest(row, (layer_idx, "host_table"), host.block_table(layer.device))
-    if table is not None and (table.data_ptr(), table.shape) != (host._table.data_ptr(), host._table.shape):
+    held = host.block_table(layer.device)  # a store that outgrew its bank's table holds a larger one of its own
+    table = rows.widest(row, (layer_idx, "host_table"), held)
+    if table is not None and table.data_ptr() != held.data_ptr() and table.shape[1] >= held.shape[1]:
         host._table, host._table_version = table.zero_(), -1  # refilled from the store's chunks when next read
 
 
