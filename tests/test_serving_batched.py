@@ -32,16 +32,38 @@ def _alone(model, prompt, new_tokens=NEW):
     return out[0, len(prompt):].tolist(), cache.stats()
 
 
+def _count_plans(monkeypatch):
+    """Record each step plan built (``(layer, decode rows)``) and each host-to-device copy of plan tensors."""
+    from hf_nosa.serving import decode_batch
+
+    built, copies = [], []
+    plan_step, device_ints = decode_batch.plan_step, decode_batch._device_ints
+
+    def counted_plan(requests, layer_idx, device):
+        plan = plan_step(requests, layer_idx, device)
+        built.append((layer_idx, sum(len(run.ids) for run in plan.runs)))
+        return plan
+
+    def counted_ints(values, device):
+        copies.append(None)
+        return device_ints(values, device)
+
+    monkeypatch.setattr(decode_batch, "plan_step", counted_plan)
+    monkeypatch.setattr(decode_batch, "_device_ints", counted_ints)
+    return built, copies
+
+
 @pytest.mark.slow
-def test_batched_decode_steps_equal_generate_alone_interpreted(interpret, prompt_rotary_on_torch):
+def test_batched_decode_steps_equal_generate_alone_interpreted(interpret, prompt_rotary_on_torch, monkeypatch):
     """Prompts of 60, 90 and 150 tokens under a 128-token step: the short ones decode together while the long one
-    arrives in pieces; each request's tokens equal generate alone on the same kernels, and batched updates of two
-    and three rows ran."""
+    arrives in pieces; each request's tokens equal generate alone on the same kernels, batched updates of two
+    and three rows ran, and each step's plan (rows, runs, their device tensors) was built once, not per layer."""
     model = _sparse_model("llama", seed=21)
     prompts = _prompts((60, 90, 150), seed=21)
     alone = [_alone(model, p) for p in prompts]
     enable(model)
     plans = _record_plans(model)
+    built, copies = _count_plans(monkeypatch)
     try:
         out = model.generate_batch(prompts, generation_config=_generation_config(NEW),
                                    continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=128),
@@ -54,6 +76,10 @@ def test_batched_decode_steps_equal_generate_alone_interpreted(interpret, prompt
     layers = model.config.num_hidden_layers
     decode_tokens = sum(n == 1 for plan in plans for _, _, n in plan)
     assert sum(rows * count for rows, count in runs.items()) == decode_tokens * layers  # every decode token batched
+    # the step's plan and its device tensors: once per forward step (at layer 0), not once per layer
+    assert len(built) == len(plans) and all(layer == 0 for layer, _ in built)
+    assert [n for _, n in built] == [sum(n == 1 for _, _, n in plan) for plan in plans]
+    assert len(copies) == sum(n > 0 for _, n in built)  # one host-to-device copy per step with decode tokens
     assert runs.get(2, 0) > 0 and runs.get(3, 0) > 0, runs  # several requests in one update
     assert any(len(plan) > 1 and any(n > 1 for _, _, n in plan) for plan in plans)  # prompt pieces beside decoding
     assert stats["blocks_loaded"] == sum(s["blocks_loaded"] for _, s in alone) > 0

@@ -17,10 +17,10 @@ request's tokens go through its own NosaCache exactly as ``generate`` on that re
 The outputs are packed back in the same order; positions no request owns (padding) are zeros.
 
 Where the decode step runs on the device kernels (CUDA, or the Triton interpreter), the step's decode tokens go
-through the layer as one batched update of the requests' rows of shared slot pools (``serving.decode_batch``) and
-only the prompt pieces go request by request; on the torch reference path every request goes through its own
-update, the reference the batched step is tested against. Replaying the batched step as a CUDA graph per bucketed
-batch size is next (docs/serving.md).
+through the layer as one batched update of the requests' rows of shared slot pools (``serving.decode_batch``, on a
+plan of the step built at its first layer and reused by the others) and only the prompt pieces go request by
+request; on the torch reference path every request goes through its own update, the reference the batched step is
+tested against. Replaying the batched step as a CUDA graph per bucketed batch size is next (docs/serving.md).
 """
 
 from __future__ import annotations
@@ -73,12 +73,8 @@ def serving_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     bias = module.eviction_head(value_flat)  # [1, Hk, N]
     out = torch.zeros_like(query)
     chunk = requests.nosa_config.prefill_chunk()
-    batched = set()
-    if batched_decode_runs(key):
-        decoding = _decode_tokens(requests, layer_idx)
-        if decoding:
-            alone = decode_batched(requests, module, query, key, value, bias, out, decoding)
-            batched = {request_id for request_id, _ in decoding} - set(alone)
+    # the step's decode tokens as batched updates, on a plan built once per step (at its first layer)
+    batched = decode_batched(requests, module, query, key, value, bias, out) if batched_decode_runs(key) else set()
     offset = 0
     for request_id, past, length in requests.plan:
         if length == 0 or request_id in batched:
@@ -108,16 +104,3 @@ def serving_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
         offset += length
     return out
 
-
-def _decode_tokens(requests, layer_idx: int) -> list[tuple[str, int]]:
-    """``(request_id, packed position)`` of the plan's decode tokens: one token after a finished prompt, continuing
-    what the request's cache holds (anything else stays on the request-by-request path, which checks it)."""
-    decoding, offset = [], 0
-    for request_id, past, length in requests.plan:
-        entry = requests.entries.get(request_id)
-        if (length == 1 and entry is not None and entry.cache is not None and not entry.prefilling
-                and 0 < entry.prompt_length <= past and entry.cache.state.prefill_end is None
-                and entry.cache.get_seq_length(layer_idx) == past):
-            decoding.append((request_id, offset))
-        offset += length
-    return decoding

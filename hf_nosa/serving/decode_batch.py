@@ -22,6 +22,14 @@ requests' own. Blocks and bytes are the per-request sums; the locality of a batc
 run's selected blocks that were resident, one step per run and layer (alone, one step per request and layer).
 A request without a row (more requests than ``ServingBudget.decode_rows``) is a run of its own.
 
+Which requests decode, their rows and packed positions, the runs and their offsets are the same in every layer of
+a step's forward, so they are planned once per step (``plan_step``, FlashInfer's plan/run split): at the first
+layer, from that layer's state, with every run's device tensors (positions, offsets, a step per layer, since a
+layer's fetch advances its step) in one host-to-device copy; kept on ``RequestCaches.decode_step_plan`` for the
+step's plan list (``RequestCaches.plan``, a new list each step). Each layer then does only its own work: each
+request's ``prepare_fused_step`` / ``finish_fused_step``, its rows' views of that layer's banks, the update. A
+layer whose rows would group otherwise (not seen: every layer of a request decodes in step) is regrouped alone.
+
 On the torch reference path (the CPU default) ``serving.attention`` keeps its request-by-request loop, which is the
 reference these runs are tested against (tests/test_serving_batched.py). Which one runs is logged once.
 """
@@ -62,30 +70,103 @@ def batched_decode_runs(tensor: torch.Tensor) -> bool:
 
 
 class _Row(SimpleNamespace):
-    """A decoding request in one layer: its row, its packed position, its NosaLayer and the token's index."""
+    """A decoding request in one layer: its id, row, packed position, NosaLayer and the token's index ``t``."""
 
 
-def decode_batched(requests, module, query, key, value, bias, out, decoding: list) -> list:
-    """Run the decode tokens ``decoding`` (``(request_id, packed position)``) of one layer as batched updates,
-    writing their outputs into ``out [1, H, N, D]``. Returns the request ids left to the request-by-request path
-    (a layer with another selector than NOSA's)."""
-    layer_idx = module.layer_idx
-    rows, alone = [], []
-    for request_id, position in decoding:
+class _PlannedRun(SimpleNamespace):
+    """A run of the step's plan: its requests in row order (``ids``, packed ``at`` positions, token indices
+    ``ts``), the ``warm`` and ``cfg`` its rows share, and its device tensors: ``positions`` (packed positions),
+    ``offset`` (``T - t`` per row, T the run's longest) and ``steps`` (``[n_layers]``, each T: a layer's fetch
+    advances its own)."""
+
+
+class StepPlan(SimpleNamespace):
+    """The decode tokens of one continuous-batching step as runs of rows, the same in every layer of the step's
+    forward: built at its first layer from that layer's state (``plan_step``), read by every layer after.
+    ``source`` is the ``RequestCaches.plan`` it was built for (a new list each step); ``prepared`` the rows of the
+    layer it was built at, already through ``prepare_fused_step`` (dropped once that layer has run them)."""
+
+
+def decode_tokens(requests, layer_idx: int) -> list[tuple[str, int]]:
+    """``(request_id, packed position)`` of the plan's decode tokens: one token after a finished prompt, continuing
+    what the request's cache holds (anything else stays on the request-by-request path, which checks it)."""
+    decoding, offset = [], 0
+    for request_id, past, length in requests.plan:
+        entry = requests.entries.get(request_id)
+        if (length == 1 and entry is not None and entry.cache is not None and not entry.prefilling
+                and 0 < entry.prompt_length <= past and entry.cache.state.prefill_end is None
+                and entry.cache.get_seq_length(layer_idx) == past):
+            decoding.append((request_id, offset))
+        offset += length
+    return decoding
+
+
+def step_plan(requests, layer_idx: int, device) -> StepPlan:
+    """The step's plan: built at the forward's first layer (layer 0, or any layer that finds the plan of an earlier
+    step), kept on ``requests.decode_step_plan`` for the other layers."""
+    plan = getattr(requests, "decode_step_plan", None)
+    if layer_idx == 0 or plan is None or plan.source is not requests.plan:
+        plan = requests.decode_step_plan = plan_step(requests, layer_idx, device)
+    return plan
+
+
+def plan_step(requests, layer_idx: int, device) -> StepPlan:
+    """Which requests decode this step, on which rows, in which runs, and the runs' device tensors: once per step.
+
+    Rows are grouped as layer ``layer_idx`` holds them after its ``prepare_fused_step`` (run here, so that layer's
+    capacities are the ones grouped; ``decode_batched`` does not run it again). Every run's positions, offsets and
+    per-layer steps are one host-to-device copy for the whole step (from pinned memory, non-blocking, on CUDA)."""
+    rows = _layer_rows(requests, layer_idx, [(rid, at, None) for rid, at in decode_tokens(requests, layer_idx)])
+    runs = _group(rows)
+    n_layers = requests.n_layers
+    host = []
+    for run in runs:
+        T = max(r.t for r in run)
+        host += [r.position for r in run] + [T - r.t for r in run] + [T] * n_layers
+    ints = _device_ints(host, device) if host else None
+    planned, i = [], 0
+    for run in runs:
+        R = len(run)
+        planned.append(_PlannedRun(
+            ids=[r.request_id for r in run], at=[r.position for r in run], ts=[r.t for r in run],
+            warm=run[0].layer.warm, cfg=run[0].layer.cfg, positions=ints[i:i + R], offset=ints[i + R:i + 2 * R],
+            steps=ints[i + 2 * R:i + 2 * R + n_layers]))
+        i += 2 * R + n_layers
+    return StepPlan(source=requests.plan, runs=planned, prepared=(layer_idx, rows))
+
+
+def _device_ints(values: list[int], device) -> torch.Tensor:
+    """``values`` as one long tensor on ``device``: one copy, from pinned memory without a host wait on CUDA."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _layer_rows(requests, layer_idx: int, wanted: list) -> list[_Row]:
+    """The layer's rows of the requests ``wanted`` (``(request_id, packed position, t or None)``), each through its
+    ``prepare_fused_step``; a request whose layer has another selector than NOSA's, or holds another length than
+    ``t``, is left out (the request-by-request path runs and checks it)."""
+    rows = []
+    for request_id, position, expected in wanted:
         entry, nosa = requests.cache_of(request_id)
         nosa._check_usable()
         layer = nosa.layers[layer_idx]
-        if layer.selector is not None:
-            alone.append(request_id)
-            continue
         t = layer.seen
+        if layer.selector is not None or (expected is not None and t != expected):
+            continue
         # the run's step tensor is the layer's step here: its own is left as it is (and set again if it decodes alone)
         layer._step_value = t
         layer.prepare_fused_step(t)  # may give the compressed keys more room: then widened at once
         if entry.row is not None:
             _widen(requests.rows, entry.row, layer)
-        rows.append(_Row(row=entry.row, position=position, layer=layer, t=t))
-    rows.sort(key=lambda r: (r.row is None, r.row if r.row is not None else 0))
+        rows.append(_Row(request_id=request_id, row=entry.row, position=position, layer=layer, t=t))
+    return rows
+
+
+def _group(rows: list[_Row]) -> list[list[_Row]]:
+    """Runs of consecutive rows with one ``warm`` state and one NosaConfig; a request without a row is its own."""
+    rows = sorted(rows, key=lambda r: (r.row is None, r.row if r.row is not None else 0))
     runs: list[list[_Row]] = []
     for row in rows:
         last = runs[-1][-1] if runs else None
@@ -94,16 +175,38 @@ def decode_batched(requests, module, query, key, value, bias, out, decoding: lis
             runs[-1].append(row)
         else:
             runs.append([row])
-    for run in runs:
-        views = _views(run)
-        if views is None:  # not rows of one shared memory (a bank grown for a longer request): one at a time
-            _log_once("split", "hf_nosa serving: rows %s are not in one shared bank; they decode one by one",
-                      [r.row for r in run])
-            for row in run:
-                _run(requests, module, [row], _views([row]), query, key, value, bias, out)
+    return runs
+
+
+def decode_batched(requests, module, query, key, value, bias, out) -> set:
+    """Run the step's decode tokens through layer ``module.layer_idx`` as batched updates, writing their outputs
+    into ``out [1, H, N, D]``. Returns the ids of the requests it decoded; any other decode token of the step (a
+    layer with another selector than NOSA's, a request out of step) is left to the request-by-request path."""
+    layer_idx = module.layer_idx
+    plan = step_plan(requests, layer_idx, key.device)
+    if plan.prepared is not None and plan.prepared[0] == layer_idx:  # the layer the plan was built at
+        rows, plan.prepared = plan.prepared[1], None
+    else:
+        rows = _layer_rows(requests, layer_idx, [(rid, at, t) for run in plan.runs
+                                                 for rid, at, t in zip(run.ids, run.at, run.ts)])
+    by_id = {r.request_id: r for r in rows}
+    done, left = set(), []
+    for run in plan.runs:
+        layer_rows = [by_id.get(rid) for rid in run.ids]
+        if all(r is not None and r.layer.warm == run.warm and (r.layer.cfg is run.cfg or r.layer.cfg == run.cfg)
+               for r in layer_rows):
+            step = run.steps[layer_idx:layer_idx + 1]
+            _run(requests, module, layer_rows, run.positions, run.offset, step, query, key, value, bias, out)
+            done.update(run.ids)
         else:
-            _run(requests, module, run, views, query, key, value, bias, out)
-    return alone
+            left += [r for r in layer_rows if r is not None]
+    if left:  # this layer's rows group otherwise than the plan's: grouped for this layer alone (not seen so far)
+        _log_once("regroup", "hf_nosa serving: layer %d's decode rows differ from the step's plan; regrouped there",
+                  layer_idx)
+        for run in _group(left):
+            _run_alone(requests, module, run, query, key, value, bias, out)
+            done.update(r.request_id for r in run)
+    return done
 
 
 def _widen(rows, row: int, layer) -> None:
@@ -147,26 +250,41 @@ def _views(run: list[_Row]) -> dict | None:
     return views
 
 
-def _run(requests, module, run: list[_Row], views: dict, query, key, value, bias, out) -> None:
+def _run_alone(requests, module, run: list[_Row], query, key, value, bias, out) -> None:
+    """A run that is not the plan's: its tensors built here."""
+    T, R = max(r.t for r in run), len(run)
+    ints = _device_ints([r.position for r in run] + [T - r.t for r in run] + [T], key.device)
+    _run(requests, module, run, ints[:R], ints[R:2 * R], ints[2 * R:], query, key, value, bias, out)
+
+
+def _run(requests, module, run: list[_Row], positions, offset, step, query, key, value, bias, out) -> None:
+    """One batched update of the run's rows: ``positions`` (packed), ``offset`` (per row) and ``step`` (``[1]``,
+    advanced by the fetch) on the device."""
+    views = _views(run)
+    if views is None:  # not rows of one shared memory (a bank grown for a longer request): one at a time
+        _log_once("split", "hf_nosa serving: rows %s are not in one shared bank; they decode one by one",
+                  [r.row for r in run])
+        for row in run:
+            if _views([row]) is None:
+                raise RuntimeError(f"NOSA serving: request {row.request_id}'s buffers in layer {module.layer_idx} "
+                                   "are no row of a batch; this is a bug.")
+            _run_alone(requests, module, [row], query, key, value, bias, out)
+        return
     first = run[0].layer
-    device, R = first.device, len(run)
-    positions = torch.tensor([r.position for r in run], device=query.device)
+    R = len(run)
 
     def rows_of(x):  # [1, heads, N, ...] -> the run's tokens as [R, heads, 1, ...]
         return x[0][:, positions].transpose(0, 1).unsqueeze(2).contiguous()
 
     q, k, v = rows_of(query), rows_of(key), rows_of(value)
-    b = rows_of(bias.float())
-    T = max(r.t for r in run)
+    b = rows_of(bias).float()
     counters = requests.step_counters.get(module.layer_idx)
     if counters is None:
-        counters = requests.step_counters[module.layer_idx] = StepCounters.zeros(device)
+        counters = requests.step_counters[module.layer_idx] = StepCounters.zeros(first.device)
     compressed = SimpleNamespace(**{name: views[name] for name in COMPRESSED})
     batch = SimpleNamespace(
         compressed=compressed, host=views["host"], counters=counters, warm=first.warm, cfg=first.cfg, batch=R,
-        n_slots=first.n_slots, step=torch.full((1,), T, dtype=torch.long, device=device),
-        offset=torch.tensor([T - r.t for r in run], dtype=torch.long, device=device),
-        **{name: views[name] for name in POOL})
+        n_slots=first.n_slots, step=step, offset=offset, **{name: views[name] for name in POOL})
     inputs = DecodePaths.decode_rows(batch, k, v, q, b, module.scaling, 0, R)
     out[0][:, positions] = attend_cache_inputs(q, inputs, module.scaling)[:, :, 0].transpose(0, 1)
     for r in run:
