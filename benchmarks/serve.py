@@ -20,11 +20,25 @@ number of requests decoding at once (admitted concurrency), peak device memory, 
 device is capped at ``--cap-gb`` (the shape's cap of ``generate.py`` by default: 24 GB for "1b").
 
     python benchmarks/serve.py --shape 1b --requests 32 --min 16384 --max 65536 --new-tokens 1024 --rates 0.5 1 inf
+    python benchmarks/serve.py --shape 1b --requests 8 --min 131072 --max 131072 --new-tokens 1024 --rates inf
+
+Stock runs at transformers' defaults (``--max-batch-tokens`` aside) and, per ``--stock-config K=V,K=V``, at other
+settings of its ``ContinuousBatchingConfig`` (``max_memory_percent``, ``page_size``, ``num_blocks``,
+``max_requests_per_batch``, ...), each its own method row (``stock[K=V,...]``). Every row also records host memory
+(resident set now and its peak over the row, pinned host bytes on CUDA) and device memory (peak allocated and
+reserved). A stream run writes its JSON and, beside it, a PNG (``--out``'s name, ``.png``): output tok/s, p50 time
+to first token and p50 time per output token against the offered load, per method (the ``inf`` load drawn past the
+largest finite one); without matplotlib it says so and draws nothing. ``--smoke``: a seconds-long CPU stream run of
+the smoke shape (3 requests, 8 new tokens, loads 50 and inf per second; NOSA, and stock at a 16-block paged cache,
+since on the CPU transformers would fit its cache to the host's free memory).
+
+    python -m benchmarks serve --smoke --out serve_smoke.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -40,6 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.batch_plan import SHAPES  # noqa: E402
 from benchmarks.decode_throughput import CAP_GB, build_model  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
+from benchmarks.harness import pyplot, save_figure, write_json  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 
@@ -58,6 +73,103 @@ def nosa_config(args) -> NosaConfig:
     return NosaConfig(budget_tokens=args.budget_tokens)
 
 
+# ContinuousBatchingConfig fields --stock-config may set: those of one scalar value (parsed by their type)
+STOCK_KEYS = ("page_size", "num_blocks", "max_batch_tokens", "max_memory_percent", "max_requests_per_batch",
+              "max_blocks_per_request", "allow_block_sharing", "use_async_batching", "use_cuda_graph",
+              "q_padding_interval_size", "kv_padding_interval_size", "default_compile_level", "scheduler_type",
+              "safety_margin", "cpu_offload_space")
+
+
+def _parse_value(key: str, text: str, annotation):
+    kind = str(annotation)
+    if text.lower() == "none" and "None" in kind:
+        return None
+    if "bool" in kind and text.lower() in ("true", "false", "1", "0"):
+        return text.lower() in ("true", "1")
+    for name, cast in (("int", int), ("float", float)):
+        if name in kind:
+            try:
+                return cast(text)
+            except ValueError:
+                if not ("float" in kind and name == "int"):
+                    raise ValueError(f"--stock-config {key}={text!r}: {key} takes {kind}") from None
+    if "str" in kind:
+        return text
+    raise ValueError(f"--stock-config {key}={text!r}: {key} takes {kind}")
+
+
+def parse_stock_config(spec: str) -> dict:
+    """``"K=V,K=V"`` as ContinuousBatchingConfig keyword arguments (keys among ``STOCK_KEYS``, values by type)."""
+    fields = {f.name: f.type for f in dataclasses.fields(ContinuousBatchingConfig)}
+    settings = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or key not in STOCK_KEYS or key not in fields:
+            allowed = ", ".join(k for k in STOCK_KEYS if k in fields)
+            raise ValueError(f"--stock-config {item!r}: expected K=V with K one of {allowed}")
+        settings[key] = _parse_value(key, text.strip(), fields[key])
+    if not settings:
+        raise ValueError(f"--stock-config {spec!r}: expected K=V[,K=V...]")
+    return settings
+
+
+def stock_method(spec: str) -> str:
+    """The method name of stock continuous batching at the settings ``spec`` (a ``--stock-config``)."""
+    return "stock[" + ",".join(f"{k}={v}" for k, v in parse_stock_config(spec).items()) + "]"
+
+
+def batching_for(method: str, args) -> ContinuousBatchingConfig:
+    """The continuous-batching config a method runs with: ``--max-batch-tokens``, and a stock method's settings."""
+    settings = dict(max_batch_tokens=args.max_batch_tokens)
+    if method.startswith("stock[") and method.endswith("]"):
+        settings.update(parse_stock_config(method[len("stock["):-1]))
+    return ContinuousBatchingConfig(**settings)
+
+
+def _proc_status(field: str) -> int | None:
+    """A ``/proc/self/status`` size in bytes (Linux), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def reset_memory_peaks(device) -> None:
+    """Start the peaks ``memory_row`` reports: device (allocated, reserved), pinned host, resident set (Linux: the
+    process' own ``clear_refs``; where refused the peak is the process' so far)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        reset_host = getattr(torch.cuda.memory, "reset_peak_host_memory_stats", None)
+        if reset_host is not None:
+            reset_host()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def memory_row(device) -> dict:
+    """Host and device memory since ``reset_memory_peaks``: resident set (now, peak), pinned host bytes (CUDA's
+    caching host allocator: now, peak) and device bytes (peak allocated, peak reserved); None where unknown."""
+    row = dict(host_rss_bytes=_proc_status("VmRSS"), host_peak_rss_bytes=_proc_status("VmHWM"),
+               pinned_bytes=None, pinned_peak_bytes=None, device_peak_bytes=None, device_reserved_peak_bytes=None)
+    if device.type == "cuda":
+        row.update(device_peak_bytes=torch.cuda.max_memory_allocated(),
+                   device_reserved_peak_bytes=torch.cuda.max_memory_reserved())
+        host_stats = getattr(torch.cuda.memory, "host_memory_stats", None)
+        if host_stats is not None:
+            stats = host_stats()
+            row.update(pinned_bytes=stats.get("allocated_bytes.current"),
+                       pinned_peak_bytes=stats.get("allocated_bytes.peak"))
+    return row
+
+
 def model_for(method: str, args, device, dtype):
     model = build_model(args.shape, device, dtype)
     if method == "nosa":
@@ -74,9 +186,9 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_batch(model, prompts, args, device) -> tuple[float, dict]:
+def run_batch(model, prompts, args, device, method: str = "stock") -> tuple[float, dict]:
     config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    batching = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens)
+    batching = batching_for(method, args)
     sync(device)
     start = time.perf_counter()
     out = model.generate_batch(prompts, generation_config=config, continuous_batching_config=batching,
@@ -87,14 +199,17 @@ def run_batch(model, prompts, args, device) -> tuple[float, dict]:
 
 def run_method(method: str, prompts, args, device, dtype) -> dict:
     model = model_for(method, args, device, dtype)
-    first_s, _ = run_batch(model, prompts[:1], args, device)
-    wall_s, out = run_batch(model, prompts, args, device)
+    first_s, _ = run_batch(model, prompts[:1], args, device, method)
+    reset_memory_peaks(device)
+    wall_s, out = run_batch(model, prompts, args, device, method)
+    memory = memory_row(device)
     outputs = [out.get(f"req_{i}") for i in range(len(prompts))]
     errors = [o.error if o is not None else "missing" for o in outputs if o is None or o.error]
     tokens = [list(o.generated_tokens) if o is not None else [] for o in outputs]
     first_token_s = [(o.timestamps[0] - o.created_time) if o is not None and o.timestamps else None for o in outputs]
     row = dict(method=method, first_call_s=first_s, wall_s=wall_s, errors=errors,
-               delivered_tok_s=sum(len(t) for t in tokens) / wall_s, first_token_s=first_token_s, tokens=tokens)
+               delivered_tok_s=sum(len(t) for t in tokens) / wall_s, first_token_s=first_token_s, tokens=tokens,
+               **memory)
     if method == "nosa" and args.check:
         alone = []
         for prompt in prompts:
@@ -140,14 +255,13 @@ def stream_metrics(outputs: list, start: float, end: float) -> dict:
                 tpot_p99_s=_quantile(tpot, 0.99), max_decoding=most)
 
 
-def run_stream(model, prompts, rate: float, args, device) -> dict:
+def run_stream(model, prompts, rate: float, args, device, method: str = "stock") -> dict:
     """The prompts sent to one manager at Poisson arrival times of ``rate`` requests per second (inf: at once)."""
     config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    batching = ContinuousBatchingConfig(max_batch_tokens=args.max_batch_tokens)
+    batching = batching_for(method, args)
     rng = random.Random(args.seed + 1)
     gaps = [0.0] + [rng.expovariate(rate) if rate != float("inf") else 0.0 for _ in prompts[1:]]
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    reset_memory_peaks(device)
     manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching)
     if hasattr(manager, "warmup"):  # as transformers serve does: the cache and graphs are built before requests come
         manager.warmup()
@@ -171,9 +285,10 @@ def run_stream(model, prompts, rate: float, args, device) -> dict:
     finally:
         manager.stop(block=True)
     outputs = [results[f"r{i}"] for i in range(len(prompts))]
-    row = dict(rate=rate, errors=[o.error for o in outputs if o.error], **stream_metrics(outputs, start, end))
+    row = dict(rate=rate, errors=[o.error for o in outputs if o.error], **stream_metrics(outputs, start, end),
+               **memory_row(device))
     if device.type == "cuda":
-        row["peak_device_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
+        row["peak_device_gib"] = row["device_peak_bytes"] / (1 << 30)
     requests = getattr(manager, "nosa_requests", None)
     if requests is not None:
         row.update(host_budget_bytes=requests.budget.host_bytes, host_pool_bytes=requests.host_pool.allocated_bytes,
@@ -208,16 +323,69 @@ def floor_analysis(model, lengths: list[int], new_tokens: int, cap_gb: float | N
 
 def run_rates(method: str, prompts, args, device, dtype) -> dict:
     model = model_for(method, args, device, dtype)
-    first_s, _ = run_batch(model, prompts[:1], args, device)  # start-up: compilation, first pinning
+    first_s, _ = run_batch(model, prompts[:1], args, device, method)  # start-up: compilation, first pinning
     rows = []
     for rate in args.rates:
-        rows.append(run_stream(model, prompts, rate, args, device))
+        rows.append(run_stream(model, prompts, rate, args, device, method))
         print(json.dumps(dict(method=method, **{k: v for k, v in rows[-1].items() if k != "errors"})), flush=True)
     del model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return dict(method=method, first_call_s=first_s, rates=rows)
+    return dict(method=method, first_call_s=first_s, rates=rows, saturation=saturation(rows))
+
+
+def saturation(rows: list[dict]) -> dict:
+    """A method's numbers at saturation: its largest output tok/s over the offered loads (and that load), the
+    largest admitted concurrency, and the p50 / p99 latencies and memory of that load's row."""
+    best = max(rows, key=lambda r: r["output_tok_s"])
+    keys = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "host_peak_rss_bytes",
+            "pinned_peak_bytes", "device_peak_bytes", "locality")
+    return dict(rate=best["rate"], max_decoding=max(r["max_decoding"] for r in rows),
+                **{k: best.get(k) for k in keys})
+
+
+def plot_stream(rows: list[dict], path) -> bool:
+    """Output tok/s, p50 TTFT and p50 TPOT against the offered load, one line per method, as a PNG at ``path``;
+    False (nothing drawn) without matplotlib. The ``inf`` load is drawn at twice the largest finite one (ticked
+    "inf")."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    rates = [r["rate"] for row in rows for r in row["rates"]]
+    finite = [r for r in rates if r != float("inf")]
+    at_inf = 2 * max(finite) if finite else 1.0
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    panels = (("output_tok_s", "output tok/s"), ("ttft_p50_s", "p50 time to first token (s)"),
+              ("tpot_p50_s", "p50 time per output token (s)"))
+    for ax, (key, label) in zip(axes, panels):
+        for row in rows:
+            points = sorted((at_inf if r["rate"] == float("inf") else r["rate"], r[key]) for r in row["rates"]
+                            if r.get(key) is not None)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=row["method"])
+        if finite and max(finite) > 4 * min(finite):  # loads are swept by factors: even steps on a log axis
+            ax.set_xscale("log")
+            ax.minorticks_off()  # the loads themselves are the ticks
+        ticks = sorted(set(finite)) + ([at_inf] if len(finite) < len(rates) else [])
+        ax.set_xticks(ticks, [f"{x:g}" for x in sorted(set(finite))] + ["inf"] * (len(ticks) - len(set(finite))))
+        ax.set_xlabel("offered load (requests/s; inf: all at once)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    save_figure(fig, path)
+    return True
+
+
+def methods_of(args) -> list[str]:
+    """``--methods`` with a ``stock[...]`` row per ``--stock-config`` after them (each checked before any run)."""
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for method in methods:
+        if method not in ("stock", "nosa"):
+            raise ValueError(f"--methods {args.methods!r}: {method!r} is not one of stock, nosa "
+                             "(stock at other settings: --stock-config K=V,...)")
+    return methods + [stock_method(spec) for spec in args.stock_config or []]
 
 
 def main(argv=None):
@@ -235,10 +403,26 @@ def main(argv=None):
     parser.add_argument("--rates", type=float, nargs="+", default=None,
                         help="requests per second of a Poisson stream through the manager (inf: all at once)")
     parser.add_argument("--cap-gb", type=float, default=None, help="device cap in GB on CUDA (default: the shape's)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--stock-config", action="append", default=None, metavar="K=V,K=V",
+                        help="stock continuous batching at these ContinuousBatchingConfig settings too, as its own "
+                             f"method row (repeatable; keys: {', '.join(STOCK_KEYS)})")
+    parser.add_argument("--smoke", action="store_true",
+                        help="the CPU smoke run's defaults: shape smoke, 3 requests of 40-300 tokens, 8 new tokens, "
+                             "loads 50 inf, nosa and stock[num_blocks=16,page_size=32] (what is given stays)")
+    parser.add_argument("--out", default=None, help="the JSON; a stream run's PNG goes beside it (.png)")
     args = parser.parse_args(argv)
+    if args.smoke:  # its sizes, where the command line left the defaults
+        # stock at a 16-block cache only: on the CPU transformers fits its cache to the host's free memory
+        smoke = dict(shape="smoke", requests=3, min=40, max=300, new_tokens=8, rates=[50.0, float("inf")],
+                     methods="nosa", stock_config=["num_blocks=16,page_size=32"])
+        for key, value in smoke.items():
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
+    if args.min > args.max or args.min < 1:
+        raise ValueError(f"--min {args.min} / --max {args.max}: prompt lengths need 1 <= min <= max")
     if args.shape == "smoke" and args.budget_tokens == 4096:
         args.budget_tokens = 64
+    methods = methods_of(args)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cap = args.cap_gb or CAP_GB.get(args.shape)
@@ -248,19 +432,25 @@ def main(argv=None):
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total))
     prompts = prompts_of(args, SHAPES[args.shape]["vocab_size"])
     if args.rates:
-        rows = [run_rates(method, prompts, args, device, dtype) for method in args.methods.split(",")]
-        result = dict(environment=environment(), args=vars(args), lengths=[len(p) for p in prompts], rows=rows)
+        rows = []
+        result = dict(environment(), args=vars(args), lengths=[len(p) for p in prompts], rows=rows)
+        for method in methods:
+            rows.append(run_rates(method, prompts, args, device, dtype))
+            if args.out:  # after every method, so a run cut short keeps what it measured
+                write_json(args.out, result)
         nosa = [r for row in rows if row["method"] == "nosa" for r in row["rates"]]
         locality = nosa[-1].get("locality") if nosa else None
         result["floor"] = floor_analysis(build_model(args.shape, "meta", dtype), [len(p) for p in prompts],
                                          args.new_tokens, cap if device.type == "cuda" else None,
                                          nosa_config(args).budget_tokens, locality)
         if args.out:
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+            result["plot"] = None
+            png = os.path.splitext(args.out)[0] + ".png"
+            if plot_stream(rows, png):
+                result["plot"] = os.path.basename(png)
+            write_json(args.out, result)
         return result
-    rows = [run_method(method, prompts, args, device, dtype) for method in args.methods.split(",")]
+    rows = [run_method(method, prompts, args, device, dtype) for method in methods]
     result = dict(environment=environment(), args=vars(args), lengths=[len(p) for p in prompts], rows=rows)
     for row in rows:
         check = row.get("equals_generate_alone")

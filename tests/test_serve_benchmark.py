@@ -1,0 +1,98 @@
+"""benchmarks/serve.py's request-stream measurement at the CPU smoke size: the JSON holds per method and offered load
+the stream's metrics, host and device memory, a saturation summary and the floor analysis; stock runs at other
+``ContinuousBatchingConfig`` settings as rows of their own; the plot is drawn where matplotlib is installed."""
+
+import importlib.util
+import json
+
+import pytest
+import transformers
+from packaging.version import Version
+
+from hf_nosa.serving import MIN_TRANSFORMERS
+
+if Version(Version(transformers.__version__).base_version) < MIN_TRANSFORMERS:
+    pytest.skip(f"serving needs transformers >= {MIN_TRANSFORMERS}", allow_module_level=True)
+
+from benchmarks.serve import STOCK_KEYS, batching_for, main, parse_stock_config, plot_stream, stock_method  # noqa
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+STREAM_KEYS = ("rate", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "max_decoding",
+               "host_rss_bytes", "host_peak_rss_bytes", "pinned_bytes", "pinned_peak_bytes", "device_peak_bytes",
+               "device_reserved_peak_bytes")
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def test_the_smoke_stream_writes_every_field_and_the_plot(tmp_path):
+    """The smoke defaults: NOSA and stock at a small paged cache (transformers would fit its CPU cache to the host's
+    free memory), two offered loads; every row measured, saturation, floor and plot recorded."""
+    out = tmp_path / "serve.json"
+    result = main(["--smoke", "--out", str(out)])  # NOSA, and stock at 16 blocks of 32 tokens
+    written = json.loads(out.read_text())
+    assert written["command"] and written["date"] and written["lengths"] == result["lengths"]
+    assert all(40 <= n <= 300 for n in written["lengths"]) and len(written["lengths"]) == 3
+    assert [row["method"] for row in written["rows"]] == ["nosa", "stock[num_blocks=16,page_size=32]"]
+    for row in written["rows"]:
+        assert [r["rate"] for r in row["rates"]] == [50.0, float("inf")]
+        for rate in row["rates"]:
+            assert set(STREAM_KEYS) <= set(rate), set(STREAM_KEYS) - set(rate)
+            assert rate["errors"] == [] and rate["generated_tokens"] == 3 * 8 and rate["output_tok_s"] > 0
+            assert 1 <= rate["max_decoding"] <= 3 and rate["ttft_p50_s"] <= rate["ttft_p99_s"]
+            assert rate["device_peak_bytes"] is None  # on the CPU: no device memory to report
+            if rate["host_rss_bytes"] is not None:  # Linux
+                assert 0 < rate["host_rss_bytes"] <= rate["host_peak_rss_bytes"]
+        best = max(row["rates"], key=lambda r: r["output_tok_s"])
+        assert row["saturation"]["output_tok_s"] == best["output_tok_s"]
+        assert row["saturation"]["max_decoding"] == max(r["max_decoding"] for r in row["rates"])
+    nosa = written["rows"][0]["rates"][-1]
+    assert nosa["host_pool_bytes"] > 0 and 0.0 <= nosa["locality"] <= 1.0 and nosa["blocks_loaded"] > 0
+    assert written["floor"]["locality_used"] == nosa["locality"]
+    png = tmp_path / "serve.png"
+    if HAS_MATPLOTLIB:
+        assert written["plot"] == "serve.png" and png.stat().st_size > 0
+    else:
+        assert written["plot"] is None and not png.exists()
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="the plot needs matplotlib (the [bench] extra)")
+def test_the_plot_draws_every_method_and_the_saturating_load(tmp_path):
+    rows = [dict(method=m, rates=[dict(rate=r, output_tok_s=s, ttft_p50_s=0.1, tpot_p50_s=None) for r, s in
+                                  ((0.5, 10.0), (float("inf"), 20.0))]) for m in ("stock", "nosa")]
+    assert plot_stream(rows, tmp_path / "p.png") and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_stock_settings_parse_by_type_and_refuse_unknown_keys():
+    assert parse_stock_config("max_memory_percent=0.5, page_size=64,allow_block_sharing=false") == dict(
+        max_memory_percent=0.5, page_size=64, allow_block_sharing=False)
+    assert parse_stock_config("num_blocks=None") == dict(num_blocks=None)
+    assert stock_method("page_size=64,num_blocks=128") == "stock[page_size=64,num_blocks=128]"
+    args = type("Args", (), dict(max_batch_tokens=512))()
+    config = batching_for("stock[page_size=64,max_batch_tokens=256]", args)
+    assert (config.page_size, config.max_batch_tokens) == (64, 256)
+    assert batching_for("nosa", args).max_batch_tokens == 512
+    with pytest.raises(ValueError, match="K one of page_size"):
+        parse_stock_config("paged_size=64")
+    with pytest.raises(ValueError, match="page_size takes"):
+        parse_stock_config("page_size=big")
+    with pytest.raises(ValueError, match="expected K=V"):
+        parse_stock_config(",")
+    assert "max_memory_percent" in STOCK_KEYS and "num_blocks" in STOCK_KEYS
+
+
+def test_a_128k_run_is_accepted_and_bad_arguments_refused():
+    """--min / --max 131072: the prompts are that long and the shape's positions hold them with 1024 new tokens."""
+    import types
+
+    import torch
+
+    from benchmarks.decode_throughput import build_model
+    from benchmarks.serve import methods_of, prompts_of
+
+    args = types.SimpleNamespace(seed=0, min=131072, max=131072, requests=1)
+    assert [len(p) for p in prompts_of(args, 128256)] == [131072]
+    model = build_model("1b", "meta", torch.bfloat16)
+    assert model.config.max_position_embeddings >= 131072 + 1024
+    with pytest.raises(ValueError, match="min <= max"):
+        main(["--smoke", "--min", "400", "--max", "300"])
+    with pytest.raises(ValueError, match="not one of stock, nosa"):
+        methods_of(types.SimpleNamespace(methods="stock,vllm", stock_config=None))
