@@ -109,6 +109,7 @@ class RequestCaches:
     # requests' own
     step_counters: dict = field(default_factory=dict)
     decode_runs: dict = field(default_factory=dict)  # rows of a batched decode update -> how many updates had them
+    decode_step_plan: object = None  # the batched decode step's plan, built at a step's first layer (decode_batch)
 
     def __post_init__(self):
         self.nosa_config = NosaConfig.from_model_config(self.model_config, self.nosa_config)
