@@ -15,8 +15,10 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 case "${1:-}" in
   tests)          # the GPU-marked tests, 8 processes (Triton compilation dominates: about 4 minutes in one)
-    timeout 560 python -m pytest -q -m gpu tests/ -n 8 -p no:cacheprovider --tb=short > "$OUT/gpu_tests_full.log" 2>&1
-    tail -40 "$OUT/gpu_tests_full.log" ;;
+    # -v names every test as it ends; HF_NOSA_FAILURES keeps each failure's traceback even if the call is cut short
+    HF_NOSA_FAILURES="$OUT/gpu_tests_failures.log" timeout 570 python -m pytest -v -m gpu tests/ -n "${TEST_WORKERS:-12}" \
+      -p no:cacheprovider --tb=short --durations=20 > "$OUT/gpu_tests_full.log" 2>&1
+    grep -E "FAILED|ERROR" "$OUT/gpu_tests_full.log" | tail -20; tail -25 "$OUT/gpu_tests_full.log" ;;
   generate-32k)   # README "Generate throughput", 32K: DynamicCache, static + compile and NOSA at their largest batches and at batch 1 (about 8 minutes)
     timeout 570 python -m benchmarks generate --shape 1b --contexts 32768 --batch1 --out "$OUT/generate_32k.json" 2>&1 | tee "$OUT/generate_32k.log" | grep -v '^{' ;;
   generate-64k)   # README "Generate throughput", 64K rows (about 8 minutes)
@@ -46,8 +48,8 @@ case "${1:-}" in
       export PYTHONPATH="/tmp/serving_tf:$PYTHONPATH"
     fi
     python -c "import transformers; print('transformers', transformers.__version__)"
-    timeout 150 python -m pytest -q tests/test_serving_gpu.py -p no:cacheprovider --tb=short 2>&1 | tail -6
-    timeout 400 python -m benchmarks serve --shape 1b --requests "${SERVE_REQUESTS:-16}" --min 16384 --max 65536 --new-tokens "${SERVE_NEW_TOKENS:-1024}" --rates inf --out "$OUT/serve_1b.json" 2>&1 | tee "$OUT/serve_1b.log" | grep -v Warning | tail -6 ;;
+    timeout "${SERVE_TEST_TIMEOUT:-150}" python -m pytest -q tests/test_serving_gpu.py -p no:cacheprovider --tb=short 2>&1 | tail -6
+    timeout "${SERVE_TIMEOUT:-400}" python -m benchmarks serve --shape 1b --requests "${SERVE_REQUESTS:-16}" --min 16384 --max 65536 --new-tokens "${SERVE_NEW_TOKENS:-1024}" --rates inf --out "$OUT/serve_1b.json" 2>&1 | tee "$OUT/serve_1b.log" | grep -v Warning | tail -6 ;;
   turn-profile)   # docs/benchmarks.md "Conversations": where the batch-8 turn's time goes (torch.profiler tables under $OUT/turn-b8-*), one conversation (about 2 minutes)
     timeout 300 python -m benchmarks conversation --shape 1b --batches 8 --repeats 1 --profile "$OUT/turn" --out "$OUT/conversation_b8.json" 2>&1 | grep -v Warning | tail -3 ;;
   conversation-tests)  # docs/benchmarks.md "Conversations": a new turn on a reused cache and atomic turns on the kernels, with the decode-graph and whole-prompt GPU tests (about 4 minutes)

@@ -232,3 +232,14 @@ class _TierMarks:
 
 def pytest_configure(config):
     config.pluginmanager.register(_TierMarks(), "hf_nosa_test_tiers")
+
+
+def pytest_runtest_logreport(report):
+    """``HF_NOSA_FAILURES=FILE``: each failure's traceback is appended to FILE as it happens, so a GPU run cut short
+    by its time limit still says which tests failed and why (pytest prints them only at the end)."""
+    import os
+
+    path = os.environ.get("HF_NOSA_FAILURES")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n")
