@@ -10,7 +10,8 @@ was before the call, where transformers would leave it half written. Idempotent 
 This module sits at the package's top, beside ``config``, not in ``modeling/``: ``import hf_nosa`` runs
 ``register()`` the moment transformers' generation code finishes loading, which can be in the middle of transformers
 importing a model file (``modeling_llama`` imports ``GenerationMixin``); importing ``hf_nosa.modeling`` there would
-import that half-loaded model file again. It needs only the cache and the config.
+import that half-loaded model file again. It needs only the cache, the config and the eviction heads' check
+(``attention.eviction_head``); ``modeling.remote`` builds on it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
 from transformers.generation import configuration_utils
 
+from .attention.eviction_head import check_eviction_heads
 from .cache.nosa_cache import NosaCache
 from .cache.workspace import workspace_of
 from .config import NosaConfig
@@ -115,8 +117,6 @@ def _generate_wrapper(original):
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
         if getattr(getattr(self, "config", None), "nosa", None) is not None:
-            from .modeling import check_eviction_heads
-
             _check_not_empty(args[0] if args else kwargs.get("input_ids", kwargs.get("inputs")))
             check_eviction_heads(self)  # every call, even one whose new input is a single token
         cache = next((kwargs[key] for key in _CACHE_KWARGS if isinstance(kwargs.get(key), NosaCache)), None)

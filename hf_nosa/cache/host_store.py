@@ -25,7 +25,7 @@ import bisect
 
 import torch
 
-from ..kernels.backend import host_to_device
+from ..rules.devices import host_to_device
 from .host_quant import dequantize_blocks, host_format, quantize_blocks
 
 GROWTH = 0.1  # a chunk added past the reservation holds at least this share of the tokens already held

@@ -190,15 +190,6 @@ def shared_zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torc
     return t
 
 
-def host_to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A small CPU tensor on ``device`` without a host sync: on CUDA through pinned memory, non-blocking (a copy from
-    pageable memory waits for the stream, and in the middle of a layer that drains the queue of launches)."""
-    device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu":  # only a CPU tensor can be pinned
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def fastest_config(run, configs, device: torch.device, what: str, *, timed: bool = True) -> tuple:
     """The configuration of ``configs`` for which ``run(*config)`` is fastest on ``device`` (each compiled and run once
     first, then timed over 3 runs); with ``timed=False`` the first that fits, compiling no other. ``what`` names the

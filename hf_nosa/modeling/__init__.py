@@ -9,7 +9,7 @@ from torch import nn
 
 from ..config import NosaConfig
 from . import llama, qwen2, qwen3
-from .attention import EvictionHead
+from ..attention.eviction_head import EvictionHead, check_eviction_heads, eviction_heads  # noqa: F401
 from .base import NosaAttentionMixin
 from .chunked import install_forward
 from .fused import fuse_modules
@@ -115,37 +115,6 @@ def to_nosa(model: nn.Module, nosa_config: NosaConfig | None = None) -> nn.Modul
     shard_eviction_heads(model)  # a model sharded by transformers' tp_plan: each rank's KV heads (tensor_parallel.py)
     check_eviction_heads(model)
     return model
-
-
-def check_eviction_heads(model: nn.Module) -> None:
-    """ValueError naming the layer and parameter when an eviction head holds NaN or inf (it would turn every
-    logit into NaN without an error). One host sync when every head is finite (the forward checks before every
-    prompt)."""
-    named = [(i, name, param) for i, head in eviction_heads(model).items()
-             for name, param in (("A", head.A), ("delta.weight", head.delta.weight), ("delta.bias", head.delta.bias))
-             if param is not None and param.device.type != "meta"]
-    if not named:
-        return
-    with torch.no_grad():
-        finite = [torch.isfinite(param).all().to(named[0][2].device) for _, _, param in named]
-        if bool(torch.stack(finite).all()):
-            return
-    for i, name, param in named:
-        if not bool(torch.isfinite(param).all()):
-            raise ValueError(
-                f"layer {i}: eviction_head.{name} holds NaN or inf values, so every logit would be NaN. The "
-                "checkpoint or the training run that wrote it is broken: reload the weights, or reset the heads "
-                "(A = 0 is the untrained head)."
-            )
-
-
-def eviction_heads(model: nn.Module) -> dict[int, EvictionHead]:
-    """The eviction head of every converted layer, by layer index."""
-    return {
-        i: layer.self_attn.eviction_head
-        for i, layer in enumerate(model.model.layers)
-        if hasattr(layer.self_attn, "eviction_head")
-    }
 
 
 @torch.no_grad()

@@ -34,11 +34,11 @@ import torch
 
 from ..attention.pool import PoolBlocks, fetch_parts
 from ..attention.prefix import DenseTail, Prefix
-from ..kernels.backend import host_to_device
 from ..kernels.decode.fetch import SlotPool, fetch_selection
 from ..kernels.prefill.host_write import host_write
 from ..kernels.prefill.move_in import move_in
 from ..rules.attend import AttentionInputs, with_prefix_read
+from ..rules.devices import host_to_device
 from ..rules.masks import additive_mask, padding_bias
 from ..rules.padding import from_rows
 from ..rules.selection import MASK_VALUE, nosa_token_mask

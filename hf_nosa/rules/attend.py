@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .devices import host_to_device
 from .inputs import AttentionInputs, DenseTail
 from .masks import additive_mask
 
@@ -60,8 +61,6 @@ def with_dense_tail(out: torch.Tensor, query: torch.Tensor, tail: DenseTail, den
     if bool(rows.all()):
         out[:, :, q0:] = part
     else:
-        from ..kernels.backend import host_to_device  # the kernels import this module
-
         out[:, :, q0:] = torch.where(host_to_device(rows, out.device)[:, None, :, None], part, out[:, :, q0:])
     return out
 

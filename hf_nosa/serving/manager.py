@@ -38,6 +38,7 @@ from transformers.generation.continuous_batching.continuous_api import (
 from transformers.generation.continuous_batching.initialization import update_cb_config_after_cache_creation
 from transformers.generation.continuous_batching.requests import RequestState
 
+from ..attention.eviction_head import check_eviction_heads
 from ..config import NosaConfig
 from .paged_cache import NosaPagedCache
 from .requests import RequestCaches, ServingBudget
@@ -219,8 +220,6 @@ def init_continuous_batching(model, generation_config: GenerationConfig | None =
                              nosa_config: NosaConfig | None = None) -> NosaBatchingManager:
     """transformers' ``init_continuous_batching`` for a NOSA model: a ``NosaBatchingManager`` (a manager kept by
     ``persistent_manager=True`` is reused, as in transformers)."""
-    from ..modeling import check_eviction_heads
-
     check_eviction_heads(model)  # once per manager: its steps skip the check the forward makes before every prompt
     cached = getattr(model, "_cached_continuous_batching_manager", None)
     if isinstance(cached, NosaBatchingManager):

@@ -554,15 +554,8 @@ def merge_adapter(adapter_dir: str | Path, base_model=None) -> nn.Module:
     return merged.eval()
 
 
-# ----- the command -----
-
-
-def add_arguments(parser) -> None:
-    """The arguments of ``hf-nosa retrofit`` (defined in ``hf_nosa.cli.args``), for
-    ``python -m hf_nosa.training.retrofit``."""
-    from ..cli.args import retrofit as arguments
-
-    arguments(parser)
+# ----- the command (``hf-nosa retrofit``; its arguments are in ``hf_nosa.cli.args``; under several processes
+# ``accelerate launch -m hf_nosa.cli retrofit ...``) -----
 
 
 def run(args) -> int:
@@ -574,13 +567,3 @@ def run(args) -> int:
         print(f"retrofit: {result.steps} steps, final loss {result.final_loss:.4f}, "
               f"{result.tokens_per_second:,.0f} tokens/s; adapter in {result.output_dir}")
     return 0
-
-
-# ``accelerate launch -m hf_nosa.training.retrofit ...`` works like ``hf-nosa retrofit ...``
-if __name__ == "__main__":
-    import argparse
-    import sys
-
-    _parser = argparse.ArgumentParser(prog="hf-nosa retrofit")
-    add_arguments(_parser)
-    sys.exit(run(_parser.parse_args()))

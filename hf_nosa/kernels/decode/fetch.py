@@ -31,7 +31,7 @@ row b's token at step t is ``t - offsets[b]`` for its block, tail position and h
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -40,8 +40,8 @@ from ..backend import (HAS_TRITON, kernel_path, launcher, log_fallback, next_pow
                        tl, triton)
 from ..host_format import store_quantized
 
-if TYPE_CHECKING:  # annotations only: host_store imports kernels.backend, so kernels/__init__ runs first
-    from ...cache.host_store import HostStore
+# ``host`` arguments are a ``hf_nosa.cache.host_store.HostStore``. The cache is the layer above the kernels, so its
+# name stays in the (string) annotations and is not imported: imports only go down the layers.
 
 
 class FetchPlan(NamedTuple):

@@ -18,7 +18,6 @@ The reference is ``HostStore.write`` (the torch copy), which every CPU path uses
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,8 +25,8 @@ from ..backend import (HAS_TRITON, kernel_path, launcher, log_fallback, next_pow
                        tl, triton)
 from ..host_format import store_quantized
 
-if TYPE_CHECKING:  # annotations only: host_store imports kernels.backend, so kernels/__init__ runs first
-    from ...cache.host_store import HostStore
+# ``host`` arguments are a ``hf_nosa.cache.host_store.HostStore``. The cache is the layer above the kernels, so its
+# name stays in the (string) annotations and is not imported: imports only go down the layers.
 
 BLOCK_T = 32  # tokens per tile
 WRITE_PROGRAMS_ENV_VAR = "HF_NOSA_WRITE_PROGRAMS"
