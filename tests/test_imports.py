@@ -163,9 +163,9 @@ def test_the_import_graph_sees_a_known_cycle():
     assert on_cycles(graph) == {"p.a", "p.b"}
     modules = _modules()
     real = import_graph(modules)
-    assert {"hf_nosa.kernels", "hf_nosa.kernels.backend"} <= real["hf_nosa.cache.host_store"]
+    assert {"hf_nosa.rules", "hf_nosa.rules.devices"} <= real["hf_nosa.cache.host_store"]
     assert "hf_nosa.kernels" not in real["hf_nosa.kernels.decode.fetch"]  # its own package: left out
-    assert "hf_nosa.cache.host_store" not in real["hf_nosa.kernels.decode.fetch"]  # under TYPE_CHECKING only
+    assert "hf_nosa.cache.host_store" not in real["hf_nosa.kernels.decode.fetch"]  # named in annotations only
 
 
 def test_every_module_on_an_import_cycle_imports_first():
@@ -191,3 +191,49 @@ def test_hf_nosa_imported_before_or_after_transformers_models():
         result = subprocess.run([sys.executable, "-c", f"{order}; {check}"], env=env, capture_output=True, text=True,
                                 timeout=120, cwd=REPO_ROOT)
         assert result.returncode == 0, f"{order}:\n{result.stderr[-2000:]}"
+
+
+# The layers of hf_nosa, lowest first (docs/architecture.md): a module imports only from its own layer or below.
+# training, eval and hub share a layer; hub publishes what training wrote, so it may import training's modules.
+LAYERS = [("config",), ("rules",), ("kernels",), ("attention",), ("prefill",), ("cache",), ("serving",),
+          ("generation",), ("modeling",), ("training", "eval"), ("hub",), ("cli", "assets")]
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) < 2:
+        return None  # the package's face (hf_nosa/__init__.py) hands names on from every layer
+    return next((i for i, names in enumerate(LAYERS) if parts[1] in names), None)
+
+
+def _every_import(name: str, path: Path) -> list[str]:
+    """Every hf_nosa module ``path`` imports, at module level or inside a function (a lazy import runs too)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
+            found += [base] + [f"{base}.{alias.name}" for alias in node.names]
+    return [target for target in found if target.startswith("hf_nosa.")]
+
+
+def test_imports_only_go_down_the_layers():
+    """No module imports one of a higher layer, not even lazily inside a function (such an import is how circles
+    come back): the house issue's rule, held by the suite rather than by a picture."""
+    modules = _modules()
+    up = []
+    for name, path in modules.items():
+        own = _layer(name)
+        assert own is not None or name == "hf_nosa", f"{name}: in no layer of LAYERS; add its subpackage there"
+        if own is None:
+            continue
+        for target in _every_import(name, path):
+            theirs = _layer(target)
+            if theirs is not None and theirs > own:
+                up.append(f"{name} -> {target} ({LAYERS[own]} below {LAYERS[theirs]})")
+    assert not up, "imports running up the layers:\n" + "\n".join(sorted(set(up)))
