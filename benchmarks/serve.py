@@ -290,8 +290,10 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
                 time.sleep(due - time.perf_counter())
             manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=args.new_tokens, record_timestamps=True)
         results = {}
+        window = ProfileWindow(args, method, rate, start)
         while len(results) < len(prompts):
-            out = manager.get_result(timeout=1.0)
+            window.poll()
+            out = manager.get_result(timeout=0.2 if window.pending else 1.0)
             if out is None:
                 if not manager.is_running():
                     raise RuntimeError(f"the manager stopped with {len(prompts) - len(results)} requests unanswered")
@@ -299,6 +301,7 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
             results[out.request_id] = out
         end = time.perf_counter()
     finally:
+        window.close()
         manager.stop(block=True)
     outputs = [results[f"r{i}"] for i in range(len(prompts))]
     row = dict(rate=rate, errors=[o.error for o in outputs if o.error], **stream_metrics(outputs, start, end),
@@ -309,10 +312,58 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
     if requests is not None:
         row.update(host_budget_bytes=requests.budget.host_bytes, host_pool_bytes=requests.host_pool.allocated_bytes,
                    **requests.stats())
+    if requests is not None:
+        row["decode_runs"] = {str(rows): n for rows, n in sorted(requests.decode_runs.items())}  # rows -> updates
+    if window.table is not None:
+        row["profile"] = window.table
     # what the manager was sized to (transformers memoizes the cache's blocks and batch tokens into its config)
     row["batching"] = {k: getattr(batching, k, None) for k in ("max_memory_percent", "num_blocks", "max_batch_tokens",
                                                                  "page_size", "max_requests_per_batch")}
     return row
+
+
+class ProfileWindow:
+    """``--profile DIR``: torch.profiler over ``--profile-seconds`` of the stream from ``--profile-after`` seconds
+    (the steady decode of the running requests, not its start), every thread (the manager steps in its own); writes
+    the op table sorted by device time and the timeline (chrome trace, gzip) under DIR, per method and rate."""
+
+    def __init__(self, args, method: str, rate: float, start: float):
+        self.dir, self.args, self.start = getattr(args, "profile", None), args, start
+        self.tag = f"{method}-rate{rate:g}".replace("[", "_").replace("]", "").replace(",", "_").replace("=", "")
+        self.profiler, self.table, self.pending = None, None, self.dir is not None
+
+    def poll(self) -> None:
+        now = time.perf_counter() - self.start
+        if self.pending and self.profiler is None and now >= self.args.profile_after:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            config = None
+            try:  # CPU ops of every thread, where this torch can (the manager's thread runs the steps)
+                config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+            except (AttributeError, TypeError):
+                pass
+            self.profiler = profile(activities=activities, experimental_config=config) if config else \
+                profile(activities=activities)
+            self.profiler.__enter__()
+            self.began = now
+        elif self.profiler is not None and now >= self.began + self.args.profile_seconds:
+            self.close()
+
+    def close(self) -> None:
+        if self.profiler is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.profiler.__exit__(None, None, None)
+        os.makedirs(self.dir, exist_ok=True)
+        sort = "device_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        table = self.profiler.key_averages().table(sort_by=sort, row_limit=40)
+        with open(os.path.join(self.dir, f"{self.tag}-ops.txt"), "w") as f:
+            f.write(table)
+        self.profiler.export_chrome_trace(os.path.join(self.dir, f"{self.tag}-trace.json.gz"))
+        self.table = os.path.join(os.path.basename(self.dir), f"{self.tag}-ops.txt")
+        self.profiler, self.pending = None, False
 
 
 def floor_analysis(model, lengths: list[int], new_tokens: int, cap_gb: float | None, budget_tokens: int,
@@ -429,6 +480,10 @@ def main(argv=None):
                         help="the CPU smoke run's defaults: shape smoke, 3 requests of 40-300 tokens, 8 new tokens, "
                              "loads 50 inf, nosa and stock[num_blocks=16,page_size=32] (what is given stays)")
     parser.add_argument("--out", default=None, help="the JSON; a stream run's PNG goes beside it (.png)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="a stream run: torch.profiler over a window of each method's stream (ops table, trace)")
+    parser.add_argument("--profile-after", type=float, default=60.0, help="seconds into the stream the window opens")
+    parser.add_argument("--profile-seconds", type=float, default=2.0, help="the window's length")
     args = parser.parse_args(argv)
     if args.smoke:  # its sizes, where the command line left the defaults
         # stock at a 16-block cache only: on the CPU transformers fits its cache to the host's free memory

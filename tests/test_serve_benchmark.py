@@ -96,3 +96,18 @@ def test_a_128k_run_is_accepted_and_bad_arguments_refused():
         main(["--smoke", "--min", "400", "--max", "300"])
     with pytest.raises(ValueError, match="not one of stock, nosa"):
         methods_of(types.SimpleNamespace(methods="stock,vllm", stock_config=None))
+
+
+def test_a_profile_window_writes_each_streams_op_table(tmp_path):
+    """``--profile DIR``: a window of each method's stream under torch.profiler, the manager's thread included (its
+    forward's linear layers appear in the table), named in the row."""
+    out, profile = tmp_path / "serve.json", tmp_path / "profile"
+    main(["--smoke", "--rates", "inf", "--out", str(out), "--profile", str(profile), "--profile-after", "0",
+          "--profile-seconds", "0.05"])
+    rows = json.loads(out.read_text())["rows"]
+    for row in rows:
+        table = row["rates"][0]["profile"]
+        assert table.startswith("profile/") and table.endswith("-ops.txt")
+        text = (tmp_path / table).read_text()
+        assert "aten::linear" in text  # ops of the manager's thread, where the steps run
+        assert (tmp_path / table.replace("-ops.txt", "-trace.json.gz")).stat().st_size > 0
