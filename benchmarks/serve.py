@@ -202,8 +202,9 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_batch(model, prompts, args, device, method: str = "stock") -> tuple[float, dict]:
-    config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+def run_batch(model, prompts, args, device, method: str = "stock", new_tokens: int | None = None) -> tuple[float, dict]:
+    new_tokens = args.new_tokens if new_tokens is None else new_tokens
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     batching = batching_for(method, args)
     sync(device)
     start = time.perf_counter()
@@ -275,6 +276,7 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
     """The prompts sent to one manager at Poisson arrival times of ``rate`` requests per second (inf: at once)."""
     config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     batching = batching_for(method, args)
+    deadline = getattr(args, "deadline", None)
     rng = random.Random(args.seed + 1)
     gaps = [0.0] + [rng.expovariate(rate) if rate != float("inf") else 0.0 for _ in prompts[1:]]
     reset_memory_peaks(device)
@@ -288,24 +290,31 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
             due += gap
             if due > time.perf_counter():
                 time.sleep(due - time.perf_counter())
-            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=args.new_tokens, record_timestamps=True)
-        results = {}
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=args.new_tokens, record_timestamps=True,
+                                streaming=deadline is not None)
+        results, finished = {}, set()
         window = ProfileWindow(args, method, rate, start)
-        while len(results) < len(prompts):
+        while len(finished) < len(prompts):
             window.poll()
-            out = manager.get_result(timeout=0.2 if window.pending else 1.0)
+            if deadline is not None and time.perf_counter() - start >= deadline:
+                break  # cut short: the unfinished requests count with the tokens they have
+            out = manager.get_result(timeout=0.2 if window.pending or deadline is not None else 1.0)
             if out is None:
                 if not manager.is_running():
-                    raise RuntimeError(f"the manager stopped with {len(prompts) - len(results)} requests unanswered")
+                    raise RuntimeError(f"the manager stopped with {len(prompts) - len(finished)} requests unanswered")
                 continue
-            results[out.request_id] = out
+            results[out.request_id] = out  # streaming: the latest output holds every token so far
+            if out.is_finished():
+                finished.add(out.request_id)
         end = time.perf_counter()
     finally:
         window.close()
         manager.stop(block=True)
-    outputs = [results[f"r{i}"] for i in range(len(prompts))]
+    outputs = [results[f"r{i}"] for i in range(len(prompts)) if f"r{i}" in results]
     row = dict(rate=rate, errors=[o.error for o in outputs if o.error], **stream_metrics(outputs, start, end),
                **memory_row(device))
+    if deadline is not None:  # output_tok_s is then the tokens delivered by the deadline over the time to it
+        row.update(deadline_s=deadline, finished_requests=len(finished), cut_short=len(finished) < len(prompts))
     if device.type == "cuda":
         row["peak_device_gib"] = row["device_peak_bytes"] / (1 << 30)
     requests = getattr(manager, "nosa_requests", None)
@@ -393,7 +402,8 @@ def floor_analysis(model, lengths: list[int], new_tokens: int, cap_gb: float | N
 
 def run_rates(method: str, prompts, args, device, dtype) -> dict:
     model = model_for(method, args, device, dtype)
-    first_s, _ = run_batch(model, prompts[:1], args, device, method)  # start-up: compilation, first pinning
+    # start-up, not measured: compilation, graphs, the first pinning (a few decode steps reach all of them)
+    first_s, _ = run_batch(model, prompts[:1], args, device, method, new_tokens=min(args.new_tokens, 16))
     rows = []
     for rate in args.rates:
         rows.append(run_stream(model, prompts, rate, args, device, method))
@@ -480,6 +490,9 @@ def main(argv=None):
                         help="the CPU smoke run's defaults: shape smoke, 3 requests of 40-300 tokens, 8 new tokens, "
                              "loads 50 inf, nosa and stock[num_blocks=16,page_size=32] (what is given stays)")
     parser.add_argument("--out", default=None, help="the JSON; a stream run's PNG goes beside it (.png)")
+    parser.add_argument("--deadline", type=float, default=None, metavar="S",
+                        help="a stream run: stop each stream S seconds after it starts (requests stream their tokens; "
+                             "the unfinished count with what they have, the row says cut_short)")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="a stream run: torch.profiler over a window of each method's stream (ops table, trace)")
     parser.add_argument("--profile-after", type=float, default=60.0, help="seconds into the stream the window opens")

@@ -111,3 +111,16 @@ def test_a_profile_window_writes_each_streams_op_table(tmp_path):
         text = (tmp_path / table).read_text()
         assert "aten::linear" in text  # ops of the manager's thread, where the steps run
         assert (tmp_path / table.replace("-ops.txt", "-trace.json.gz")).stat().st_size > 0
+
+
+def test_a_deadline_cuts_a_stream_and_counts_what_it_delivered(tmp_path):
+    """``--deadline S``: requests stream their tokens; a stream that ends before S is whole (every request finished,
+    every token counted), one cut at S says so and counts only the tokens delivered by then."""
+    whole = main(["--smoke", "--rates", "inf", "--deadline", "60", "--out", str(tmp_path / "a.json")])
+    for row in whole["rows"]:
+        rate = row["rates"][0]
+        assert rate["cut_short"] is False and rate["finished_requests"] == 3 and rate["generated_tokens"] == 3 * 8
+    cut = main(["--smoke", "--rates", "inf", "--deadline", "0", "--out", str(tmp_path / "b.json")])
+    for row in cut["rows"]:
+        rate = row["rates"][0]
+        assert rate["cut_short"] is True and rate["finished_requests"] < 3 and rate["generated_tokens"] < 3 * 8
