@@ -121,7 +121,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if out.numel() == 0:
         return out
     block_n = next_power_of_2(N)
-    tile_rows = max(1, min(TILE // block_n, next_power_of_2(R)))
+    # Two tile heights only, one row (a batch-1 decode step) or a full tile (masked past R): a height per power of
+    # two of R was a compile-time constant per size class, so a prompt whose last chunk had 3 or 4 tokens compiled
+    # a variant of its own in the middle of serving (no warm-up per shape).
+    tile_rows = 1 if R == 1 else max(1, TILE // block_n)
     with on_device(x):
         launcher(_rms_norm_kernel)[(-(-R // tile_rows),)](
             rows, weight, out, rows.stride(0), N, R, N, 1.0 / N, eps,
