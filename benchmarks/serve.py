@@ -193,7 +193,8 @@ def model_for(method: str, args, device, dtype):
 
         model = to_nosa(model, nosa_config(args))
         randomize_eviction_heads(model, scale=0.1, generator=torch.Generator().manual_seed(1))
-        hf_nosa.serving.enable(model)
+        budget = None if args.decode_rows is None else hf_nosa.serving.ServingBudget(decode_rows=args.decode_rows)
+        hf_nosa.serving.enable(model, budget=budget)
     return model
 
 
@@ -490,6 +491,9 @@ def main(argv=None):
                         help="the CPU smoke run's defaults: shape smoke, 3 requests of 40-300 tokens, 8 new tokens, "
                              "loads 50 inf, nosa and stock[num_blocks=16,page_size=32] (what is given stays)")
     parser.add_argument("--out", default=None, help="the JSON; a stream run's PNG goes beside it (.png)")
+    parser.add_argument("--decode-rows", type=int, default=None,
+                        help="NOSA: ServingBudget.decode_rows, the requests decoded as one batched update (default: "
+                             "the library's 32); a stream of more requests decoding at once wants as many")
     parser.add_argument("--deadline", type=float, default=None, metavar="S",
                         help="a stream run: stop each stream S seconds after it starts (requests stream their tokens; "
                              "the unfinished count with what they have, the row says cut_short)")

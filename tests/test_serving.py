@@ -283,8 +283,14 @@ def test_a_budget_left_unset_is_read_from_the_host_and_the_device(monkeypatch):
 
     monkeypatch.setattr(requests, "available_host_memory", lambda: 64 << 30)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4 << 30)  # 2 GiB cached, free to reuse
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
     assert ServingBudget().resolved("cpu") == ServingBudget(host_bytes=64 << 30, device_bytes=None)
-    assert ServingBudget().resolved("cuda") == ServingBudget(host_bytes=64 << 30, device_bytes=5 << 30)
+    assert ServingBudget().resolved("cuda") == ServingBudget(host_bytes=64 << 30, device_bytes=6 << 30)
+    # a per-process cap (24 GB of 80: mem_get_info does not see it) bounds the working sets: (0.1 x 80 - 2) / 2
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.1)
+    assert ServingBudget().resolved("cuda") == ServingBudget(host_bytes=64 << 30, device_bytes=3 << 30)
     assert ServingBudget(host_bytes=1, device_bytes=2).resolved("cuda") == ServingBudget(1, 2)
     with pytest.raises(ValueError, match="host_bytes"):
         ServingBudget(host_bytes=0)

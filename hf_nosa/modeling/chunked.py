@@ -43,6 +43,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..cache.nosa_cache import NosaCache
 from ..kernels.backend import kernel_path
+from ..rules.devices import available_device_memory
 from ..rules.padding import leading_padding, roll_rows
 from .cuda_graph import DecodeGraph, cache_keyword, in_stock_forward
 
@@ -295,13 +296,7 @@ def _whole_prompt_fits(model, inputs: torch.Tensor, batch: int, length: int) -> 
     memory that chunks would fit. Always on the CPU (host memory is checked by the host store)."""
     if not inputs.is_cuda:
         return True
-    device = inputs.device
-    free, total = torch.cuda.mem_get_info(device)
-    allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-    available = free + reserved - allocated
-    fraction = torch.cuda.get_per_process_memory_fraction(device)
-    if fraction < 1.0:
-        available = min(available, int(fraction * total) - allocated)
+    available = available_device_memory(inputs.device)
     element_size = next(model.parameters()).element_size()
     return whole_prompt_bytes(model.config, batch, length, element_size) <= 0.8 * available
 

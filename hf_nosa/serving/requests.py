@@ -23,6 +23,7 @@ import torch
 from ..cache.host_store import HostStore, available_host_memory
 from ..cache.nosa_cache import NosaCache
 from ..config import NosaConfig
+from ..rules.devices import available_device_memory
 from .host_pool import HostPool, RequestWorkspace
 from .row_pool import RowPool
 
@@ -37,7 +38,8 @@ class ServingBudget:
     ``host_bytes``: host memory for the requests' host stores (full K/V and eviction scores of every layer); None:
     what the OS can hand out when the manager starts (``host_store.available_host_memory``), or no limit where that
     cannot be read. ``device_bytes``: device memory for their working sets (slot pools and compressed keys); None: on
-    CUDA, ``DEVICE_SHARE`` of the device memory free when the manager starts (the rest is left to the step's
+    CUDA, ``DEVICE_SHARE`` of the device memory the process may still take when the manager starts (its memory
+    fraction counted: ``rules.devices.available_device_memory``; the rest is left to the step's
     activations and the kernels' workspaces), elsewhere no limit (the CPU's working sets are host memory too).
     ``decode_rows``: requests whose decode tokens run as one batched step (rows of the shared slot pools,
     ``row_pool.RowPool``); a request admitted beyond them decodes alone.
@@ -63,7 +65,7 @@ class ServingBudget:
             host = available_host_memory()
         device = torch.device(device)
         if device_bytes is None and device.type == "cuda":
-            device_bytes = int(torch.cuda.mem_get_info(device)[0] * DEVICE_SHARE)
+            device_bytes = int(available_device_memory(device) * DEVICE_SHARE)  # within a memory fraction too
         return ServingBudget(host_bytes=host, device_bytes=device_bytes, decode_rows=self.decode_rows)
 
 
