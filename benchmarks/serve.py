@@ -57,6 +57,7 @@ from benchmarks.environment import environment  # noqa: E402
 from benchmarks.harness import pyplot, save_figure, write_json  # noqa: E402
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
+from hf_nosa.rules.devices import available_device_memory  # noqa: E402
 
 
 def prompts_of(args, vocab: int) -> list[list[int]]:
@@ -124,23 +125,22 @@ def batching_for(method: str, args) -> ContinuousBatchingConfig:
     settings = dict(max_batch_tokens=args.max_batch_tokens)
     if method.startswith("stock[") and method.endswith("]"):
         settings.update(parse_stock_config(method[len("stock["):-1]))
-    if method.startswith("stock") and getattr(args, "cap_bytes", None):
-        settings["max_memory_percent"] = capped_memory_percent(args.cap_bytes, settings.get("max_memory_percent"))
+    if method.startswith("stock") and torch.cuda.is_available() and torch.cuda.get_per_process_memory_fraction() < 1:
+        settings["max_memory_percent"] = capped_memory_percent(settings.get("max_memory_percent"))
     return ContinuousBatchingConfig(**settings)
 
 
-def capped_memory_percent(cap_bytes: int, percent: float | None = None) -> float:
+def capped_memory_percent(percent: float | None = None) -> float:
     """Stock's ``max_memory_percent`` under the device cap. transformers sizes its paged cache as that share of the
     device's free memory (``torch.cuda.mem_get_info``), which a per-process memory fraction does not lower: at the
     1b shape's 24 GB cap on an 80 GB card it asked for 38 GiB and ran out of memory. The same share (0.9, its default
-    without logit processors, unless ``--stock-config`` sets one) of what the cap leaves: cap - reserved, over free."""
+    without logit processors, unless ``--stock-config`` sets one) of what the process may still take under the cap
+    (``rules.devices.available_device_memory``), over free."""
     share = 0.9 if percent is None else percent
-    free, _ = torch.cuda.mem_get_info()
-    left = cap_bytes - torch.cuda.memory_reserved()
+    left = available_device_memory("cuda")
     if left <= 0:
-        raise RuntimeError(f"--cap-gb: the model alone reserves {torch.cuda.memory_reserved() / 1e9:.1f} GB of the "
-                           f"{cap_bytes / 1e9:.1f} GB cap; nothing is left for stock's paged cache")
-    return share * min(1.0, left / free)
+        raise RuntimeError("--cap-gb: the model alone fills the device cap; nothing is left for stock's paged cache")
+    return share * min(1.0, left / torch.cuda.mem_get_info()[0])
 
 
 def _proc_status(field: str) -> int | None:
@@ -521,7 +521,6 @@ def main(argv=None):
         if cap:
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total))
-            args.cap_bytes = int(min(cap * 1e9, total))
     prompts = prompts_of(args, SHAPES[args.shape]["vocab_size"])
     if args.rates:
         rows = []

@@ -7,7 +7,7 @@ puts it under its own keyword), then swaps in a NosaCache. It also wraps ``Gener
 call on a user's NosaCache is one turn (``NosaCache.turn``): a generate that raises part-way leaves the cache as it
 was before the call, where transformers would leave it half written. Idempotent and version-checked.
 
-This module sits at the package's top, beside ``config``, not in ``modeling/``: ``import hf_nosa`` runs
+This module sits at the package's top level, below ``modeling/`` and not in it: ``import hf_nosa`` runs
 ``register()`` the moment transformers' generation code finishes loading, which can be in the middle of transformers
 importing a model file (``modeling_llama`` imports ``GenerationMixin``); importing ``hf_nosa.modeling`` there would
 import that half-loaded model file again. It needs only the cache, the config and the eviction heads' check

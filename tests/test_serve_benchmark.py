@@ -124,3 +124,24 @@ def test_a_deadline_cuts_a_stream_and_counts_what_it_delivered(tmp_path):
     for row in cut["rows"]:
         rate = row["rates"][0]
         assert rate["cut_short"] is True and rate["finished_requests"] < 3 and rate["generated_tokens"] < 3 * 8
+
+
+def test_stock_is_sized_to_the_cap_not_to_the_cards_free_memory(monkeypatch):
+    """transformers sizes stock's paged cache as max_memory_percent of mem_get_info's free memory, which a
+    per-process fraction does not lower: under a cap the benchmark passes the same share of what the cap leaves."""
+    import argparse
+
+    import torch
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (76 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.3)  # 24 of 80 GiB
+    args = argparse.Namespace(max_batch_tokens=8192)
+    assert batching_for("stock", args).max_memory_percent == pytest.approx(0.9 * 21 / 76)
+    assert batching_for("stock[max_memory_percent=0.5]", args).max_memory_percent == pytest.approx(0.5 * 21 / 76)
+    assert batching_for("nosa", args).max_memory_percent is None  # NOSA's manager sizes its own ledger
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)  # no cap
+    assert batching_for("stock", args).max_memory_percent is None  # transformers' own default

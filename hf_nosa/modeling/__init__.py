@@ -7,9 +7,9 @@ import types
 import torch
 from torch import nn
 
+from ..attention.eviction_head import EvictionHead, check_eviction_heads, eviction_heads  # noqa: F401
 from ..config import NosaConfig
 from . import llama, qwen2, qwen3
-from ..attention.eviction_head import EvictionHead, check_eviction_heads, eviction_heads  # noqa: F401
 from .base import NosaAttentionMixin
 from .chunked import install_forward
 from .fused import fuse_modules

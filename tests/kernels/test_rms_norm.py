@@ -229,3 +229,19 @@ def test_backward_kernel_matches_the_torch_backward_gpu(monkeypatch, shape, weig
         torch.testing.assert_close(gw, ref_gw, atol=1e-2, rtol=1e-2)
     else:
         assert gw is None
+
+
+def test_forward_tiles_take_two_heights_whatever_the_rows(monkeypatch):
+    """The tile height is a compile-time constant of the forward kernel: one row (a batch-1 decode step) or a full
+    tile, never one per power of two of the rows, so a prompt whose last chunk has a few tokens compiles nothing new."""
+    heights = []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            return lambda *args, ROWS, **kwargs: heights.append(ROWS)
+
+    monkeypatch.setattr(norm_module, "launcher", lambda kernel: Recorded())
+    weight = torch.randn(64)
+    for rows in (1, 2, 3, 4, 5, 16, 17, 100, 4096):
+        norm_module._launch(torch.randn(rows, 64), weight, 1e-6)
+    assert heights[0] == 1 and set(heights[1:]) == {norm_module.TILE // 64}
