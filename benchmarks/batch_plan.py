@@ -20,6 +20,7 @@ import traceback
 import torch
 
 from hf_nosa.cache.host_store import HostStore, available_host_memory
+from hf_nosa.cache.pinned import release_pinned_memory
 from hf_nosa.kernels.decode.block_scores import window_capacity_for
 from hf_nosa.rules.selection import num_windows
 
@@ -111,6 +112,7 @@ def free(device, host_need: int = 0):
         torch.cuda.reset_peak_memory_stats()
         if host_need > (available_host_memory() or 0):
             torch._C._host_emptyCache()
+            release_pinned_memory()  # and hf_nosa's own pool of host-store buffers
 
 
 def out_of_memory(error: BaseException) -> bool:

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.decode_throughput import CAP_GB, build_model  # noqa: E402
 from benchmarks.environment import environment  # noqa: E402
 from hf_nosa import NosaCache, NosaConfig, to_nosa  # noqa: E402
+from hf_nosa.cache.pinned import pinned_stats, release_pinned_memory  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 
 GiB = 1 << 30
@@ -81,6 +82,7 @@ def conversation_row(model, batch, context, answer, turn, device, seed=0) -> dic
     held = cache.get_seq_length()
     conversation = torch.cat([out, torch.randint(3, vocab, (batch, turn), generator=g).to(device)], 1)
     loaded_before = cache.stats()["bytes_to_device"]
+    pinned_before = pinned_stats()
     _peak_reset(device)
     before = torch.cuda.memory_allocated(device) / GiB if device.type == "cuda" else None
     _sync(device)
@@ -93,7 +95,10 @@ def conversation_row(model, batch, context, answer, turn, device, seed=0) -> dic
     row = dict(batch=batch, context=context, answer=answer, turn=turn, held_tokens=held,
                conversation_tokens=conversation.shape[1], first_turn_s=first_turn_s, turn_ttft_s=turn_s,
                turn_peak_gib=turn_peak, allocated_before_turn_gib=before, device_tokens=stats["device_tokens"],
-               turn_bytes_to_device=stats["bytes_to_device"] - loaded_before)
+               turn_bytes_to_device=stats["bytes_to_device"] - loaded_before,
+               # host memory the turn's growth page-locked (cache.pinned), new or taken back from freed caches
+               turn_pinned=dict((k, pinned_stats()[k] - pinned_before[k]) for k in ("registrations", "reused",
+                                                                                   "registered_bytes")))
     row.update(formula_gib(model, cache, batch, conversation.shape[1]))
     del cache, out
     gc.collect()
@@ -114,6 +119,7 @@ def conversation_row(model, batch, context, answer, turn, device, seed=0) -> dic
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch._C._host_emptyCache()
+        release_pinned_memory()  # and hf_nosa's own pool of host-store buffers
     print(json.dumps(row), flush=True)
     return row
 

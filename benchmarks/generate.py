@@ -40,6 +40,7 @@ from benchmarks.harness import cap_device, pyplot, save_figure, write_json  # no
 from hf_nosa import NosaConfig, to_nosa  # noqa: E402
 from hf_nosa.cache.decode_parts import decode_parts, stagger_fetches  # noqa: E402
 from hf_nosa.cache.host_store import HostStore, available_host_memory  # noqa: E402
+from hf_nosa.cache.pinned import release_pinned_memory  # noqa: E402
 from hf_nosa.modeling.cuda_graph import greedy_decode  # noqa: E402
 from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
 from hf_nosa.attention.pool import fetch_parts  # noqa: E402
@@ -284,6 +285,7 @@ def release_host_stores(model):
     gc.collect()
     torch.cuda.empty_cache()
     torch._C._host_emptyCache()
+    release_pinned_memory()  # and hf_nosa's own pool of host-store buffers
 
 
 def fixed_nosa_row(model, batch, context, args):

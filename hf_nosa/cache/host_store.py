@@ -27,6 +27,7 @@ import torch
 
 from ..rules.devices import host_to_device
 from .host_quant import dequantize_blocks, host_format, quantize_blocks
+from .pinned import pinned_empty, pinned_stats
 
 GROWTH = 0.1  # a chunk added past the reservation holds at least this share of the tokens already held
 
@@ -60,6 +61,8 @@ def available_host_memory() -> int | None:
 def check_host_memory(nbytes: int, *, batch: int, tokens: int, pin: bool, what: str = "NosaCache host store") -> None:
     """Raise a MemoryError naming batch, context and bytes when ``nbytes`` exceed the available host memory."""
     available = available_host_memory()
+    if available is not None and pin:  # the pinned buffers freed caches left in the pool are reused before new ones
+        available += pinned_stats()["free_bytes"]
     if available is None or nbytes <= available:
         return
     kind = "pinned host" if pin else "host"
@@ -241,7 +244,7 @@ class HostStore:
         self.reserved = max(self.reserved, int(n_tokens))
 
     def _empty(self, *shape, dtype):
-        return torch.empty(*shape, dtype=dtype, pin_memory=self.pin)
+        return pinned_empty(shape, dtype) if self.pin else torch.empty(*shape, dtype=dtype)
 
     def _chunk(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         if self._allocate is not None:
@@ -253,7 +256,10 @@ class HostStore:
         capacity = self.capacity
         if capacity >= n_tokens:
             return
-        want = max(n_tokens, self.reserved if self.reserved > capacity else 0, capacity + int(capacity * GROWTH))
+        if self.reserved >= n_tokens:  # a call said how far it goes (a new turn: its prompt and answer): just that
+            want = self.reserved
+        else:  # past any reservation (decoding on): a share more, so a long decode grows a few times, not per token
+            want = max(n_tokens, capacity + int(capacity * GROWTH))
         want = -(-want // P) * P
         B, Hk, D = self.batch, self.kv_heads, self.head_dim
         if self._allocate is None:  # a workspace checks what it does not already hold itself

@@ -14,6 +14,8 @@ import weakref
 
 import torch
 
+from .pinned import pinned_empty
+
 
 HOST_GROWTH = 2.0  # a host buffer that must grow takes this many times its old size (or what is asked, if more)
 
@@ -66,7 +68,7 @@ class DeviceWorkspace:
         if flat is None or flat.numel() < nbytes or flat.is_pinned() != pin:
             grown = nbytes if flat is None or flat.is_pinned() != pin else max(nbytes, int(flat.numel() * HOST_GROWTH))
             self.host.pop(key, None)  # free the old buffer before pinning its replacement
-            flat = self.host[key] = torch.empty(grown, dtype=torch.uint8, pin_memory=pin)
+            flat = self.host[key] = pinned_empty((grown,), torch.uint8) if pin else torch.empty(grown, dtype=torch.uint8)
         return flat[:nbytes].view(dtype).view(shape)
 
     def host_bytes(self) -> int:

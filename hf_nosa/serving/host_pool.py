@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from ..cache.pinned import pinned_empty
+
 MIN_BUFFER_BYTES = 1 << 16  # smaller host buffers (a store's tails, scales) are rounded up to this
 
 
@@ -45,7 +47,7 @@ class HostPool:
             self.free = [b for b in self.free if b is not buffer]
         else:
             size = rounded_bytes(nbytes)
-            buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            buffer = pinned_empty((size,), torch.uint8) if pin else torch.empty(size, dtype=torch.uint8)
             self.allocated_bytes += size
         self.held.setdefault(owner, []).append(buffer)
         return buffer[:nbytes].view(dtype).view(shape)
