@@ -121,3 +121,42 @@ def test_host_rows_names_what_does_not_fit():
     other.reserve(32)
     with pytest.raises(ValueError, match="not rows of one shared tensor"):
         HostRows([one, other], "cpu")
+
+
+def test_a_runs_views_are_built_once_and_again_when_a_rows_buffer_changes(monkeypatch):
+    """``decode_batch._cached_views``: the views of a run's shared buffers are kept while every row holds the same
+    buffers, rebuilt when one is replaced (a grown compressed key bank), when a host block table is out of date, or
+    for other rows."""
+    from types import SimpleNamespace
+
+    from hf_nosa.serving import decode_batch
+
+    built = []
+    monkeypatch.setattr(decode_batch, "_views", lambda run: built.append([r.row for r in run]) or {"n": len(built)})
+
+    def layer():
+        t = lambda: torch.zeros(1)  # noqa: E731
+        host = SimpleNamespace(_table=t(), _table_version=3, _version=3)
+        compressed = SimpleNamespace(keys=t(), bias=t(), ring_k=t(), ring_b=t())
+        return SimpleNamespace(slot_k=t(), slot_v=t(), slot_b=t(), slot_block=t(), tail_slot=t(),
+                               compressed=compressed, host=host)
+
+    requests = SimpleNamespace(run_views={}, n_layers=2)
+    layers = [layer() for _ in range(3)]
+    run = [decode_batch._Row(request_id=f"r{i}", row=i, layer=layers[i]) for i in range(3)]
+    first = decode_batch._cached_views(requests, 0, run)
+    assert decode_batch._cached_views(requests, 0, run) is first and built == [[0, 1, 2]]
+    layers[1].compressed.keys = torch.zeros(2)  # grown: a new tensor
+    assert decode_batch._cached_views(requests, 0, run) is not first and len(built) == 2
+    layers[2].host._version += 1  # the store grew and its table was not refilled yet
+    decode_batch._cached_views(requests, 0, run)
+    assert len(built) == 3
+    layers[2].host._table_version = layers[2].host._version
+    decode_batch._cached_views(requests, 0, run)
+    assert len(built) == 3
+    decode_batch._cached_views(requests, 1, run)  # another layer: its own views
+    decode_batch._cached_views(requests, 0, run[:2])  # other rows
+    assert built[-2:] == [[0, 1, 2], [0, 1]]
+    run[0] = decode_batch._Row(request_id="new", row=0, layer=layer())  # a new request on a freed row
+    decode_batch._cached_views(requests, 0, run)
+    assert len(built) == 6

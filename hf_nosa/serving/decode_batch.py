@@ -213,7 +213,11 @@ def _widen(rows, row: int, layer) -> None:
     """Move the layer's capacity buffers (compressed keys and bias, block table) to the widest bank of the manager
     (``RowPool.widest``), so a request that began beside shorter ones batches with a longer one; done once, a
     no-op after."""
-    compressed, layer_idx = layer.compressed, layer.layer_idx
+    compressed, layer_idx, host = layer.compressed, layer.layer_idx, layer.host
+    done = layer.__dict__.get("_widened")  # what it was done for: nothing changed since, nothing to do
+    if (done is not None and done[0] is rows and done[1] == rows.version and done[2] is compressed.keys
+            and done[3] is compressed.bias and done[4] is host._table and done[5] == host._version):
+        return
     keys = rows.widest(row, (layer_idx, "compressed_keys"), compressed.keys)
     bias = rows.widest(row, (layer_idx, "compressed_bias"), compressed.bias)
     if keys is not None and bias is not None:
@@ -227,11 +231,52 @@ def _widen(rows, row: int, layer) -> None:
                 new[:, :, n:].zero_()
             compressed.keys, compressed.bias = keys, bias
             compressed._match_capacities()
-    host = layer.host
     held = host.block_table(layer.device)  # a store that outgrew its bank's table holds a larger one of its own
     table = rows.widest(row, (layer_idx, "host_table"), held)
     if table is not None and table.data_ptr() != held.data_ptr() and table.shape[1] >= held.shape[1]:
         host._table, host._table_version = table.zero_(), -1  # refilled from the store's chunks when next read
+        host.block_table(layer.device)
+    layer._widened = (rows, rows.version, compressed.keys, compressed.bias, host._table, host._version)
+
+
+def _held(layer) -> tuple:
+    """The buffers of ``layer`` a run's views are made of (``_unchanged`` reads them in this order)."""
+    compressed, host = layer.compressed, layer.host
+    return (layer, layer.slot_k, layer.slot_v, layer.slot_b, layer.slot_block, layer.tail_slot, compressed.keys,
+            compressed.bias, compressed.ring_k, compressed.ring_b, host, host._table)
+
+
+def _unchanged(held: list[tuple], run: list[_Row]) -> bool:
+    """Whether every row of ``run`` still holds the buffers ``held`` (by identity: a buffer that grows or moves to a
+    wider bank is a new tensor) and its host block table is up to date (it is refilled in place). Written out: this
+    runs for every row of every layer of every step."""
+    for r, h in zip(run, held):
+        layer = r.layer
+        c, host = layer.compressed, layer.host
+        if (h[0] is not layer or h[1] is not layer.slot_k or h[2] is not layer.slot_v or h[3] is not layer.slot_b
+                or h[4] is not layer.slot_block or h[5] is not layer.tail_slot or h[6] is not c.keys
+                or h[7] is not c.bias or h[8] is not c.ring_k or h[9] is not c.ring_b or h[10] is not host
+                or h[11] is not host._table or host._table_version != host._version):
+            return False
+    return True
+
+
+def _cached_views(requests, layer_idx: int, run: list[_Row]) -> dict | None:
+    """``_views(run)``, kept per layer and rows on ``requests.run_views`` while the rows hold the same buffers
+    (``_unchanged``), so a step builds the views of a run only when its requests or their buffers changed: at 16
+    rows, building them (stack_rows on every buffer of every row, HostRows' checks) took as long as the rest of the
+    layer's host work (CPU, tiny Llama, kernels stubbed)."""
+    cache = requests.run_views
+    key = (layer_idx, tuple(r.row for r in run))
+    found = cache.get(key)
+    if found is not None and len(found[0]) == len(run) and _unchanged(found[0], run):
+        return found[1]
+    views = _views(run)
+    if views is not None:
+        if len(cache) >= 4 * max(requests.n_layers, 1):  # runs come and go with requests: keep the recent ones
+            cache.pop(next(iter(cache)))
+        cache[key] = ([_held(r.layer) for r in run], views)
+    return views
 
 
 def _views(run: list[_Row]) -> dict | None:
@@ -260,7 +305,7 @@ def _run_alone(requests, module, run: list[_Row], query, key, value, bias, out) 
 def _run(requests, module, run: list[_Row], positions, offset, step, query, key, value, bias, out) -> None:
     """One batched update of the run's rows: ``positions`` (packed), ``offset`` (per row) and ``step`` (``[1]``,
     advanced by the fetch) on the device."""
-    views = _views(run)
+    views = _cached_views(requests, module.layer_idx, run)
     if views is None:  # not rows of one shared memory (a bank grown for a longer request): one at a time
         _log_once("split", "hf_nosa serving: rows %s are not in one shared bank; they decode one by one",
                   [r.row for r in run])

@@ -112,6 +112,7 @@ class RequestCaches:
     step_counters: dict = field(default_factory=dict)
     decode_runs: dict = field(default_factory=dict)  # rows of a batched decode update -> how many updates had them
     decode_step_plan: object = None  # the batched decode step's plan, built at a step's first layer (decode_batch)
+    run_views: dict = field(default_factory=dict)  # a batched run's views of the shared buffers, by layer and rows
 
     def __post_init__(self):
         self.nosa_config = NosaConfig.from_model_config(self.model_config, self.nosa_config)
@@ -200,6 +201,7 @@ class RequestCaches:
         if entry.cache is not None:
             self.finished = self._counters([entry.cache], self.finished)
         entry.cache = None
+        self.run_views.clear()  # views that name its buffers (a few runs: rebuilt at the next step)
         self.host_pool.give_back(request_id)
         self.rows.give_back(entry.row)
         entry.row = None

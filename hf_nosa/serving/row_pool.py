@@ -37,6 +37,7 @@ class RowPool:
         self.max_rows = max_rows
         self.free_rows = list(range(max_rows))
         self.banks: dict[tuple, list[torch.Tensor]] = {}
+        self.version = 0  # counts the banks opened: what ``widest`` finds changes only with it
 
     def assign(self) -> int | None:
         """The lowest free row, now taken; None when every row is taken."""
@@ -79,6 +80,7 @@ class RowPool:
         else:
             bank = torch.empty((self.max_rows, *row_shape), dtype=dtype, device=device)
             banks.append(bank)
+            self.version += 1
         return bank[row : row + 1] if leading else bank[row]
 
     def widest(self, row: int, key: tuple, like: torch.Tensor) -> torch.Tensor | None:
