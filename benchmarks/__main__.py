@@ -48,6 +48,7 @@ train tiles          selection_tiles       the training selection per tile confi
 train ties           selection_ties        whether the block-score kernel keeps the reference's exact ties
 train retrofit       retrofit_profile      where the SmolLM2-135M retrofit's micro-step goes
 serve                serve                 continuous batching (generate_batch), stock against NOSA
+serve host           serve_host_work       a batched decode step's host work per layer (CPU, its kernels stubbed)
 conversation         conversation          a new turn on a reused conversation cache against re-prefilling it
 conversation stream  request_stream        batch-1 requests of different lengths, stock static + compile against NOSA
 serve tp             tensor_parallel       1 GPU against N (tp_plan="auto", under torchrun): generate and generate_batch

@@ -1,0 +1,112 @@
+"""The host work of a batched continuous-batching decode step, per layer, with the device work taken out.
+
+A NOSA decode step under ``generate_batch`` runs, per layer, Python around one batched update of every decoding
+request (``hf_nosa.serving.decode_batch``): each request's ``prepare_fused_step`` and ``_widen``, the run's views of
+the shared buffers, then ``finish_fused_step``. On the GPU that host work adds to the step wherever it exceeds the
+device's, and it grows with the number of requests. This measures it on the CPU: a tiny Llama under the Triton
+interpreter (so the batched path runs), with the batched update's kernels and attention replaced by stubs that
+return zeros, and each host-side function timed; the tokens are not meaningful.
+
+    python -m benchmarks serve host --rows 16 --out FILE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the batched path runs on the CPU
+os.environ.setdefault("HF_NOSA_KERNELS", "triton")
+
+import torch  # noqa: E402
+from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.environment import environment  # noqa: E402
+from hf_nosa import NosaConfig, to_nosa  # noqa: E402
+from hf_nosa.cache import decode_step  # noqa: E402
+from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
+from hf_nosa.serving import ServingBudget, decode_batch, enable  # noqa: E402
+
+TIMED = ("_layer_rows", "_widen", "_views", "plan_step", "_run")
+
+
+def tiny_model():
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    nosa = NosaConfig(block_size=16, budget_tokens=64, query_tokens=16, sink_tokens=16, local_tokens=16,
+                      compress_kernel=8, compress_stride=4, prefill_chunk_size=64, prefill_whole_prompt_tokens=0)
+    return randomize_eviction_heads(to_nosa(model, nosa), generator=torch.Generator().manual_seed(1))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=16, help="requests decoding together (default: 16)")
+    parser.add_argument("--prompt", type=int, default=40, help="tokens per prompt (default: 40)")
+    parser.add_argument("--new-tokens", type=int, default=8, help="tokens per request (default: 8)")
+    parser.add_argument("--out", default=None, help="JSON file to write")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    model = tiny_model()
+    seconds, calls = collections.defaultdict(float), collections.Counter()
+
+    def timed(owner, name):
+        original = getattr(owner, name)
+
+        def run(*a, **k):
+            start = time.perf_counter()
+            try:
+                return original(*a, **k)
+            finally:
+                seconds[name] += time.perf_counter() - start
+                calls[name] += 1
+
+        setattr(owner, name, run)
+        return original
+
+    saved = {name: timed(decode_batch, name) for name in TIMED}
+    saved_prepare = timed(decode_step.DecodePaths, "prepare_fused_step")
+    saved_finish = timed(decode_step.DecodePaths, "finish_fused_step")
+    stubs = decode_batch.DecodePaths.decode_rows, decode_batch.attend_cache_inputs
+    decode_batch.DecodePaths.decode_rows = staticmethod(lambda batch, k, v, q, b, scale, r0, r1: None)
+    decode_batch.attend_cache_inputs = lambda q, inputs, scale: torch.zeros_like(q)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 97, (args.prompt,), generator=g).tolist() for _ in range(args.rows)]
+    enable(model, budget=ServingBudget(decode_rows=args.rows))  # every request on a row: one run
+    try:
+        model.generate_batch(prompts, generation_config=GenerationConfig(
+            max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0),
+            continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=max(1024, args.rows * args.prompt)),
+            persistent_manager=True)
+        runs = dict(model._cached_continuous_batching_manager.nosa_requests.decode_runs)
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+        for name, original in saved.items():
+            setattr(decode_batch, name, original)
+        decode_step.DecodePaths.prepare_fused_step = saved_prepare
+        decode_step.DecodePaths.finish_fused_step = saved_finish
+        decode_batch.DecodePaths.decode_rows, decode_batch.attend_cache_inputs = stubs
+    layer_runs = calls["_run"]
+    per_layer_us = (seconds["_layer_rows"] + seconds["_run"]) / max(layer_runs, 1) * 1e6
+    result = dict(environment(), command="python -m benchmarks serve host " + " ".join(argv or sys.argv[1:]),
+                  rows=args.rows, batched_runs=runs, host_us_per_layer=per_layer_us,
+                  functions={name: dict(calls=calls[name], total_ms=seconds[name] * 1e3,
+                                        per_call_us=seconds[name] / max(calls[name], 1) * 1e6) for name in seconds})
+    print(json.dumps(dict(rows=args.rows, batched_runs=runs, host_us_per_layer=round(per_layer_us, 1))))
+    for name, row in result["functions"].items():
+        print(f"  {name:20s} {row['calls']:5d} calls  {row['per_call_us']:8.1f} us each")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
