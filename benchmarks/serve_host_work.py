@@ -19,24 +19,18 @@ import os
 import sys
 import time
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the batched path runs on the CPU
-os.environ.setdefault("HF_NOSA_KERNELS", "triton")
-
-import torch  # noqa: E402
-from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.environment import environment  # noqa: E402
-from hf_nosa import NosaConfig, to_nosa  # noqa: E402
-from hf_nosa.cache import decode_step  # noqa: E402
-from hf_nosa.modeling import randomize_eviction_heads  # noqa: E402
-from hf_nosa.serving import ServingBudget, decode_batch, enable  # noqa: E402
 
 TIMED = ("_layer_rows", "_widen", "_views", "plan_step", "_run")
 
 
 def tiny_model():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_nosa import NosaConfig, to_nosa
+    from hf_nosa.modeling import randomize_eviction_heads
+
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0)
     torch.manual_seed(0)
@@ -53,6 +47,16 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens per request (default: 8)")
     parser.add_argument("--out", default=None, help="JSON file to write")
     args = parser.parse_args(argv)
+    # set before triton and the kernels are imported (they read it then): the batched path runs on the CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("HF_NOSA_KERNELS", "triton")
+    import torch
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    from benchmarks.environment import environment
+    from hf_nosa.cache import decode_step
+    from hf_nosa.serving import ServingBudget, decode_batch, enable
+
     torch.set_num_threads(1)
     model = tiny_model()
     seconds, calls = collections.defaultdict(float), collections.Counter()
