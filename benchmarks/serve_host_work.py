@@ -53,7 +53,7 @@ def main(argv=None):
     import torch
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    from benchmarks.environment import environment
+    from benchmarks.harness import write_json
     from hf_nosa.cache import decode_step
     from hf_nosa.serving import ServingBudget, decode_batch, enable
 
@@ -99,17 +99,13 @@ def main(argv=None):
         decode_batch.DecodePaths.decode_rows, decode_batch.attend_cache_inputs = stubs
     layer_runs = calls["_run"]
     per_layer_us = (seconds["_layer_rows"] + seconds["_run"]) / max(layer_runs, 1) * 1e6
-    result = dict(environment(), command="python -m benchmarks serve host " + " ".join(argv or sys.argv[1:]),
-                  rows=args.rows, batched_runs=runs, host_us_per_layer=per_layer_us,
+    result = dict(rows=args.rows, batched_runs=runs, host_us_per_layer=per_layer_us,
                   functions={name: dict(calls=calls[name], total_ms=seconds[name] * 1e3,
                                         per_call_us=seconds[name] / max(calls[name], 1) * 1e6) for name in seconds})
     print(json.dumps(dict(rows=args.rows, batched_runs=runs, host_us_per_layer=round(per_layer_us, 1))))
     for name, row in result["functions"].items():
         print(f"  {name:20s} {row['calls']:5d} calls  {row['per_call_us']:8.1f} us each")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    return write_json(args.out, result) if args.out else result
 
 
 if __name__ == "__main__":
