@@ -497,3 +497,16 @@ def test_a_cache_generate_built_for_one_call_is_not_restored(monkeypatch):
         _greedy(model, torch.randint(3, 97, (1, 100)), 4, cache_implementation="nosa")
     handle.remove()
     assert rewound == []
+
+
+def test_a_new_turn_grows_each_host_store_once_to_its_prompt_and_answer():
+    """generate reserves prompt + max_new_tokens; on a cache that already holds a conversation the host stores grow
+    to that in one growth (one pinning a turn), not by a share of what they hold."""
+    cfg = small_nosa_config(**SPARSE, prefill="quoka", prefill_chunk_size=64)
+    model = _model("llama", cfg, seed=5)
+    cache, held, turn2, answer2, _ = _turns(model, 600, 100, seed=6)
+    P = cfg.block_size
+    want = -(-(turn2.shape[1] + 6) // P) * P  # the turn's max_length, in whole blocks
+    for layer in cache.layers:
+        assert layer.host.capacity == want, (layer.host.capacity, want)
+        assert len(layer.host.k_chunks) == 2  # the first turn's chunk and the turn's growth

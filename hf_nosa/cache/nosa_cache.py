@@ -10,8 +10,7 @@ block being written). Every update hands the attention what to attend to (``Atte
   earlier token ("dense", "nosa") or QUOKA's blocks in the slot pool ("quoka", ``prefill/chunked.py``), then the chunk;
 - a few tokens after a prompt (at most ``decode_rule_tokens``: the candidates assisted decoding and prompt lookup
   verify): every earlier token, masked by the decode rule token by token, so they see what one-token decoding would;
-- more tokens after a prompt (a new turn of a conversation): the prefill again, from the cache's length, chunk by
-  chunk, so the device holds what a first prompt's chunks hold.
+- more tokens after a prompt (a new turn): the prefill again, from the cache's length, chunk by chunk.
 
 A call on the cache is one turn (``NosaCache.turn``): if it raises part-way, every layer is rebuilt as it was.
 
@@ -460,10 +459,12 @@ class NosaCache(Cache):
         return NosaLayer(self.nosa_config, selector, layer_idx=layer_idx, state=self.state)
 
     def reserve(self, max_tokens: int) -> None:
-        """Say that sequences will grow to ``max_tokens`` tokens, before the first update, so every buffer is sized
-        once (no growth, no kernel recompilation while decoding). Ignored once the cache holds tokens."""
+        """Sequences will grow to ``max_tokens`` tokens: before the first update every buffer is sized once; on a
+        cache that holds tokens (a new turn) the host stores grow that far in one growth, not by a share."""
         if self.get_seq_length() == 0:
             self.state.max_tokens = int(max_tokens)
+        for layer in (layer for layer in self.layers if layer.is_initialized):
+            layer.host.reserve(max_tokens)
 
     def begin_prefill(
         self, end: int, offsets: torch.Tensor | None = None, *, padding: torch.Tensor | bool = True
@@ -472,11 +473,10 @@ class NosaCache(Cache):
 
         ``offsets``: ``[B]`` long, each row's left padding, when the prompt's rows arrive with their real tokens
         moved to the front (padding last); the layers then count each row from its first real token.
-        ``padding``: where the layers find which tokens are padding. True: in the mask the model hands each update.
-        A ``[B, end]`` bool tensor (True for a real token, the rows as they arrive): here, and the model's forward
-        runs without a padding mask (transformers would expand a 2D one to ``[B, 1, chunk, context]`` in every
-        chunk: 1.2 GB at 64K x 38). False: the prompt has none (generate's usual all-ones mask), and the layers
-        skip the padding work. With a tensor or False the model's masks are causal only and the layers ignore them.
+        ``padding``: where the layers find padding. True: in the mask of each update. A ``[B, end]`` bool tensor
+        (True for a real token, rows as they arrive): here, so the forward runs without a padding mask (transformers
+        would expand a 2D one to ``[B, 1, chunk, context]`` per chunk: 1.2 GB at 64K x 38). False: none (an
+        all-ones mask). With a tensor or False the model's masks are causal only and the layers ignore them.
         """
         if isinstance(padding, torch.Tensor) and (padding.dim() != 2 or padding.shape[1] != end):
             raise ValueError(f"begin_prefill: padding must be [batch, end={end}] bool, got {tuple(padding.shape)}")

@@ -53,6 +53,26 @@ def test_read_span_matches_reference(interpret, host_dtype, dtype, padded):
                                            msg=f"{name} span {start}..{end} row {row}")
 
 
+@pytest.mark.parametrize("blocks", [2, 3])
+@pytest.mark.parametrize("host_dtype", ["auto", "int8"])
+def test_read_span_with_several_blocks_a_program_matches_reference(interpret, monkeypatch, blocks, host_dtype):
+    """``READ_BLOCKS`` blocks per program (the last program's extra blocks past the span read nothing)."""
+    from hf_nosa.kernels.prefill import host_read
+
+    monkeypatch.setattr(host_read, "READ_BLOCKS", blocks)
+    B, Hk, D, P, T = 2, 2, 16, 16, 333
+    offsets = torch.tensor([0, 21])
+    host = make_store(B, Hk, D, P, T, torch.bfloat16, host_dtype, offsets, pin=False, seed=blocks)
+    for start, end in SPANS:
+        got = read_span(host, start, end, "cpu")
+        want = read_span_ref(host, start, end, "cpu")
+        for name, g, w in zip("kvb", got, want):
+            for row, n in enumerate(host.row_lengths().tolist()):
+                n = max(0, min(end, n) - start)
+                torch.testing.assert_close(g[row, :, :n], w[row, :, :n], rtol=0, atol=0,
+                                           msg=f"{name} span {start}..{end} row {row}")
+
+
 def test_read_span_checks_the_span(interpret):
     host = make_store(1, 1, 16, 16, 40, torch.float32, "auto", None, pin=False)
     with pytest.raises(ValueError, match="start=30, end=20"):
@@ -64,7 +84,11 @@ def test_read_span_checks_the_span(interpret):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("host_dtype", ["auto", "float8_e4m3fn", "int8"])
-def test_read_span_on_gpu_matches_reference(host_dtype):
+@pytest.mark.parametrize("blocks", [1, 4])
+def test_read_span_on_gpu_matches_reference(host_dtype, blocks, monkeypatch):
+    from hf_nosa.kernels.prefill import host_read
+
+    monkeypatch.setattr(host_read, "READ_BLOCKS", blocks)
     B, Hk, D, P, T = 3, 4, 64, 64, 64 * 11 + 7
     offsets = torch.tensor([0, 70, 3])
     host = make_store(B, Hk, D, P, T, torch.bfloat16, host_dtype, offsets, pin=True, seed=3)
