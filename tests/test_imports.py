@@ -237,3 +237,17 @@ def test_imports_only_go_down_the_layers():
             if theirs is not None and theirs > own:
                 up.append(f"{name} -> {target} ({LAYERS[own]} below {LAYERS[theirs]})")
     assert not up, "imports running up the layers:\n" + "\n".join(sorted(set(up)))
+
+
+def test_every_module_is_at_most_600_lines_and_says_what_it_owns():
+    """docs/architecture.md's house rule: no module of hf_nosa over 600 lines, each opening with a docstring."""
+    package = REPO_ROOT / "hf_nosa"
+    too_long, silent = [], []
+    for path in sorted(package.rglob("*.py")):
+        source = path.read_text()
+        if len(source.splitlines()) > 600:
+            too_long.append(f"{path.relative_to(package)} ({len(source.splitlines())} lines)")
+        if not (ast.get_docstring(ast.parse(source)) or "").strip():
+            silent.append(str(path.relative_to(package)))
+    assert not too_long, f"modules over 600 lines: {too_long}"
+    assert not silent, f"modules without a docstring: {silent}"
