@@ -168,7 +168,17 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="JSON file to write (default: print only)")
     parser.add_argument("--profile", default=None,
                         help="also profile one more turn per batch: tables written to PROFILE-b<batch>-{cuda,cpu}.txt")
+    parser.add_argument("--read-setting", default=None, metavar="FILE",
+                        help="read the store with the best setting of `python -m benchmarks prefill read`'s JSON")
     args = parser.parse_args(argv)
+    read_setting = None
+    if args.read_setting:
+        from hf_nosa.kernels.prefill import host_read
+
+        read_setting = json.load(open(args.read_setting))["best"]
+        host_read.READ_PATH, blocks, warps = read_setting
+        if blocks is not None:
+            host_read.READ_BLOCKS, host_read.READ_WARPS = blocks, warps
     if args.smoke:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -200,7 +210,7 @@ def main(argv=None):
         if args.profile:
             row["profile"] = profile_turn(model, batch, args.context, args.answer, args.turn, device,
                                           f"{args.profile}-b{batch}", seed=args.repeats)
-    result = dict(environment(), nosa_config=cfg.to_dict(), shape=args.shape if not args.smoke else "smoke",
+    result = dict(environment(), nosa_config=cfg.to_dict(), read_setting=read_setting, shape=args.shape if not args.smoke else "smoke",
                   cap_gb=None if args.smoke else (args.cap_gb or CAP_GB[args.shape]), rows=rows)
     if args.out:
         with open(args.out, "w") as f:

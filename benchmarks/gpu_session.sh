@@ -52,6 +52,10 @@ case "${1:-}" in
     timeout "${SERVE_TIMEOUT:-400}" python -m benchmarks serve --shape 1b --requests "${SERVE_REQUESTS:-16}" --min 16384 --max 65536 --new-tokens "${SERVE_NEW_TOKENS:-1024}" --rates inf --methods "${SERVE_METHODS:-nosa,stock}" ${SERVE_DEADLINE:+--deadline "$SERVE_DEADLINE"} ${SERVE_DECODE_ROWS:+--decode-rows "$SERVE_DECODE_ROWS"} --profile "$OUT/serve_profile" --profile-after "${SERVE_PROFILE_AFTER:-60}" --out "$OUT/serve_1b.json" 2>&1 | tee "$OUT/serve_1b.log" | grep -v Warning | tail -6 ;;
   turn-profile)   # docs/benchmarks.md "Conversations": where the batch-8 turn's time goes (torch.profiler tables under $OUT/turn-b8-*), one conversation (about 2 minutes)
     timeout 300 python -m benchmarks conversation --shape 1b --batches 8 --repeats 1 --profile "$OUT/turn" --out "$OUT/conversation_b8.json" 2>&1 | grep -v Warning | tail -3 ;;
+  turn-read)      # docs/benchmarks.md "A turn's host growth": the dense tail's read paths swept (kernel blocks x warps, the copy engine), then the batch-8 turn read with the best, and the read paths' GPU tests (about 4 minutes)
+    timeout 60 python -m pytest -q -m gpu tests/kernels/test_host_read.py tests/test_pinned.py -p no:cacheprovider 2>&1 | tail -2
+    timeout 150 python -m benchmarks prefill read --out "$OUT/host_read.json" 2>&1 | grep -v Warning | tail -16
+    timeout 330 python -m benchmarks conversation --shape 1b --batches 8 --read-setting "$OUT/host_read.json" --out "$OUT/conversation_b8_read.json" 2>&1 | grep -v Warning | grep '^{"batch' | cut -c1-400 ;;
   conversation-tests)  # docs/benchmarks.md "Conversations": a new turn on a reused cache and atomic turns on the kernels, with the decode-graph and whole-prompt GPU tests (about 4 minutes)
     timeout 560 python -m pytest -q -m gpu tests/test_conversations.py tests/test_gpu_generate.py tests/test_whole_prompt.py -p no:cacheprovider --tb=short > "$OUT/gpu_tests_conversations.log" 2>&1
     tail -30 "$OUT/gpu_tests_conversations.log" ;;
@@ -60,5 +64,5 @@ case "${1:-}" in
   request-stream)  # docs/benchmarks.md "Conversations": 10 batch-1 requests of 8K-64K, 128 new tokens each, stock static + compile against NOSA, each call against its repeat, Triton's cache empty as on a fresh machine (about 6 minutes)
     TRITON_CACHE_DIR="$(mktemp -d)" timeout "${STREAM_TIMEOUT:-570}" python -m benchmarks conversation stream --shape 1b --methods ${STREAM_METHODS:-static nosa} --out "$OUT/request_stream.json" 2>&1 | tee "$OUT/request_stream.log" | grep -v Warning | tail -8 ;;
   *)
-    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|generate-8b|ttft|train|train-lengths-1b|train-lengths-8b|train-memory-8b|serve|turn-profile|conversation-tests|conversation|request-stream" >&2; exit 2 ;;
+    echo "usage: gpu_session.sh tests|generate-32k|generate-64k|generate-8b|ttft|train|train-lengths-1b|train-lengths-8b|train-memory-8b|serve|turn-profile|turn-read|conversation-tests|conversation|request-stream" >&2; exit 2 ;;
 esac

@@ -113,3 +113,84 @@ def test_tail_blocks_follow_the_row_lengths():
     host.length = 80
     moved = host.tail_blocks_on("cpu")
     assert moved is not first and moved.tolist() == (host.row_lengths() // 16).tolist() == [5, 4, 2]
+
+
+@pytest.fixture
+def memmove_driver(monkeypatch):
+    """``cuMemcpy2DAsync`` done on the CPU, row by row with memmove, from what the struct says (so the pitches and
+    offsets ``read_span_copy`` computes are what is tested); records each call."""
+    import ctypes
+
+    from hf_nosa.kernels.prefill import host_copy
+
+    calls = []
+
+    def copy(params_ref, stream):
+        p = params_ref._obj
+        assert p.srcMemoryType == host_copy.HOST and p.dstMemoryType == host_copy.HOST  # CPU memory both sides here
+        assert p.srcPitch >= p.WidthInBytes and p.dstPitch >= p.WidthInBytes
+        for row in range(p.Height):
+            ctypes.memmove(p.dstHost + row * p.dstPitch, p.srcHost + row * p.srcPitch, p.WidthInBytes)
+        calls.append((p.WidthInBytes, p.Height))
+        return 0
+
+    monkeypatch.setattr(host_copy, "driver_copy", lambda: copy)
+    return calls
+
+
+def test_read_span_copy_matches_reference_on_spans_across_chunks(memmove_driver):
+    from hf_nosa.kernels.prefill.host_copy import read_span_copy
+
+    B, Hk, D, P, T = 2, 3, 16, 16, 333
+    host = make_store(B, Hk, D, P, T, torch.bfloat16, "auto", None, pin=False, seed=7)
+    assert len(host.k_chunks) > 3
+    for start, end in SPANS:
+        got = read_span_copy(host, start, end, "cpu")
+        want = read_span_ref(host, start, end, "cpu")
+        for name, g, w in zip("kvb", got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype, name
+            torch.testing.assert_close(g, w, rtol=0, atol=0, msg=f"{name} span {start}..{end}")
+    # three copies (K, V, b) per chunk a span touches, each of B x Hk rows
+    memmove_driver.clear()
+    read_span_copy(host, 17, 333, "cpu")
+    chunks = len({i for i, *_ in host._spans(17, 333)})
+    assert len(memmove_driver) == 3 * chunks and all(h == B * Hk for _, h in memmove_driver)
+
+
+def test_read_span_copy_refuses_a_quantized_store():
+    from hf_nosa.kernels.prefill.host_copy import read_span_copy
+
+    host = make_store(1, 1, 16, 16, 40, torch.float32, "int8", None, pin=False)
+    with pytest.raises(ValueError, match="host_dtype='int8' is quantized"):
+        read_span_copy(host, 0, 40, "cpu")
+
+
+def test_an_unknown_read_path_is_refused(monkeypatch):
+    from hf_nosa.kernels.prefill import host_read
+
+    host = make_store(1, 1, 16, 16, 40, torch.float32, "auto", None, pin=False)
+    monkeypatch.setattr(host_read, "READ_PATH", "dma")
+    monkeypatch.setattr(host_read, "kernel_path", lambda name, probe: "triton")
+    with pytest.raises(ValueError, match="READ_PATH='dma' is invalid"):
+        read_span(host, 0, 16, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("path", ["copy", "kernel"])
+def test_read_span_by_either_path_on_gpu_matches_reference(path, monkeypatch):
+    """The copy engine's 2D copies (and the kernel, for the same store) on a pinned store of several chunks, from the
+    side stream the dense tail reads on."""
+    from hf_nosa.kernels.prefill import host_read
+
+    monkeypatch.setattr(host_read, "READ_PATH", path)
+    B, Hk, D, P, T = 3, 4, 64, 64, 64 * 11 + 7
+    host = make_store(B, Hk, D, P, T, torch.bfloat16, "auto", None, pin=True, seed=5)
+    side = torch.cuda.Stream()
+    for start, end in [(0, T), (64, 640), (100, 333), (T - 80, T)]:
+        with torch.cuda.stream(side):
+            got = read_span(host, start, end, "cuda")
+        torch.cuda.current_stream().wait_stream(side)
+        want = read_span_ref(host, start, end, "cuda")
+        for name, g, w in zip("kvb", got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, msg=f"{name} span {start}..{end}")

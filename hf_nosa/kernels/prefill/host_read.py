@@ -6,6 +6,8 @@ What a dense read of the store needs (the QUOKA prefill's dense tail reads the w
 - ``read_span_ref``: the torch reference, ``HostStore.read_torch`` (slices of each chunk moved with ``.to``; a slice
   ``[:, :, a:b]`` of a ``[B, Hk, C, D]`` chunk is not contiguous, so torch first copies it into pageable memory on
   the CPU and then copies that synchronously: on a 64K prompt at batch 38 this moved 76 GB at CPU-copy speed).
+- ``read_span_copy`` (``host_copy.py``): the copy engine's 2D copies instead, for a store in the model's dtype
+  (``READ_PATH = "copy"``);
 - ``read_span``: one Triton launch on CUDA. Each program copies one block of one (sequence, KV head) straight from
   pinned host memory through the store's block table (UVA, as ``fetch_step`` does), dequantizing a quantized
   store's bytes with their block scale, and taking each row's incomplete block from the store's tail. No host sync:
@@ -15,15 +17,24 @@ What a dense read of the store needs (the QUOKA prefill's dense tail reads the w
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
 from ..host_format import cast_rtne, dequantize
+from .host_copy import read_span_copy
 
 # Blocks each program copies and its warps (``python -m benchmarks prefill read`` sweeps them: the dense tail of a
 # new turn at batch 8 read at 26-29 GB/s with one block and 4 warps, about half the link's copy rate).
 READ_BLOCKS = 1
 READ_WARPS = 4
+# "kernel": the Triton kernel below; "copy": 2D copies by the copy engine (``host_copy.read_span_copy``) for a store
+# in the model's dtype (a quantized one still takes the kernel, which dequantizes). Chosen by measurement.
+READ_PATHS = ("kernel", "copy")
+READ_PATH = "kernel"
+_LOGGED: set = set()
+logger = logging.getLogger(__name__)
 
 if HAS_TRITON:
 
@@ -140,6 +151,15 @@ def read_span(host, start: int, end: int, device) -> tuple[torch.Tensor, torch.T
         path = "torch"
     if path == "torch":
         return read_span_ref(host, start, end, device)
+    if READ_PATH not in READ_PATHS:
+        raise ValueError(f"host_read.READ_PATH={READ_PATH!r} is invalid: allowed {READ_PATHS}")
+    if READ_PATH == "copy" and device.type == "cuda":
+        if host.format is None:
+            return read_span_copy(host, start, end, device)
+        if host.host_dtype not in _LOGGED:
+            _LOGGED.add(host.host_dtype)
+            logger.warning("hf_nosa host_read: READ_PATH='copy' reads a quantized store (host_dtype=%r) with the kernel, "
+                           "which dequantizes it", host.host_dtype)
     if device.type != "cuda":  # the interpreter reads the CPU store as the GPU reads pinned memory
         host.wait_writes()
     return _read_span_triton(host, start, end, device)
