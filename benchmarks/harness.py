@@ -30,6 +30,22 @@ def cap_device(cap_gb: float) -> float:
     return cap_gb
 
 
+def cuda_time_ms(run, repeats: int) -> float:
+    """Milliseconds per call of ``run()`` on the current CUDA stream (CUDA events), after one untimed call
+    (compilation, allocator warm-up)."""
+    import torch
+
+    run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def write_json(path: str | os.PathLike, result: dict, *, indent: int = 1) -> dict:
     """Write ``result`` to ``path`` (its folder created), with the environment in front when ``result`` does not
     already hold it; returns what was written. Suites call it after every row, so a run cut short keeps its rows."""

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.harness import write_json  # noqa: E402
+from benchmarks.harness import cuda_time_ms, write_json  # noqa: E402
 from hf_nosa.cache.host_store import HostStore  # noqa: E402
 from hf_nosa.kernels.prefill import host_read  # noqa: E402
 
@@ -36,18 +36,6 @@ def filled_store(batch: int, kv_heads: int, head_dim: int, tokens: int, block: i
     store.length = tokens
     torch.cuda.synchronize()
     return store
-
-
-def timed(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / 1e3 / repeats
 
 
 def main(argv=None):
@@ -76,7 +64,8 @@ def main(argv=None):
                 host_read.READ_BLOCKS, host_read.READ_WARPS = blocks, warps
             got = host_read.read_span(store, spans[-1][0], spans[-1][1], "cuda")
             same = all(torch.equal(a, b) for a, b in zip(got, reference))
-            seconds = timed(lambda: [host_read.read_span(store, lo, hi, "cuda") for lo, hi in spans], args.repeats)
+            seconds = cuda_time_ms(lambda: [host_read.read_span(store, lo, hi, "cuda") for lo, hi in spans],
+                                   args.repeats) / 1e3
             rows.append(dict(path=path, blocks=blocks, warps=warps, seconds=seconds, gb_s=nbytes / seconds / 1e9,
                              equal=same))
             print(rows[-1], flush=True)
@@ -86,7 +75,7 @@ def main(argv=None):
     piece_bytes = nbytes // len(spans)
     src = torch.empty(piece_bytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(piece_bytes, dtype=torch.uint8, device="cuda")
-    copy_s = timed(lambda: [dst.copy_(src, non_blocking=True) for _ in spans], args.repeats)
+    copy_s = cuda_time_ms(lambda: [dst.copy_(src, non_blocking=True) for _ in spans], args.repeats) / 1e3
     best = max((r for r in rows if r["equal"]), key=lambda r: r["gb_s"])
     result = dict(batch=args.batch, kv_heads=args.kv_heads, head_dim=args.head_dim, tokens=args.tokens,
                   piece=args.piece, bytes=nbytes, rows=rows, copy_engine_gb_s=nbytes / copy_s / 1e9,

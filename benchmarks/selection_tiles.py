@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.environment import environment  # noqa: E402
+from benchmarks.harness import cuda_time_ms as time_ms  # noqa: E402
 from benchmarks.train_step import SHAPES, _inputs  # noqa: E402
 from hf_nosa import NosaConfig  # noqa: E402
 from hf_nosa.attention import training  # noqa: E402
@@ -36,18 +37,6 @@ SCORE_CONFIGS = [(64, 128, 32, 4), (64, 128, 32, 8), (64, 64, 32, 4), (64, 256, 
                  (64, 128, 16, 4), (32, 128, 32, 4), (32, 64, 32, 4), (128, 128, 32, 8), (128, 64, 32, 8),
                  (128, 128, 64, 8), (128, 256, 32, 8)]
 CHOICE_CONFIGS = [256, 512, 1024, 2048]
-
-
-def time_ms(run, repeats: int) -> float:
-    run()  # compile, allocator warm-up
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def sweep(kind, q, k, bias, cfg, scale, runs, repeats, *, layers, timer=time_ms):

@@ -29,6 +29,17 @@ def make_store(B, Hk, D, P, T, dtype, host_dtype, offsets, pin, seed=0):
     return host
 
 
+def assert_rows_equal(host, start, end, got, want):
+    """``got`` and ``want`` (k, v, b of the span) equal bit for bit on every row's written tokens (a padded row's end
+    was never written)."""
+    for name, g, w in zip("kvb", got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        for row, n in enumerate(host.row_lengths().tolist()):
+            n = max(0, min(end, n) - start)
+            torch.testing.assert_close(g[row, :, :n], w[row, :, :n], rtol=0, atol=0,
+                                       msg=f"{name} span {start}..{end} row {row}")
+
+
 # block size 16: empty, one token, one block, inside blocks, block-aligned, across chunks to the rows' tails (every
 # block but the first: the whole store took as long as all the other spans together), a token, the rows' tails
 SPANS = [(0, 0), (0, 1), (0, 16), (5, 30), (16, 80), (17, 333), (190, 191), (300, 333)]
@@ -45,12 +56,7 @@ def test_read_span_matches_reference(interpret, host_dtype, dtype, padded):
     for start, end in SPANS:
         got = read_span(host, start, end, "cpu")
         want = read_span_ref(host, start, end, "cpu")
-        for name, g, w in zip("kvb", got, want):
-            assert g.shape == w.shape and g.dtype == w.dtype, name
-            for row, n in enumerate(host.row_lengths().tolist()):  # a padded row's end was never written
-                n = max(0, min(end, n) - start)
-                torch.testing.assert_close(g[row, :, :n], w[row, :, :n], rtol=0, atol=0,
-                                           msg=f"{name} span {start}..{end} row {row}")
+        assert_rows_equal(host, start, end, got, want)
 
 
 @pytest.mark.parametrize("blocks", [2, 3])
@@ -66,11 +72,7 @@ def test_read_span_with_several_blocks_a_program_matches_reference(interpret, mo
     for start, end in SPANS:
         got = read_span(host, start, end, "cpu")
         want = read_span_ref(host, start, end, "cpu")
-        for name, g, w in zip("kvb", got, want):
-            for row, n in enumerate(host.row_lengths().tolist()):
-                n = max(0, min(end, n) - start)
-                torch.testing.assert_close(g[row, :, :n], w[row, :, :n], rtol=0, atol=0,
-                                           msg=f"{name} span {start}..{end} row {row}")
+        assert_rows_equal(host, start, end, got, want)
 
 
 def test_read_span_checks_the_span(interpret):
@@ -95,11 +97,7 @@ def test_read_span_on_gpu_matches_reference(host_dtype, blocks, monkeypatch):
     for start, end in [(0, T), (64, 640), (100, 333), (T - 80, T)]:
         got = read_span(host, start, end, "cuda")
         want = read_span_ref(host, start, end, "cuda")
-        for name, g, w in zip("kvb", got, want):
-            for row, n in enumerate(host.row_lengths().tolist()):
-                n = max(0, min(end, n) - start)
-                torch.testing.assert_close(g[row, :, :n], w[row, :, :n], rtol=0, atol=0,
-                                           msg=f"{name} span {start}..{end} row {row}")
+        assert_rows_equal(host, start, end, got, want)
 
 
 def test_tail_blocks_follow_the_row_lengths():
@@ -147,9 +145,7 @@ def test_read_span_copy_matches_reference_on_spans_across_chunks(memmove_driver)
     for start, end in SPANS:
         got = read_span_copy(host, start, end, "cpu")
         want = read_span_ref(host, start, end, "cpu")
-        for name, g, w in zip("kvb", got, want):
-            assert g.shape == w.shape and g.dtype == w.dtype, name
-            torch.testing.assert_close(g, w, rtol=0, atol=0, msg=f"{name} span {start}..{end}")
+        assert_rows_equal(host, start, end, got, want)
     # three copies (K, V, b) per chunk a span touches, each of B x Hk rows
     memmove_driver.clear()
     read_span_copy(host, 17, 333, "cpu")
@@ -192,5 +188,4 @@ def test_read_span_by_either_path_on_gpu_matches_reference(path, monkeypatch):
             got = read_span(host, start, end, "cuda")
         torch.cuda.current_stream().wait_stream(side)
         want = read_span_ref(host, start, end, "cuda")
-        for name, g, w in zip("kvb", got, want):
-            torch.testing.assert_close(g, w, rtol=0, atol=0, msg=f"{name} span {start}..{end}")
+        assert_rows_equal(host, start, end, got, want)

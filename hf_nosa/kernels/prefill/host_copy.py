@@ -65,6 +65,12 @@ def copy_rows(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, he
                            "bytes)")
 
 
+def span_outputs(host, T: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialized ``k, v [B, Hk, T, D]`` (the model's dtype) and ``b [B, Hk, T]`` fp32 for a span of ``host``."""
+    k = torch.empty(host.batch, host.kv_heads, T, host.head_dim, dtype=host.dtype, device=device)
+    return k, torch.empty_like(k), torch.empty(host.batch, host.kv_heads, T, dtype=torch.float32, device=device)
+
+
 def read_span_copy(host, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``read_span`` through the copy engine: ``k, v [B, Hk, T, D]`` and ``b [B, Hk, T]`` fp32 on ``device`` for the
     store's tokens ``start .. end - 1``, three 2D copies per chunk the span touches, on the current stream, after the
@@ -75,9 +81,7 @@ def read_span_copy(host, start: int, end: int, device) -> tuple[torch.Tensor, to
     device = torch.device(device)
     B, Hk, D = host.batch, host.kv_heads, host.head_dim
     T = end - start
-    k = torch.empty(B, Hk, T, D, dtype=host.dtype, device=device)
-    v = torch.empty_like(k)
-    b = torch.empty(B, Hk, T, dtype=torch.float32, device=device)
+    k, v, b = span_outputs(host, T, device)
     if T == 0:
         return k, v, b
     on_device = device.type == "cuda"

@@ -23,7 +23,7 @@ import torch
 
 from ..backend import HAS_TRITON, kernel_path, launcher, log_fallback, next_power_of_2, on_device, tl, triton
 from ..host_format import cast_rtne, dequantize
-from .host_copy import read_span_copy
+from .host_copy import read_span_copy, span_outputs
 
 # Blocks each program copies and its warps (``python -m benchmarks prefill read`` sweeps them: the dense tail of a
 # new turn at batch 8 read at 26-29 GB/s with one block and 4 warps, about half the link's copy rate).
@@ -103,9 +103,7 @@ def read_span_ref(host, start: int, end: int, device) -> tuple[torch.Tensor, tor
 def _read_span_triton(host, start: int, end: int, device: torch.device):
     B, Hk, D, P = host.batch, host.kv_heads, host.head_dim, host.block_size
     T = end - start
-    k = torch.empty(B, Hk, T, D, dtype=host.dtype, device=device)
-    v = torch.empty_like(k)
-    b = torch.empty(B, Hk, T, dtype=torch.float32, device=device)
+    k, v, b = span_outputs(host, T, device)
     if T == 0:
         return k, v, b
     table = host.block_table(device)
