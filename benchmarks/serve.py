@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import inspect
 import json
 import os
 import random
@@ -286,6 +287,7 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
         manager.warmup()
     manager.start()
     start = due = time.perf_counter()
+    cut_short = False
     try:
         for i, (prompt, gap) in enumerate(zip(prompts, gaps)):
             due += gap
@@ -298,7 +300,8 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
         while len(finished) < len(prompts):
             window.poll()
             if deadline is not None and time.perf_counter() - start >= deadline:
-                break  # cut short: the unfinished requests count with the tokens they have
+                cut_short = True  # the unfinished requests count with the tokens they have
+                break
             out = manager.get_result(timeout=0.2 if window.pending or deadline is not None else 1.0)
             if out is None:
                 if not manager.is_running():
@@ -310,7 +313,9 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
         end = time.perf_counter()
     finally:
         window.close()
-        manager.stop(block=True)
+        # a plain stop flushes: it waits for every request to finish, which a deadline is there to cut
+        hard = cut_short and "hard_stop" in inspect.signature(manager.stop).parameters
+        manager.stop(block=True, **({"hard_stop": True} if hard else {}))
     outputs = [results[f"r{i}"] for i in range(len(prompts)) if f"r{i}" in results]
     row = dict(rate=rate, errors=[o.error for o in outputs if o.error], **stream_metrics(outputs, start, end),
                **memory_row(device))

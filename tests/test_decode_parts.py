@@ -198,7 +198,8 @@ def test_graph_by_parts_equals_eager_parts_gpu(monkeypatch, host_dtype, stagger)
     assert torch.equal(tokens[1], tokens[0])
     for key in STAT_KEYS:
         assert stats[1][key] == stats[0][key], key
-    assert graphs[1].captures == 1 and graphs[1].replays >= 37 and not graphs[1].recaptures
+    # the second step's graph and, beside it, the first step's (which counts no locality)
+    assert graphs[1].captures == 2 and graphs[1].replays >= 37 and not graphs[1].recaptures
 
 
 def test_graph_key_changes_are_named(interpret, monkeypatch):
@@ -217,3 +218,20 @@ def test_graph_key_changes_are_named(interpret, monkeypatch):
     assert _key_change(old, ((2, 1), (layer_keys[0], tuple(moved)), 1, False)).startswith("layer 1: compressed.keys")
     assert _key_change(old, ((3, 1), layer_keys, 1, False)).startswith("input shape")
     assert _key_change(old, ((2, 1), layer_keys, 2, True)).startswith("decode parts")
+
+
+def test_a_first_steps_key_differs_only_in_warm(interpret, monkeypatch):
+    """DecodeGraph captures a request's first decode step (no locality counted) beside its second: the key it
+    captures is the second step's with every layer's ``warm`` False, nothing else changed."""
+    from hf_nosa.modeling.cuda_graph import _key_change, first_step_key
+
+    model = nosa_model(num_hidden_layers=2)
+    cache, _ = prefilled(model, torch.randint(3, 97, (2, 40)), monkeypatch)
+    for layer in cache.layers:
+        layer.warm = True
+    warm = ((2, 1), tuple(layer.fused_graph_key() for layer in cache.layers), 1, False)
+    for layer in cache.layers:
+        layer.warm = False
+    cold = ((2, 1), tuple(layer.fused_graph_key() for layer in cache.layers), 1, False)
+    assert warm != cold and first_step_key(warm) == cold and first_step_key(cold) == cold
+    assert _key_change(warm, cold) == "layer 0: warm True -> False"

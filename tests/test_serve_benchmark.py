@@ -113,17 +113,31 @@ def test_a_profile_window_writes_each_streams_op_table(tmp_path):
         assert (tmp_path / table.replace("-ops.txt", "-trace.json.gz")).stat().st_size > 0
 
 
-def test_a_deadline_cuts_a_stream_and_counts_what_it_delivered(tmp_path):
+def test_a_deadline_cuts_a_stream_and_counts_what_it_delivered(tmp_path, monkeypatch):
     """``--deadline S``: requests stream their tokens; a stream that ends before S is whole (every request finished,
     every token counted), one cut at S says so and counts only the tokens delivered by then."""
     whole = main(["--smoke", "--rates", "inf", "--deadline", "1e9", "--out", str(tmp_path / "a.json")])  # never met
     for row in whole["rows"]:
         rate = row["rates"][0]
         assert rate["cut_short"] is False and rate["finished_requests"] == 3 and rate["generated_tokens"] == 3 * 8
+    import functools
+
+    from transformers.generation.continuous_batching import ContinuousBatchingManager
+
+    stops, stop = [], ContinuousBatchingManager.stop
+
+    @functools.wraps(stop)
+    def recorded_stop(self, *args, **kwargs):
+        stops.append(kwargs.get("hard_stop", False))
+        return stop(self, *args, **kwargs)
+
+    monkeypatch.setattr(ContinuousBatchingManager, "stop", recorded_stop)
     cut = main(["--smoke", "--rates", "inf", "--deadline", "0", "--out", str(tmp_path / "b.json")])
     for row in cut["rows"]:
         rate = row["rates"][0]
         assert rate["cut_short"] is True and rate["finished_requests"] < 3 and rate["generated_tokens"] < 3 * 8
+    # a plain stop would wait for every request to finish: a cut stream stops hard (the warm-up's stop flushes)
+    assert stops and stops[-1] is True
 
 
 def test_stock_is_sized_to_the_cap_not_to_the_cards_free_memory(monkeypatch):
@@ -138,7 +152,14 @@ def test_stock_is_sized_to_the_cap_not_to_the_cards_free_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (76 * gib, 80 * gib))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 3 * gib)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 3 * gib)
-    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 0.3)  # 24 of 80 GiB
+
+    def fraction(device=None):  # as torch's: None is the current device, "cuda" without an index is refused
+        if isinstance(device, (str, torch.device)) and torch.device(device).index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        return 0.3  # 24 of 80 GiB
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction)
     args = argparse.Namespace(max_batch_tokens=8192)
     assert batching_for("stock", args).max_memory_percent == pytest.approx(0.9 * 21 / 76)
     assert batching_for("stock[max_memory_percent=0.5]", args).max_memory_percent == pytest.approx(0.5 * 21 / 76)

@@ -9,7 +9,8 @@ Lengths are not specialized on: Triton compiles a variant of a kernel for every 
 multiple of 16, so a prompt of a new length (a chunk's token count, a position, a store's capacity, a bias row's
 stride) would compile new variants in the middle of a request. Those arguments are listed in each kernel's
 ``do_not_specialize``, so the first call of any length compiles every variant a later one needs; the head
-dimension, block size and tile sizes stay ``tl.constexpr``.
+dimension, block size and tile sizes stay ``tl.constexpr``. For the same reason a pointer to a view that starts at a
+length-dependent offset (a bias row from a chunk's first key) is in ``do_not_specialize_on_alignment``.
 """
 
 from .decode.block_scores import NewToken, append_token, block_select

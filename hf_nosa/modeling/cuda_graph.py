@@ -10,7 +10,9 @@ Graphs are kept by key (the batch, every layer's buffer addresses and shapes, wh
 up to ``MAX_GRAPHS`` of them, the least recently replayed dropped first, so a request whose buffers and shapes
 an earlier one had (the first step after a prefill, or a cache whose compressed keys sit in a workspace buffer of
 the same capacity) replays that graph instead of capturing again. A step of a new key runs eagerly before its
-capture, so kernels are compiled outside it (the first two steps after a prefill run eagerly). A left-padded batch
+capture, so kernels are compiled outside it (the first two steps after a prefill run eagerly); the first step's
+graph, which differs only in not counting locality, is captured beside the second's, so the next request replays
+both. A left-padded batch
 replays too: each row's padding length is a device tensor the kernels read (``hf_nosa.rules.padding``). Limits: greedy
 only in ``greedy_decode``; CUDA only. With ``HF_NOSA_DECODE_PARTS`` above 1 the graph holds the batch's parts on
 their own streams, so one part's fetch overlaps another's compute (``hf_nosa.cache.decode_parts``).
@@ -36,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 _STOCK_FORWARD: ContextVar[bool] = ContextVar("hf_nosa_stock_forward", default=False)
 # Captured decode graphs a DecodeGraph keeps (each holds its own memory pool: one decode step's activations).
-MAX_GRAPHS = 4
+MAX_GRAPHS = 8
 
 
 class stock_forward:
@@ -115,6 +117,12 @@ class DecodeGraph:
                 self._eager_keys.add(key)
                 with _noting_host_syncs() as self.eager_syncs:
                     return self._forward(input_ids, position_ids)
+            first = first_step_key(key)
+            if first != key and first in self._eager_keys and first not in self.graphs:
+                # A request's first decode step counts no locality (``warm``), so its graph differs from the later
+                # steps' only there. It ran eagerly, so its kernels are compiled: capturing it now, beside this one,
+                # lets the next request of the same buffers replay its first step instead of paying a capture.
+                self._capture_first_step(input_ids, position_ids, first, layers)
             self._capture(input_ids, position_ids, key)
         self.static_ids.copy_(input_ids)
         self.static_pos.copy_(position_ids)
@@ -152,6 +160,17 @@ class DecodeGraph:
             streams = self._part_streams[:parts] if capturing else None  # made by _capture, before capturing
             events = self._fetch_events if capturing else None
             return forward_by_parts(self._model_forward, self.cache, input_ids, position_ids, parts, streams, events)
+
+    def _capture_first_step(self, input_ids, position_ids, key, layers) -> None:
+        """Capture the graph of ``key``, a first decode step's (no layer warm), while the layers are warm."""
+        warm = [layer.warm for layer in layers]
+        try:
+            for layer in layers:
+                layer.warm = False
+            self._capture(input_ids, position_ids, key)
+        finally:
+            for layer, was in zip(layers, warm):
+                layer.warm = was
 
     def _capture(self, input_ids, position_ids, key) -> None:
         self.graph = None
@@ -195,6 +214,12 @@ class DecodeGraph:
         while len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)  # the least recently replayed; its memory pool goes with it
         self.captures += 1
+
+
+def first_step_key(key: tuple) -> tuple:
+    """The ``DecodeGraph`` key of the same batch and buffers at a request's first decode step: every layer's
+    ``warm`` (the last item of ``NosaLayer.fused_graph_key``) False."""
+    return (key[0], tuple(layer[:-1] + (False,) for layer in key[1]), *key[2:])
 
 
 def _key_change(old: tuple, new: tuple) -> str | None:

@@ -24,6 +24,8 @@ def available_device_memory(device) -> int:
     cached ones, within the process' memory fraction (``torch.cuda.set_per_process_memory_fraction``, which
     ``torch.cuda.mem_get_info`` does not see: a server capped at 24 GB on an 80 GB card has 24 GB, not 76)."""
     device = torch.device(device)
+    if device.index is None:  # "cuda" means the current device; the memory-fraction query wants an index
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
     available = free + reserved - allocated

@@ -190,7 +190,7 @@ def test_cuda_graph_replay_equals_eager_gpu(compiled, monkeypatch):
         for _ in range(10):
             pos = torch.full_like(token, cache.get_seq_length())
             token = step(token, pos).argmax(-1, keepdim=True)
-    assert step.captures == 1 and step.replays >= 7
+    assert step.captures == 2 and step.replays >= 7  # the second step's graph, and the first step's beside it
 
 
 def test_query_only_kernel_selector_equals_the_baseline(interpret, monkeypatch):

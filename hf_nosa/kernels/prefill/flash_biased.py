@@ -75,9 +75,11 @@ if HAS_TRITON:
             acc = acc * alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
         return m_new, l_i, acc
 
+    # The bias rows are views that start at a chunk's first key, so their addresses are 16-byte aligned or not
+    # with the prompt's length: not specialized on either, or a prompt of a new length compiles a new variant.
     @triton.jit(do_not_specialize=[
         "Tq", "S", "S0", "q_offset", "stride_bb", "stride_bh", "stride_pbb", "stride_pbh", "stride_lb", "stride_lh",
-    ])
+    ], do_not_specialize_on_alignment=["bias_ptr", "pb_ptr"])
     def _flash_biased_kernel(
         q_ptr, k_ptr, v_ptr, bias_ptr, out_ptr, pk_ptr, pv_ptr, pb_ptr, lse_ptr,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt, stride_vb, stride_vh, stride_vt,
