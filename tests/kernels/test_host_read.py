@@ -171,9 +171,33 @@ def test_an_unknown_read_path_is_refused(monkeypatch):
         read_span(host, 0, 16, "cpu")
 
 
+def test_the_default_reads_a_plain_store_by_the_copy_engine_and_a_quantized_one_by_the_kernel(monkeypatch, caplog):
+    """``READ_PATH = "auto"`` (the default): on CUDA the copy engine for a store in the model's dtype, the kernel
+    (which dequantizes) for a quantized one, without a warning; "copy" set by hand warns there; the CPU's
+    interpreter always takes the kernel."""
+    from hf_nosa.kernels.prefill import host_read
+
+    plain = make_store(1, 1, 16, 16, 40, torch.float32, "auto", None, pin=False)
+    quantized = make_store(1, 1, 16, 16, 40, torch.float32, "int8", None, pin=False)
+    cuda = torch.device("cuda")
+    assert host_read.READ_PATH == "auto"
+    with caplog.at_level("WARNING", logger=host_read.logger.name):
+        assert host_read.read_path(plain, cuda) == "copy"
+        assert host_read.read_path(quantized, cuda) == "kernel"
+        assert host_read.read_path(plain, "cpu") == "kernel"
+    assert not caplog.records
+    monkeypatch.setattr(host_read, "_LOGGED", set())
+    for path, want in (("kernel", "kernel"), ("copy", "copy")):
+        monkeypatch.setattr(host_read, "READ_PATH", path)
+        assert host_read.read_path(plain, cuda) == want
+    with caplog.at_level("WARNING", logger=host_read.logger.name):
+        assert host_read.read_path(quantized, cuda) == "kernel"
+    assert "quantized store" in caplog.text
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("path", ["copy", "kernel"])
+@pytest.mark.parametrize("path", ["copy", "kernel", "auto"])
 def test_read_span_by_either_path_on_gpu_matches_reference(path, monkeypatch):
     """The copy engine's 2D copies (and the kernel, for the same store) on a pinned store of several chunks, from the
     side stream the dense tail reads on."""

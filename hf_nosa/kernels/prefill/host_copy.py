@@ -9,8 +9,8 @@ row pitch: one 2D copy per chunk and tensor (``cuMemcpy2DAsync``) moves it with 
 memory at the link's rate and leaves the SMs to the attention. A quantized store's bytes need the kernel, which
 dequantizes them.
 
-``host_read.READ_PATH = "copy"`` selects it for unquantized stores; ``python -m benchmarks prefill read`` measures it
-beside the kernel's settings. ``read_span_ref`` (``HostStore.read_torch``) is the reference of both.
+``host_read``'s default (``READ_PATH = "auto"``) reads unquantized stores with it on CUDA; ``python -m benchmarks
+prefill read`` measures it beside the kernel's settings. ``read_span_ref`` (``HostStore.read_torch``) is the reference of both.
 """
 
 from __future__ import annotations

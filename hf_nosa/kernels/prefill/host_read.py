@@ -6,9 +6,9 @@ What a dense read of the store needs (the QUOKA prefill's dense tail reads the w
 - ``read_span_ref``: the torch reference, ``HostStore.read_torch`` (slices of each chunk moved with ``.to``; a slice
   ``[:, :, a:b]`` of a ``[B, Hk, C, D]`` chunk is not contiguous, so torch first copies it into pageable memory on
   the CPU and then copies that synchronously: on a 64K prompt at batch 38 this moved 76 GB at CPU-copy speed).
-- ``read_span_copy`` (``host_copy.py``): the copy engine's 2D copies instead, for a store in the model's dtype
-  (``READ_PATH = "copy"``);
-- ``read_span``: one Triton launch on CUDA. Each program copies one block of one (sequence, KV head) straight from
+- ``read_span_copy`` (``host_copy.py``): the copy engine's 2D copies instead, for a store in the model's dtype (the
+  default, ``READ_PATH = "auto"``, on CUDA);
+- ``read_span``'s kernel: one Triton launch on CUDA (a quantized store, or ``READ_PATH = "kernel"``). Each program copies one block of one (sequence, KV head) straight from
   pinned host memory through the store's block table (UVA, as ``fetch_step`` does), dequantizing a quantized
   store's bytes with their block scale, and taking each row's incomplete block from the store's tail. No host sync:
   the launch is ordered after the store's writes on the device (the caller's stream waits for the writer stream;
@@ -30,9 +30,12 @@ from .host_copy import read_span_copy, span_outputs
 READ_BLOCKS = 1
 READ_WARPS = 4
 # "kernel": the Triton kernel below; "copy": 2D copies by the copy engine (``host_copy.read_span_copy``) for a store
-# in the model's dtype (a quantized one still takes the kernel, which dequantizes). Chosen by measurement.
-READ_PATHS = ("kernel", "copy")
-READ_PATH = "kernel"
+# in the model's dtype (a quantized one still takes the kernel, which dequantizes, with a warning); "auto": the copy
+# engine for a store in the model's dtype and the kernel for a quantized one, without a warning. Chosen by
+# measurement: on an H100 the copy engine read a batch-8 turn's dense tail at 54.7 GB/s and the kernel at 50.0-50.4
+# GB/s whatever its blocks and warps (2026-12-07, docs/benchmarks.md).
+READ_PATHS = ("auto", "kernel", "copy")
+READ_PATH = "auto"
 _LOGGED: set = set()
 logger = logging.getLogger(__name__)
 
@@ -127,6 +130,22 @@ def _read_span_triton(host, start: int, end: int, device: torch.device):
     return k, v, b
 
 
+
+def read_path(host, device) -> str:
+    """Which device path reads ``host`` onto ``device`` under ``READ_PATH``: "copy" (the copy engine, CUDA and a
+    store in the model's dtype) or "kernel" (the Triton kernel; the interpreter on the CPU)."""
+    if READ_PATH not in READ_PATHS:
+        raise ValueError(f"host_read.READ_PATH={READ_PATH!r} is invalid: allowed {READ_PATHS}")
+    if READ_PATH == "kernel" or torch.device(device).type != "cuda":
+        return "kernel"
+    if host.format is None:
+        return "copy"
+    if READ_PATH == "copy" and host.host_dtype not in _LOGGED:
+        _LOGGED.add(host.host_dtype)
+        logger.warning("hf_nosa host_read: READ_PATH='copy' reads a quantized store (host_dtype=%r) with the kernel, "
+                       "which dequantizes it", host.host_dtype)
+    return "kernel"
+
 def read_span(host, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens ``start .. end - 1`` of ``host`` (a ``HostStore``) on ``device``: ``k, v [B, Hk, T, D]`` in the
     model's dtype, ``b [B, Hk, T]`` fp32; one launch reading pinned memory on CUDA, the torch reference elsewhere.
@@ -149,15 +168,8 @@ def read_span(host, start: int, end: int, device) -> tuple[torch.Tensor, torch.T
         path = "torch"
     if path == "torch":
         return read_span_ref(host, start, end, device)
-    if READ_PATH not in READ_PATHS:
-        raise ValueError(f"host_read.READ_PATH={READ_PATH!r} is invalid: allowed {READ_PATHS}")
-    if READ_PATH == "copy" and device.type == "cuda":
-        if host.format is None:
-            return read_span_copy(host, start, end, device)
-        if host.host_dtype not in _LOGGED:
-            _LOGGED.add(host.host_dtype)
-            logger.warning("hf_nosa host_read: READ_PATH='copy' reads a quantized store (host_dtype=%r) with the kernel, "
-                           "which dequantizes it", host.host_dtype)
+    if read_path(host, device) == "copy":
+        return read_span_copy(host, start, end, device)
     if device.type != "cuda":  # the interpreter reads the CPU store as the GPU reads pinned memory
         host.wait_writes()
     return _read_span_triton(host, start, end, device)
