@@ -286,6 +286,7 @@ def test_a_budget_left_unset_is_read_from_the_host_and_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 << 30)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 4 << 30)  # 2 GiB cached, free to reuse
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # what "cuda" without an index means
     assert ServingBudget().resolved("cpu") == ServingBudget(host_bytes=64 << 30, device_bytes=None)
     assert ServingBudget().resolved("cuda") == ServingBudget(host_bytes=64 << 30, device_bytes=6 << 30)
     # a per-process cap (24 GB of 80: mem_get_info does not see it) bounds the working sets: (0.1 x 80 - 2) / 2

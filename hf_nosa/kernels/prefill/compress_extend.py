@@ -13,8 +13,6 @@ touches it, so the ring is read before it is overwritten without synchronisation
 
 from __future__ import annotations
 
-import torch
-
 from ...config import NosaConfig
 from ..backend import HAS_TRITON, launcher, next_power_of_2, on_device, tl, triton
 
