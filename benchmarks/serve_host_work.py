@@ -8,6 +8,9 @@ interpreter (so the batched path runs), with the batched update's kernels and at
 return zeros, and each host-side function timed; the tokens are not meaningful.
 
     python -m benchmarks serve host --rows 16 --out FILE.json
+
+``--batches N`` sends the requests N times through one persistent manager: from the second batch on, every request
+draws its host buffers from what the earlier ones gave back (``HostPool.take``, timed beside the rest).
 """
 
 from __future__ import annotations
@@ -24,14 +27,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMED = ("_layer_rows", "_widen", "_views", "plan_step", "_run")
 
 
-def tiny_model():
+def tiny_model(layers: int = 2):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_nosa import NosaConfig, to_nosa
     from hf_nosa.modeling import randomize_eviction_heads
 
-    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, pad_token_id=0)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
@@ -45,6 +48,9 @@ def main(argv=None):
     parser.add_argument("--rows", type=int, default=16, help="requests decoding together (default: 16)")
     parser.add_argument("--prompt", type=int, default=40, help="tokens per prompt (default: 40)")
     parser.add_argument("--new-tokens", type=int, default=8, help="tokens per request (default: 8)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the tiny Llama (default: 2)")
+    parser.add_argument("--batches", type=int, default=1,
+                        help="times the requests go through one persistent manager (default: 1)")
     parser.add_argument("--out", default=None, help="JSON file to write")
     args = parser.parse_args(argv)
     # set before triton and the kernels are imported (they read it then): the batched path runs on the CPU
@@ -55,10 +61,10 @@ def main(argv=None):
 
     from benchmarks.harness import write_json
     from hf_nosa.cache import decode_step
-    from hf_nosa.serving import ServingBudget, decode_batch, enable
+    from hf_nosa.serving import ServingBudget, decode_batch, enable, host_pool
 
     torch.set_num_threads(1)
-    model = tiny_model()
+    model = tiny_model(args.layers)
     seconds, calls = collections.defaultdict(float), collections.Counter()
 
     def timed(owner, name):
@@ -78,6 +84,7 @@ def main(argv=None):
     saved = {name: timed(decode_batch, name) for name in TIMED}
     saved_prepare = timed(decode_step.DecodePaths, "prepare_fused_step")
     saved_finish = timed(decode_step.DecodePaths, "finish_fused_step")
+    saved_pool = {name: timed(host_pool.HostPool, name) for name in ("take", "give_back")}
     stubs = decode_batch.DecodePaths.decode_rows, decode_batch.attend_cache_inputs
     decode_batch.DecodePaths.decode_rows = staticmethod(lambda batch, k, v, q, b, scale, r0, r1: None)
     decode_batch.attend_cache_inputs = lambda q, inputs, scale: torch.zeros_like(q)
@@ -85,10 +92,12 @@ def main(argv=None):
     prompts = [torch.randint(3, 97, (args.prompt,), generator=g).tolist() for _ in range(args.rows)]
     enable(model, budget=ServingBudget(decode_rows=args.rows))  # every request on a row: one run
     try:
-        model.generate_batch(prompts, generation_config=GenerationConfig(
-            max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0),
-            continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=max(1024, args.rows * args.prompt)),
-            persistent_manager=True)
+        for _ in range(args.batches):
+            model.generate_batch(prompts, generation_config=GenerationConfig(
+                max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0),
+                continuous_batching_config=ContinuousBatchingConfig(
+                    max_batch_tokens=max(1024, args.rows * args.prompt)), persistent_manager=True)
+        free_buffers = len(model._cached_continuous_batching_manager.nosa_requests.host_pool.free)
         runs = dict(model._cached_continuous_batching_manager.nosa_requests.decode_runs)
     finally:
         model.destroy_cached_continuous_batching_manager()
@@ -96,10 +105,13 @@ def main(argv=None):
             setattr(decode_batch, name, original)
         decode_step.DecodePaths.prepare_fused_step = saved_prepare
         decode_step.DecodePaths.finish_fused_step = saved_finish
+        for name, original in saved_pool.items():
+            setattr(host_pool.HostPool, name, original)
         decode_batch.DecodePaths.decode_rows, decode_batch.attend_cache_inputs = stubs
     layer_runs = calls["_run"]
     per_layer_us = (seconds["_layer_rows"] + seconds["_run"]) / max(layer_runs, 1) * 1e6
-    result = dict(rows=args.rows, batched_runs=runs, host_us_per_layer=per_layer_us,
+    result = dict(rows=args.rows, layers=args.layers, batches=args.batches, free_buffers=free_buffers, batched_runs=runs,
+                  host_us_per_layer=per_layer_us,
                   functions={name: dict(calls=calls[name], total_ms=seconds[name] * 1e3,
                                         per_call_us=seconds[name] / max(calls[name], 1) * 1e6) for name in seconds})
     print(json.dumps(dict(rows=args.rows, batched_runs=runs, host_us_per_layer=round(per_layer_us, 1))))

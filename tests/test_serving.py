@@ -425,6 +425,37 @@ def test_the_host_pool_reuses_a_given_back_buffer_best_fit_and_keeps_owners_apar
     assert pool.held_bytes("e") == MIN_BUFFER_BYTES and host.shape == (1, 2, 16, 4) and device.device.type == "meta"
 
 
+def test_the_host_pool_picks_what_a_scan_of_every_free_buffer_would():
+    """The free buffers are kept sorted (a persistent manager holds thousands): over random takes and give-backs of
+    many owners, each take returns the buffer a scan of every free buffer picks (the smallest that fits, the one
+    given back first among equals, pinned and pageable apart), and the free bytes stay the free buffers' sum."""
+    import random
+
+    from hf_nosa.serving.host_pool import HostPool
+
+    rng = random.Random(7)
+    pool, free = HostPool(), []  # free: the reference, buffers in the order they were given back
+    owners = [f"r{i}" for i in range(12)]
+    for _ in range(600):
+        owner = rng.choice(owners)
+        if rng.random() < 0.25 and owner in pool.held:
+            given = pool.held[owner]
+            pool.give_back(owner)
+            free += given
+        else:
+            nbytes = rng.choice([1, 100, 70_000, 65_536, 131_073, 300_000, 1 << 20])
+            fits = [b for b in free if b.numel() >= nbytes]  # pin=False here; pinned needs CUDA
+            want = min(fits, key=lambda b: b.numel()) if fits else None
+            got = pool.take(owner, (nbytes,), torch.uint8, pin=False)
+            if want is None:
+                assert all(got.data_ptr() != b.data_ptr() for b in free)
+            else:
+                assert got.data_ptr() == want.data_ptr()
+                free = [b for b in free if b is not want]
+        assert pool.free_bytes() == sum(b.numel() for b in free)
+        assert sorted(b.data_ptr() for b in pool.free) == sorted(b.data_ptr() for b in free)
+
+
 def test_the_manager_counts_what_its_requests_moved_as_their_caches_do_alone():
     """``RequestCaches.stats``: bytes moved to the device and locality over every request (released ones kept),
     equal to the sums of NOSA generate on each request alone with its own NosaCache."""

@@ -16,6 +16,8 @@ the next request already holds.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 
 import torch
@@ -31,20 +33,32 @@ def rounded_bytes(nbytes: int) -> int:
 
 
 class HostPool:
-    """Host buffers by owner (a request id); ``free`` holds those given back, reused best-fit."""
+    """Host buffers by owner (a request id); the buffers given back are reused best-fit.
+
+    The free buffers are kept sorted by size, pinned and pageable apart, so a request's buffer is found by bisection:
+    a persistent manager holds thousands of them (a request has a few per layer and store chunk), and a linear scan
+    of all of them for every buffer of every new request made admission quadratic in the requests served."""
 
     def __init__(self):
-        self.free: list[torch.Tensor] = []
+        self._free: dict[bool, list[tuple[int, int, torch.Tensor]]] = {False: [], True: []}  # (bytes, order, buffer)
+        self._order = itertools.count()  # ties go to the buffer given back first
+        self._free_bytes = 0
         self.held: dict[str, list[torch.Tensor]] = {}
         self.allocated_bytes = 0  # host memory this pool ever allocated (pinned on CUDA), all of it still held
+
+    @property
+    def free(self) -> list[torch.Tensor]:
+        """The buffers given back and not taken again, smallest first (pageable, then pinned)."""
+        return [entry[2] for pin in (False, True) for entry in self._free[pin]]
 
     def take(self, owner: str, shape: tuple, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         """A ``shape`` ``dtype`` view of a buffer held for ``owner`` from now on (not cleared)."""
         nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        fits = [b for b in self.free if b.numel() >= nbytes and b.is_pinned() == pin]
-        if fits:
-            buffer = min(fits, key=lambda b: b.numel())
-            self.free = [b for b in self.free if b is not buffer]
+        free = self._free[bool(pin)]
+        i = bisect.bisect_left(free, (nbytes, -1))  # the smallest free buffer of at least nbytes
+        if i < len(free):
+            size, _, buffer = free.pop(i)
+            self._free_bytes -= size
         else:
             size = rounded_bytes(nbytes)
             buffer = pinned_empty((size,), torch.uint8) if pin else torch.empty(size, dtype=torch.uint8)
@@ -55,13 +69,15 @@ class HostPool:
     def give_back(self, owner: str) -> None:
         """``owner``'s buffers become free for the next requests."""
         buffers = self.held.pop(owner, [])
-        pinned = any(b.is_pinned() for b in buffers)
-        if pinned and torch.cuda.is_available() and torch.cuda.is_initialized():
+        pinned = [b.is_pinned() for b in buffers]
+        if any(pinned) and torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # copies into them may still be queued on a side stream
-        self.free.extend(buffers)
+        for buffer, pin in zip(buffers, pinned):
+            bisect.insort(self._free[pin], (buffer.numel(), next(self._order), buffer))
+            self._free_bytes += buffer.numel()
 
     def free_bytes(self) -> int:
-        return sum(b.numel() for b in self.free)
+        return self._free_bytes
 
     def held_bytes(self, owner: str | None = None) -> int:
         owners = self.held.values() if owner is None else [self.held.get(owner, [])]
