@@ -39,7 +39,7 @@ prefill              prefill               time to the first token: QUOKA agains
 prefill breakdown    prefill_breakdown     a NOSA prefill's GPU time by kernel kind, and its host syncs
 prefill attention    dense_attention       biased attention against stock sdpa, alone and in a prefill
 prefill ops          prefill_op_census     the source lines that issue a QUOKA chunk's aten ops (a CPU census)
-prefill read         host_read_bandwidth   the dense tail's reads of the host store: GB/s by blocks and warps per program
+prefill read         host_read_bandwidth   the dense tail's host-store reads: GB/s by path, blocks and warps
 prefill fetch-bytes  quoka_fetch_bytes     blocks a QUOKA prefill fetches over PCIe per chunk (counts)
 prefill score        quoka_score           QUOKA's block-scoring kernel at the shapes of a generate prefill
 train                train_step            the retrofit step: NOSA's sparse attention against dense sdpa, by length

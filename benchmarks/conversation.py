@@ -210,7 +210,8 @@ def main(argv=None):
         if args.profile:
             row["profile"] = profile_turn(model, batch, args.context, args.answer, args.turn, device,
                                           f"{args.profile}-b{batch}", seed=args.repeats)
-    result = dict(environment(), nosa_config=cfg.to_dict(), read_setting=read_setting, shape=args.shape if not args.smoke else "smoke",
+    result = dict(environment(), nosa_config=cfg.to_dict(), read_setting=read_setting,
+                  shape=args.shape if not args.smoke else "smoke",
                   cap_gb=None if args.smoke else (args.cap_gb or CAP_GB[args.shape]), rows=rows)
     if args.out:
         with open(args.out, "w") as f:

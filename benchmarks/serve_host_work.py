@@ -110,8 +110,8 @@ def main(argv=None):
         decode_batch.DecodePaths.decode_rows, decode_batch.attend_cache_inputs = stubs
     layer_runs = calls["_run"]
     per_layer_us = (seconds["_layer_rows"] + seconds["_run"]) / max(layer_runs, 1) * 1e6
-    result = dict(rows=args.rows, layers=args.layers, batches=args.batches, free_buffers=free_buffers, batched_runs=runs,
-                  host_us_per_layer=per_layer_us,
+    result = dict(rows=args.rows, layers=args.layers, batches=args.batches, free_buffers=free_buffers,
+                  batched_runs=runs, host_us_per_layer=per_layer_us,
                   functions={name: dict(calls=calls[name], total_ms=seconds[name] * 1e3,
                                         per_call_us=seconds[name] / max(calls[name], 1) * 1e6) for name in seconds})
     print(json.dumps(dict(rows=args.rows, batched_runs=runs, host_us_per_layer=round(per_layer_us, 1))))

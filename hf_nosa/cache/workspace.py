@@ -68,7 +68,8 @@ class DeviceWorkspace:
         if flat is None or flat.numel() < nbytes or flat.is_pinned() != pin:
             grown = nbytes if flat is None or flat.is_pinned() != pin else max(nbytes, int(flat.numel() * HOST_GROWTH))
             self.host.pop(key, None)  # free the old buffer before pinning its replacement
-            flat = self.host[key] = pinned_empty((grown,), torch.uint8) if pin else torch.empty(grown, dtype=torch.uint8)
+            flat = pinned_empty((grown,), torch.uint8) if pin else torch.empty(grown, dtype=torch.uint8)
+            self.host[key] = flat
         return flat[:nbytes].view(dtype).view(shape)
 
     def host_bytes(self) -> int:

@@ -12,10 +12,10 @@ an earlier one had (the first step after a prefill, or a cache whose compressed 
 the same capacity) replays that graph instead of capturing again. A step of a new key runs eagerly before its
 capture, so kernels are compiled outside it (the first two steps after a prefill run eagerly); the first step's
 graph, which differs only in not counting locality, is captured beside the second's, so the next request replays
-both. A left-padded batch
-replays too: each row's padding length is a device tensor the kernels read (``hf_nosa.rules.padding``). Limits: greedy
-only in ``greedy_decode``; CUDA only. With ``HF_NOSA_DECODE_PARTS`` above 1 the graph holds the batch's parts on
-their own streams, so one part's fetch overlaps another's compute (``hf_nosa.cache.decode_parts``).
+both. A left-padded batch replays too: each row's padding length is a device tensor the kernels read
+(``hf_nosa.rules.padding``). Limits: greedy only in ``greedy_decode``; CUDA only. With ``HF_NOSA_DECODE_PARTS``
+above 1 the graph holds the batch's parts on their own streams, so one part's fetch overlaps another's compute
+(``hf_nosa.cache.decode_parts``).
 
 A capture that raises is cleaned up before the error reaches the caller (``abandon_capture``): the capture stream
 ends, the caller's stream, the allocator's private pool and the default CUDA generator are put back, so the process

@@ -10,7 +10,8 @@ memory at the link's rate and leaves the SMs to the attention. A quantized store
 dequantizes them.
 
 ``host_read``'s default (``READ_PATH = "auto"``) reads unquantized stores with it on CUDA; ``python -m benchmarks
-prefill read`` measures it beside the kernel's settings. ``read_span_ref`` (``HostStore.read_torch``) is the reference of both.
+prefill read`` measures it beside the kernel's settings. ``read_span_ref`` (``HostStore.read_torch``) is the
+reference of both.
 """
 
 from __future__ import annotations

@@ -8,11 +8,12 @@ What a dense read of the store needs (the QUOKA prefill's dense tail reads the w
   the CPU and then copies that synchronously: on a 64K prompt at batch 38 this moved 76 GB at CPU-copy speed).
 - ``read_span_copy`` (``host_copy.py``): the copy engine's 2D copies instead, for a store in the model's dtype (the
   default, ``READ_PATH = "auto"``, on CUDA);
-- ``read_span``'s kernel: one Triton launch on CUDA (a quantized store, or ``READ_PATH = "kernel"``). Each program copies one block of one (sequence, KV head) straight from
-  pinned host memory through the store's block table (UVA, as ``fetch_step`` does), dequantizing a quantized
-  store's bytes with their block scale, and taking each row's incomplete block from the store's tail. No host sync:
-  the launch is ordered after the store's writes on the device (the caller's stream waits for the writer stream;
-  an asynchronous write's event is waited on by the stream, not by the host).
+- ``read_span``'s kernel: one Triton launch on CUDA (a quantized store, or ``READ_PATH = "kernel"``). Each program
+  copies one block of one (sequence, KV head) straight from pinned host memory through the store's block table
+  (UVA, as ``fetch_step`` does), dequantizing a quantized store's bytes with their block scale, and taking each
+  row's incomplete block from the store's tail. No host sync: the launch is ordered after the store's writes on the
+  device (the caller's stream waits for the writer stream; an asynchronous write's event is waited on by the
+  stream, not by the host).
 """
 
 from __future__ import annotations
@@ -130,7 +131,6 @@ def _read_span_triton(host, start: int, end: int, device: torch.device):
     return k, v, b
 
 
-
 def read_path(host, device) -> str:
     """Which device path reads ``host`` onto ``device`` under ``READ_PATH``: "copy" (the copy engine, CUDA and a
     store in the model's dtype) or "kernel" (the Triton kernel; the interpreter on the CPU)."""
@@ -145,6 +145,7 @@ def read_path(host, device) -> str:
         logger.warning("hf_nosa host_read: READ_PATH='copy' reads a quantized store (host_dtype=%r) with the kernel, "
                        "which dequantizes it", host.host_dtype)
     return "kernel"
+
 
 def read_span(host, start: int, end: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens ``start .. end - 1`` of ``host`` (a ``HostStore``) on ``device``: ``k, v [B, Hk, T, D]`` in the
