@@ -124,6 +124,8 @@ def stock_method(spec: str) -> str:
 def batching_for(method: str, args) -> ContinuousBatchingConfig:
     """The continuous-batching config a method runs with: ``--max-batch-tokens``, and a stock method's settings."""
     settings = dict(max_batch_tokens=args.max_batch_tokens)
+    if method == "nosa-eager":  # NOSA without its decode-step CUDA graphs (serving.step_graph)
+        settings["use_cuda_graph"] = False
     if method.startswith("stock[") and method.endswith("]"):
         settings.update(parse_stock_config(method[len("stock["):-1]))
     if method.startswith("stock") and torch.cuda.is_available() and torch.cuda.get_per_process_memory_fraction() < 1:
@@ -189,7 +191,7 @@ def memory_row(device) -> dict:
 
 def model_for(method: str, args, device, dtype):
     model = build_model(args.shape, device, dtype)
-    if method == "nosa":
+    if method in ("nosa", "nosa-eager"):
         import hf_nosa.serving
 
         model = to_nosa(model, nosa_config(args))
@@ -229,7 +231,7 @@ def run_method(method: str, prompts, args, device, dtype) -> dict:
     row = dict(method=method, first_call_s=first_s, wall_s=wall_s, errors=errors,
                delivered_tok_s=sum(len(t) for t in tokens) / wall_s, first_token_s=first_token_s, tokens=tokens,
                **memory)
-    if method == "nosa" and args.check:
+    if method.startswith("nosa") and args.check:
         alone = []
         for prompt in prompts:
             ids = torch.tensor([prompt], device=device)
@@ -327,6 +329,9 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
     if requests is not None:
         row.update(host_budget_bytes=requests.budget.host_bytes, host_pool_bytes=requests.host_pool.allocated_bytes,
                    **requests.stats())
+    graphs = getattr(manager, "nosa_step_graphs", None)
+    if graphs is not None:  # decode steps replayed as CUDA graphs (serving.step_graph)
+        row["step_graphs"] = graphs.stats()
     if requests is not None:
         row["decode_runs"] = {str(rows): n for rows, n in sorted(requests.decode_runs.items())}  # rows -> updates
     if window.table is not None:
@@ -468,8 +473,8 @@ def methods_of(args) -> list[str]:
     """``--methods`` with a ``stock[...]`` row per ``--stock-config`` after them (each checked before any run)."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     for method in methods:
-        if method not in ("stock", "nosa"):
-            raise ValueError(f"--methods {args.methods!r}: {method!r} is not one of stock, nosa "
+        if method not in ("stock", "nosa", "nosa-eager"):
+            raise ValueError(f"--methods {args.methods!r}: {method!r} is not one of stock, nosa, nosa-eager "
                              "(stock at other settings: --stock-config K=V,...)")
     return methods + [stock_method(spec) for spec in args.stock_config or []]
 
@@ -483,7 +488,8 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--max-batch-tokens", type=int, default=8192)
     parser.add_argument("--budget-tokens", type=int, default=4096)
-    parser.add_argument("--methods", default="stock,nosa")
+    parser.add_argument("--methods", default="stock,nosa",
+                        help="comma-separated: stock, nosa, nosa-eager (NOSA without its decode-step CUDA graphs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check", action="store_true", help="compare NOSA's tokens with generate on each alone")
     parser.add_argument("--rates", type=float, nargs="+", default=None,

@@ -280,16 +280,19 @@ class _noting_host_syncs:
                 warnings.warn_explicit(record.message, record.category, record.filename, record.lineno)
 
 
-def capture(fn, device: torch.device) -> torch.cuda.CUDAGraph:
-    """``fn()`` captured into a new CUDA graph on its own stream and memory pool; when capturing raises, the
-    process is repaired (``abandon_capture``) before the error propagates."""
+def capture(fn, device: torch.device, *, pool=None, capture_error_mode: str = "global") -> torch.cuda.CUDAGraph:
+    """``fn()`` captured into a new CUDA graph on its own stream, in memory ``pool`` (a new one by default); when
+    capturing raises, the process is repaired (``abandon_capture``) before the error propagates.
+    ``capture_error_mode``: torch's (``"thread_local"`` where other threads use CUDA meanwhile, as a serving
+    manager's caller does)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     with torch.cuda.device(index):
-        graph, pool = torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         stream, caller = torch.cuda.Stream(index), torch.cuda.current_stream(index)
         torch.cuda.synchronize(index)
         try:
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
                 fn()
         except BaseException:
             abandon_capture(graph, stream=stream, caller=caller, pool=pool)

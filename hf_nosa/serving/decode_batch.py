@@ -82,9 +82,12 @@ class _PlannedRun(SimpleNamespace):
 
 class StepPlan(SimpleNamespace):
     """The decode tokens of one continuous-batching step as runs of rows, the same in every layer of the step's
-    forward: built at its first layer from that layer's state (``plan_step``), read by every layer after.
+    forward: built at its first layer from that layer's state (``plan_step``), read by every layer after; or for
+    every layer before the forward (``plan_whole_step``, ``whole``), when the step may replay a CUDA graph.
     ``source`` is the ``RequestCaches.plan`` it was built for (a new list each step); ``prepared`` the rows of the
-    layer it was built at, already through ``prepare_fused_step`` (dropped once that layer has run them)."""
+    layers it was built at (layer -> rows), already through ``prepare_fused_step`` (each dropped once that layer
+    has run it); ``captured`` (a graph's plan only): per layer and run, the views and first row the captured step
+    reads, so the layers run no host work (``serving.step_graph`` runs it around the replay)."""
 
 
 def decode_tokens(requests, layer_idx: int) -> list[tuple[str, int]]:
@@ -105,7 +108,7 @@ def step_plan(requests, layer_idx: int, device) -> StepPlan:
     """The step's plan: built at the forward's first layer (layer 0, or any layer that finds the plan of an earlier
     step), kept on ``requests.decode_step_plan`` for the other layers."""
     plan = getattr(requests, "decode_step_plan", None)
-    if layer_idx == 0 or plan is None or plan.source is not requests.plan:
+    if plan is None or plan.source is not requests.plan or (layer_idx == 0 and not plan.whole):
         plan = requests.decode_step_plan = plan_step(requests, layer_idx, device)
     return plan
 
@@ -118,12 +121,23 @@ def plan_step(requests, layer_idx: int, device) -> StepPlan:
     per-layer steps are one host-to-device copy for the whole step (from pinned memory, non-blocking, on CUDA)."""
     rows = _layer_rows(requests, layer_idx, [(rid, at, None) for rid, at in decode_tokens(requests, layer_idx)])
     runs = _group(rows)
-    n_layers = requests.n_layers
+    host = plan_ints(runs, requests.n_layers)
+    planned = _planned_runs(runs, _device_ints(host, device) if host else None, requests.n_layers)
+    return StepPlan(source=requests.plan, runs=planned, prepared={layer_idx: rows}, whole=False, captured=None)
+
+
+def plan_ints(runs: list[list[_Row]], n_layers: int) -> list[int]:
+    """The runs' device integers, run after run: packed positions, offsets (``T - t``, T the run's longest) and
+    ``n_layers`` steps (each T)."""
     host = []
     for run in runs:
         T = max(r.t for r in run)
         host += [r.position for r in run] + [T - r.t for r in run] + [T] * n_layers
-    ints = _device_ints(host, device) if host else None
+    return host
+
+
+def _planned_runs(runs: list[list[_Row]], ints: torch.Tensor | None, n_layers: int) -> list[_PlannedRun]:
+    """The runs of a plan, their tensors slices of ``ints`` (laid out by ``plan_ints``)."""
     planned, i = [], 0
     for run in runs:
         R = len(run)
@@ -132,7 +146,72 @@ def plan_step(requests, layer_idx: int, device) -> StepPlan:
             warm=run[0].layer.warm, cfg=run[0].layer.cfg, positions=ints[i:i + R], offset=ints[i + R:i + 2 * R],
             steps=ints[i + 2 * R:i + 2 * R + n_layers]))
         i += 2 * R + n_layers
-    return StepPlan(source=requests.plan, runs=planned, prepared=(layer_idx, rows))
+    return planned
+
+
+class WholeStep(SimpleNamespace):
+    """A decode-only step planned for every layer before its forward (``plan_whole_step``): ``layer_rows`` (per
+    layer, through ``prepare_fused_step``), ``runs`` (layer 0's, as ``_Row`` lists), ``host`` (``plan_ints``) and,
+    when every layer groups its rows as layer 0 and every run has views of shared banks, ``views`` (per layer and
+    run, the ``_cached_views`` dicts) and ``key`` (what a captured step of it depends on); else ``key`` is None."""
+
+    def plan(self, ints: torch.Tensor, *, captured: bool) -> StepPlan:
+        """The step's ``StepPlan`` over ``ints`` (its device integers); ``captured``: the layers read the recorded
+        views and run no host work (a graph's capture, and its replays); else each layer runs its prepared rows."""
+        record = None
+        if captured:
+            record = [[(views, run[0].layer) for views, run in zip(layer_views, self.runs)]
+                      for layer_views in self.views]
+        return StepPlan(source=None, runs=_planned_runs(self.runs, ints, len(self.layer_rows)),
+                        prepared=None if captured else dict(enumerate(self.layer_rows)), whole=True, captured=record)
+
+
+def plan_whole_step(requests) -> WholeStep | None:
+    """The step planned before its forward, for every layer, when every token of it is a batched decode token
+    (one token after a finished prompt on a request with a row); None otherwise (the step runs eagerly and plans
+    at its first layer). Runs every layer's ``prepare_fused_step`` of the step's rows: the plan must then be the
+    one the step's forward uses (``WholeStep.plan``), and ``finish_whole_step`` ends it after the forward."""
+    tokens = decode_tokens(requests, 0)
+    if not tokens or len(tokens) != len(requests.plan):
+        return None
+    if any(requests.entries[rid].row is None for rid, _ in tokens):
+        return None
+    first = _layer_rows(requests, 0, [(rid, at, None) for rid, at in tokens])
+    wanted = [(r.request_id, r.position, r.t) for r in first]
+    layer_rows = [first] + [_layer_rows(requests, i, wanted) for i in range(1, requests.n_layers)]
+    runs = _group(first)
+    step = WholeStep(layer_rows=layer_rows, runs=runs, host=plan_ints(runs, requests.n_layers), views=None,
+                     key=None)
+    shape = _shape(runs)
+    views = []
+    for i, rows in enumerate(layer_rows):
+        layer_runs = _group(rows)
+        if _shape(layer_runs) != shape or any(a[0].layer.cfg != b[0].layer.cfg for a, b in zip(layer_runs, runs)):
+            return step
+        layer_views = [_cached_views(requests, i, run) for run in layer_runs]
+        if any(v is None for v in layer_views):
+            return step
+        views.append(layer_views)
+    step.views = views
+    configs = tuple(repr(run[0].layer.cfg) for run in runs)
+    step.key = (len(tokens), shape, configs, tuple(id(v) for layer_views in views for v in layer_views))
+    return step
+
+
+def _shape(runs: list[list[_Row]]) -> tuple:
+    """A grouping's runs: each run's requests and rows, and ``warm`` (the config is compared apart)."""
+    return tuple((tuple((r.request_id, r.row) for r in run), run[0].layer.warm) for run in runs)
+
+
+def finish_whole_step(requests, step: WholeStep) -> None:
+    """After a captured step's replay: each row's ``finish_fused_step`` in every layer, and the counts of its
+    batched updates (what ``_run`` does after an eager update)."""
+    for rows in step.layer_rows:
+        for r in rows:
+            r.layer.finish_fused_step(r.t)
+            r.layer._step_value = -1
+        for run in step.runs:
+            requests.decode_runs[len(run)] = requests.decode_runs.get(len(run), 0) + 1
 
 
 def _device_ints(values: list[int], device) -> torch.Tensor:
@@ -184,9 +263,13 @@ def decode_batched(requests, module, query, key, value, bias, out) -> set:
     layer with another selector than NOSA's, a request out of step) is left to the request-by-request path."""
     layer_idx = module.layer_idx
     plan = step_plan(requests, layer_idx, key.device)
-    if plan.prepared is not None and plan.prepared[0] == layer_idx:  # the layer the plan was built at
-        rows, plan.prepared = plan.prepared[1], None
-    else:
+    if plan.captured is not None:  # a CUDA graph's step: device work only, on the views the plan recorded
+        for run, (views, first) in zip(plan.runs, plan.captured[layer_idx]):
+            _run_device(requests, module, views, first, run.positions, run.offset,
+                        run.steps[layer_idx:layer_idx + 1], query, key, value, bias, out)
+        return {rid for run in plan.runs for rid in run.ids}
+    rows = plan.prepared.pop(layer_idx, None) if plan.prepared else None  # already through prepare_fused_step
+    if rows is None:
         rows = _layer_rows(requests, layer_idx, [(rid, at, t) for run in plan.runs
                                                  for rid, at, t in zip(run.ids, run.at, run.ts)])
     by_id = {r.request_id: r for r in rows}
@@ -315,8 +398,18 @@ def _run(requests, module, run: list[_Row], positions, offset, step, query, key,
                                    "are no row of a batch; this is a bug.")
             _run_alone(requests, module, [row], query, key, value, bias, out)
         return
-    first = run[0].layer
-    R = len(run)
+    _run_device(requests, module, views, run[0].layer, positions, offset, step, query, key, value, bias, out)
+    for r in run:
+        r.layer.finish_fused_step(r.t)
+        r.layer._step_value = -1  # its own step tensor was not advanced: set it again before it decodes alone
+    requests.decode_runs[len(run)] = requests.decode_runs.get(len(run), 0) + 1
+
+
+def _run_device(requests, module, views: dict, first, positions, offset, step, query, key, value, bias, out) -> None:
+    """The device work of one batched update (no host sync, nothing per request: what a CUDA graph captures):
+    the run's tokens gathered from the packed step, ``DecodePaths.decode_rows`` on the run's views (``first`` is
+    its first row's layer: config, warm, slot count), the outputs scattered back."""
+    R = positions.shape[0]
 
     def rows_of(x):  # [1, heads, N, ...] -> the run's tokens as [R, heads, 1, ...]
         return x[0][:, positions].transpose(0, 1).unsqueeze(2).contiguous()
@@ -332,7 +425,3 @@ def _run(requests, module, run: list[_Row], positions, offset, step, query, key,
         n_slots=first.n_slots, step=step, offset=offset, **{name: views[name] for name in POOL})
     inputs = DecodePaths.decode_rows(batch, k, v, q, b, module.scaling, 0, R)
     out[0][:, positions] = attend_cache_inputs(q, inputs, module.scaling)[:, :, 0].transpose(0, 1)
-    for r in run:
-        r.layer.finish_fused_step(r.t)
-        r.layer._step_value = -1  # its own step tensor was not advanced: set it again before it decodes alone
-    requests.decode_runs[R] = requests.decode_runs.get(R, 0) + 1

@@ -8,8 +8,10 @@ streaming, ``generate_batch`` on top); it differs in three places:
   scheduler. Everything else (``ContinuousBatchProcessor``, its inputs and outputs, ``ModelRunner``) is stock;
 - ``add_request`` refuses a request that could not fit the host (or device) budget even alone: it fails at once
   with a MemoryError naming its size, and the others run;
-- the continuous-batching config is set for the Python per-request attention of this version: no CUDA graphs, no
-  compile, no asynchronous batching, no decode fast path, no block sharing (each logged when the caller asked);
+- the continuous-batching config is set for NOSA's per-request attention: no compile, no asynchronous batching,
+  no decode fast path, no block sharing (each logged when the caller asked), and transformers' CUDA graphs off: on
+  CUDA a decode step replays NOSA's own graph instead (``serving.step_graph``, on the runner's ``compute_batch``;
+  ``use_cuda_graph=False`` turns it off);
 - ``switch_to_cb_friendly_attn`` sets the model's attention implementation to ``"nosa_paged"`` for the session
   (restored by ``stop``, as transformers restores its own switch): NOSA layers never dispatch to an attention
   implementation, and with a name that is not eager / sdpa transformers' inputs build no
@@ -43,6 +45,7 @@ from ..config import NosaConfig
 from .paged_cache import NosaPagedCache
 from .requests import RequestCaches, ServingBudget
 from .scheduler import NOSA_SCHEDULERS
+from .step_graph import StepGraphs, step_graphs_wanted
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +94,7 @@ def nosa_batching_config(config: ContinuousBatchingConfig | None, requests: Requ
     config = copy.deepcopy(config) if config is not None else ContinuousBatchingConfig()
     for name, value in _FORCED.items():
         given = getattr(config, name)
-        if given != value and given != _DEFAULTS_OF_FORCED[name] and not (name == "use_cuda_graph" and not any(
-                config.cuda_graph_booleans)):
+        if given != value and given != _DEFAULTS_OF_FORCED[name] and name != "use_cuda_graph":  # NOSA's own graphs
             logger.warning("NOSA serving: ContinuousBatchingConfig.%s=%r is not supported yet; using %r "
                            "(docs/serving.md).", name, given, value)
         setattr(config, name, value)
@@ -128,6 +130,10 @@ class NosaBatchingManager(ContinuousBatchingManager):
         shard = getattr(model.model.layers[0].self_attn.eviction_head, "tensor_parallel", None)
         self.nosa_requests = RequestCaches(model.config, nosa_config, budget or ServingBudget(), model.dtype,
                                            model.device, rank_kv_heads=shard.hi - shard.lo if shard else None)
+        # on CUDA a decode step replays NOSA's graph (serving.step_graph) unless the caller turns graphs off
+        use_cuda_graph = getattr(continuous_batching_config, "use_cuda_graph", None)
+        self.nosa_step_graphs = (StepGraphs(self.nosa_requests)
+                                 if step_graphs_wanted(model.device, use_cuda_graph) else None)
         config = nosa_batching_config(continuous_batching_config, self.nosa_requests)
         self.nosa_ledger_tokens = None
         if config.num_blocks is None:
@@ -174,6 +180,7 @@ class NosaBatchingManager(ContinuousBatchingManager):
         batch_processor = getattr(self, "batch_processor", None)
         if isinstance(batch_processor, ContinuousBatchProcessor):
             batch_processor.reset()
+            self._install_step_graphs(batch_processor)
             return batch_processor
         supports_logits_to_keep = getattr(self.model, "_supports_logits_to_keep", None)
         cache = NosaPagedCache(
@@ -197,7 +204,7 @@ class NosaBatchingManager(ContinuousBatchingManager):
         scheduler = scheduler_cls(cache=cache, safety_margin=self.continuous_batching_config.safety_margin,
                                   max_requests_per_batch=self.continuous_batching_config.max_requests_per_batch)
         scheduler.chunk_size = self.nosa_requests.nosa_config.prefill_chunk()
-        return ContinuousBatchProcessor(
+        processor = ContinuousBatchProcessor(
             cache=cache,
             config=self.model.config.get_text_config(),
             generation_config=self.generation_config,
@@ -212,6 +219,13 @@ class NosaBatchingManager(ContinuousBatchingManager):
             scheduler=scheduler,
             distributed_helper=self.distributed_helper,
         )
+        self._install_step_graphs(processor)
+        return processor
+
+    def _install_step_graphs(self, processor: ContinuousBatchProcessor) -> None:
+        graphs = getattr(self, "nosa_step_graphs", None)
+        if graphs is not None:
+            graphs.install(processor.model_runner)
 
 
 def init_continuous_batching(model, generation_config: GenerationConfig | None = None,

@@ -1,0 +1,124 @@
+"""A NOSA manager's decode steps replayed as graphs (``serving.step_graph``), on the CPU.
+
+A CUDA graph records a step's launches once and replays them on the memory they name. ``RerunGraphs`` stands in
+for it here: its capture records the step's function and runs nothing, and each replay runs that function again as
+it was captured, on the plan and views the capture recorded and the same transformers buffers. What it checks is
+the host side the real graph depends on: the per-request work run around the replay for every layer, the step's
+integers written into the graph's static tensor, the keys (a changed batch is not replayed on an old graph), and
+that the tokens are those of the eager steps and of ``generate`` alone. The real graphs run in
+tests/test_serving_gpu.py."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from packaging.version import Version
+from transformers import ContinuousBatchingConfig
+
+from hf_nosa.serving import MIN_TRANSFORMERS
+
+if Version(Version(transformers.__version__).base_version) < MIN_TRANSFORMERS:
+    pytest.skip(f"serving needs transformers >= {MIN_TRANSFORMERS}", allow_module_level=True)
+
+from hf_nosa.serving import init_continuous_batching  # noqa: E402
+from hf_nosa.serving.step_graph import StepGraphs, step_graphs_wanted  # noqa: E402
+
+from .test_serving import _generation_config, _prompts, _sparse_model, _wait_for  # noqa: E402
+from .test_serving_batched import _alone  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class RerunGraphs:
+    """A graph backend for the CPU: capturing records ``fn`` (runs nothing); ``replay()`` runs it."""
+
+    def __init__(self):
+        self.captured = 0
+
+    def capture(self, fn, device):
+        self.captured += 1
+        return SimpleNamespace(replay=fn)
+
+
+def _serve(model, prompts, new_tokens, *, backend):
+    """Each prompt with its own ``max_new_tokens`` through one manager with ``StepGraphs(backend)``; the tokens,
+    the graphs' stats and the manager's counters."""
+    manager = init_continuous_batching(model, _generation_config(max(new_tokens)),
+                                       ContinuousBatchingConfig(max_batch_tokens=256))
+    requests = manager.nosa_requests
+    graphs = manager.nosa_step_graphs = StepGraphs(requests, backend=backend) if backend is not None else None
+    manager.start()
+    results = {}
+    try:
+        for i, (prompt, n) in enumerate(zip(prompts, new_tokens)):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
+        _wait_for(lambda: results.update({r.request_id: r for r in [manager.get_result(timeout=0.05)] if r
+                                          and r.is_finished()}) or len(results) == len(prompts), timeout=600)
+    finally:
+        manager.stop(block=True, timeout=10)
+    tokens = [results[f"r{i}"].generated_tokens for i in range(len(prompts))]
+    return tokens, (graphs.stats() if graphs is not None else None), requests.stats(), dict(requests.decode_runs)
+
+
+@pytest.mark.slow
+def test_replayed_decode_steps_equal_eager_and_generate_alone_interpreted(interpret, prompt_rotary_on_torch):
+    """Three requests prefill in one step and decode together; one stops early, so the batch changes. The steps
+    replayed from the captured ones give each request the tokens of the eager steps and of generate alone, the
+    counters sum the same, and a changed batch ran eagerly before its own capture."""
+    model = _sparse_model("llama", seed=31)
+    prompts = _prompts((60, 70, 66), seed=31)
+    new_tokens = (7, 12, 12)
+    alone = [_alone(model, p, n)[0] for p, n in zip(prompts, new_tokens)]
+    backend = RerunGraphs()
+    tokens, graphs, stats, runs = _serve(model, prompts, new_tokens, backend=backend)
+    eager_tokens, none, eager_stats, eager_runs = _serve(model, prompts, new_tokens, backend=None)
+    assert none is None
+    assert tokens == alone == eager_tokens
+    # steps: the prefill, the first decode step (warm False), the first warm one (eager, compiles), then captured and
+    # replayed; when r0 stops the batch of two runs once eagerly, then its own capture and replays
+    assert graphs["failed"] is None
+    assert graphs["captures"] == backend.captured == 2, graphs
+    assert graphs["replays"] >= 6, graphs
+    assert graphs["eager_decode_steps"] >= 2, graphs
+    assert runs == eager_runs  # the replayed updates counted as the eager ones
+    assert stats == eager_stats and stats["blocks_loaded"] > 0
+
+
+def test_the_torch_reference_path_is_never_captured():
+    """On the torch reference path a step's decode tokens go request by request: the graphs run nothing (no
+    whole-step plan, no prepare) and the tokens equal generate alone."""
+    model = _sparse_model("llama", seed=33)
+    prompts = _prompts((40, 50), seed=33)
+    alone = [_alone(model, p, 5)[0] for p in prompts]
+    backend = RerunGraphs()
+    tokens, graphs, _, runs = _serve(model, prompts, (5, 5), backend=backend)
+    assert tokens == alone
+    assert backend.captured == 0 and graphs["replays"] == 0 and graphs["eager_decode_steps"] == 0
+    assert runs == {}
+
+
+def test_graphs_are_wanted_on_cuda_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("HF_NOSA_CUDA_GRAPH", raising=False)
+    assert step_graphs_wanted("cuda:0", None) and step_graphs_wanted("cuda", True)
+    assert not step_graphs_wanted("cuda", False) and not step_graphs_wanted("cpu", None)
+    monkeypatch.setenv("HF_NOSA_CUDA_GRAPH", "0")
+    assert not step_graphs_wanted("cuda", None)
+
+
+@pytest.mark.slow
+def test_a_failed_capture_turns_the_graphs_off_and_the_steps_go_on(interpret, prompt_rotary_on_torch, caplog):
+    """A capture that raises is logged, and the manager's steps go on eagerly with the same tokens."""
+
+    class Failing(RerunGraphs):
+        def capture(self, fn, device):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    model = _sparse_model("llama", seed=35)
+    prompts = _prompts((40, 44), seed=35)
+    alone = [_alone(model, p, 6)[0] for p in prompts]
+    with caplog.at_level("WARNING", logger="hf_nosa.serving.step_graph"):
+        tokens, graphs, _, _ = _serve(model, prompts, (6, 6), backend=Failing())
+    assert tokens == alone
+    assert graphs["captures"] == 0 and "not permitted" in graphs["failed"]
+    assert any("run eagerly from now on" in r.getMessage() for r in caplog.records)
