@@ -1,10 +1,10 @@
 """GPU: NOSA under transformers' continuous batching on CUDA (pinned host stores, the device kernels, transformers'
 compute stream) gives each request the tokens of NOSA generate on it alone (which decodes with its captured graph),
-with the decode tokens of a step in batched updates (``serving.decode_batch``).
+with the decode tokens of a step in batched updates (``serving.decode_batch``) and decode-only steps replayed as CUDA
+graphs (``serving.step_graph``).
 
-Not run yet (no GPU machine could be started when it was written). Serving needs transformers >= 5.18; the GPU machine
-has 5.17, so carry a wheel (docs/serving.md), e.g. ``pip install --no-deps --target /tmp/tf transformers-5.18.0 +
-tokenizers 0.23 + huggingface_hub 1.33 wheels`` and ``PYTHONPATH=/tmp/tf:.``; on 5.17 this module skips.
+Serving needs transformers >= 5.18; where the GPU machine has 5.17, carry the wheels (``bash benchmarks/gpu_session.sh
+serve`` installs those of ``build/serving_wheels``); on 5.17 this module skips.
 """
 
 import pytest

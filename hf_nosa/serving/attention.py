@@ -20,7 +20,7 @@ Where the decode step runs on the device kernels (CUDA, or the Triton interprete
 through the layer as one batched update of the requests' rows of shared slot pools (``serving.decode_batch``, on a
 plan of the step built at its first layer and reused by the others) and only the prompt pieces go request by
 request; on the torch reference path every request goes through its own update, the reference the batched step is
-tested against. Replaying the batched step as a CUDA graph per bucketed batch size is next (docs/serving.md).
+tested against. On CUDA a step of decode tokens only replays a CUDA graph of the whole step (``serving.step_graph``).
 """
 
 from __future__ import annotations
