@@ -40,7 +40,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..modeling.cuda_graph import capture
+from ..cache.graph_capture import capture
 from .decode_batch import _device_ints, batched_decode_runs, finish_whole_step, plan_whole_step
 
 logger = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class StepGraphs:
         try:
             graph = self.backend.capture(lambda: runner._forward_process_and_sample(model, batch_data, *cb_kwargs),
                                          device)
-        except Exception as error:  # the process is usable again (modeling.cuda_graph.capture); go on eagerly
+        except Exception as error:  # the process is usable again (cache.graph_capture.capture); go on eagerly
             self.failed = f"{type(error).__name__}: {error}"
             self.graphs.clear()
             logger.warning("NOSA serving: capturing a decode step as a CUDA graph failed (%s); this manager's steps "
