@@ -11,6 +11,10 @@ return zeros, and each host-side function timed; the tokens are not meaningful.
 
 ``--batches N`` sends the requests N times through one persistent manager: from the second batch on, every request
 draws its host buffers from what the earlier ones gave back (``HostPool.take``, timed beside the rest).
+
+``--graphs`` runs the manager's decode-step graphs (``hf_nosa.serving.step_graph``) with a stand-in graph whose
+replay does nothing: what is timed is the host work of a replayed step (the step planned for every layer, each
+request's prepare and finish in every layer), ``replayed_step_us``.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the tiny Llama (default: 2)")
     parser.add_argument("--batches", type=int, default=1,
                         help="times the requests go through one persistent manager (default: 1)")
+    parser.add_argument("--graphs", action="store_true",
+                        help="decode steps through the step graphs, their replays doing nothing (module docstring)")
     parser.add_argument("--out", default=None, help="JSON file to write")
     args = parser.parse_args(argv)
     # set before triton and the kernels are imported (they read it then): the batched path runs on the CPU
@@ -88,6 +94,23 @@ def main(argv=None):
     stubs = decode_batch.DecodePaths.decode_rows, decode_batch.attend_cache_inputs
     decode_batch.DecodePaths.decode_rows = staticmethod(lambda batch, k, v, q, b, scale, r0, r1: None)
     decode_batch.attend_cache_inputs = lambda q, inputs, scale: torch.zeros_like(q)
+    graphs = []
+    if args.graphs:
+        from types import SimpleNamespace
+
+        from hf_nosa.serving import manager as serving_manager
+        from hf_nosa.serving import step_graph
+
+        class NoReplay:  # the device work of a replay is not what is measured here
+            def capture(self, fn, device):
+                return SimpleNamespace(replay=lambda: None)
+
+        saved_graphs = (serving_manager.step_graphs_wanted, step_graph.CudaGraphs)
+        serving_manager.step_graphs_wanted = lambda device, use_cuda_graph: True
+        step_graph.CudaGraphs = NoReplay
+        for name in ("plan_whole_step", "finish_whole_step"):
+            graphs.append((name, timed(step_graph, name)))
+        graphs.append(("compute_batch", timed(step_graph.StepGraphs, "compute_batch")))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 97, (args.prompt,), generator=g).tolist() for _ in range(args.rows)]
     enable(model, budget=ServingBudget(decode_rows=args.rows))  # every request on a row: one run
@@ -98,6 +121,8 @@ def main(argv=None):
                 continuous_batching_config=ContinuousBatchingConfig(
                     max_batch_tokens=max(1024, args.rows * args.prompt)), persistent_manager=True)
         free_buffers = len(model._cached_continuous_batching_manager.nosa_requests.host_pool.free)
+        step_graphs = model._cached_continuous_batching_manager.nosa_step_graphs
+        step_graphs = step_graphs.stats() if step_graphs is not None else None
         runs = dict(model._cached_continuous_batching_manager.nosa_requests.decode_runs)
     finally:
         model.destroy_cached_continuous_batching_manager()
@@ -108,13 +133,26 @@ def main(argv=None):
         for name, original in saved_pool.items():
             setattr(host_pool.HostPool, name, original)
         decode_batch.DecodePaths.decode_rows, decode_batch.attend_cache_inputs = stubs
+        if args.graphs:
+            serving_manager.step_graphs_wanted, step_graph.CudaGraphs = saved_graphs
+            for name, original in graphs[:2]:
+                setattr(step_graph, name, original)
+            step_graph.StepGraphs.compute_batch = graphs[2][1]
     layer_runs = calls["_run"]
     per_layer_us = (seconds["_layer_rows"] + seconds["_run"]) / max(layer_runs, 1) * 1e6
+    replayed_us = None
+    if step_graphs is not None and step_graphs["replays"]:
+        # a replayed step's host work: one plan (the mean over every step planned, the first steps of a batch, which
+        # build the runs' views, included) and one finish
+        replayed_us = sum(seconds[name] / max(calls[name], 1) for name in ("plan_whole_step", "finish_whole_step"))
+        replayed_us *= 1e6
     result = dict(rows=args.rows, layers=args.layers, batches=args.batches, free_buffers=free_buffers,
-                  batched_runs=runs, host_us_per_layer=per_layer_us,
+                  batched_runs=runs, host_us_per_layer=per_layer_us, step_graphs=step_graphs,
+                  replayed_step_us=replayed_us,
                   functions={name: dict(calls=calls[name], total_ms=seconds[name] * 1e3,
                                         per_call_us=seconds[name] / max(calls[name], 1) * 1e6) for name in seconds})
-    print(json.dumps(dict(rows=args.rows, batched_runs=runs, host_us_per_layer=round(per_layer_us, 1))))
+    print(json.dumps(dict(rows=args.rows, batched_runs=runs, host_us_per_layer=round(per_layer_us, 1),
+                          step_graphs=step_graphs, replayed_step_us=replayed_us and round(replayed_us, 1))))
     for name, row in result["functions"].items():
         print(f"  {name:20s} {row['calls']:5d} calls  {row['per_call_us']:8.1f} us each")
     return write_json(args.out, result) if args.out else result
