@@ -24,7 +24,9 @@ device is capped at ``--cap-gb`` (the shape's cap of ``generate.py`` by default:
 
 Stock runs at transformers' defaults (``--max-batch-tokens`` aside) and, per ``--stock-config K=V,K=V``, at other
 settings of its ``ContinuousBatchingConfig`` (``max_memory_percent``, ``page_size``, ``num_blocks``,
-``max_requests_per_batch``, ...), each its own method row (``stock[K=V,...]``). Every row also records host memory
+``max_requests_per_batch``, ...), each its own method row (``stock[K=V,...]``); ``--nosa-config K=V,...`` does the
+same for NOSA (``nosa[K=V,...]``, e.g. ``max_batch_tokens=65536``), and ``--methods nosa-eager`` runs NOSA without its
+decode-step CUDA graphs. Every row also records host memory
 (resident set now and its peak over the row, pinned host bytes on CUDA) and device memory (peak allocated and
 reserved). A stream run writes its JSON and, beside it, a PNG (``--out``'s name, ``.png``): output tok/s, p50 time
 to first token and p50 time per output token against the offered load, per method (the ``inf`` load drawn past the
@@ -121,13 +123,20 @@ def stock_method(spec: str) -> str:
     return "stock[" + ",".join(f"{k}={v}" for k, v in parse_stock_config(spec).items()) + "]"
 
 
+def nosa_method(spec: str) -> str:
+    """The method name of NOSA serving at the settings ``spec`` (a ``--nosa-config``)."""
+    return "nosa[" + ",".join(f"{k}={v}" for k, v in parse_stock_config(spec).items()) + "]"
+
+
 def batching_for(method: str, args) -> ContinuousBatchingConfig:
-    """The continuous-batching config a method runs with: ``--max-batch-tokens``, and a stock method's settings."""
+    """The continuous-batching config a method runs with: ``--max-batch-tokens``, and a ``stock[...]`` or
+    ``nosa[...]`` method's settings."""
     settings = dict(max_batch_tokens=args.max_batch_tokens)
     if method == "nosa-eager":  # NOSA without its decode-step CUDA graphs (serving.step_graph)
         settings["use_cuda_graph"] = False
-    if method.startswith("stock[") and method.endswith("]"):
-        settings.update(parse_stock_config(method[len("stock["):-1]))
+    for prefix in ("stock[", "nosa["):
+        if method.startswith(prefix) and method.endswith("]"):
+            settings.update(parse_stock_config(method[len(prefix):-1]))
     if method.startswith("stock") and torch.cuda.is_available() and torch.cuda.get_per_process_memory_fraction() < 1:
         settings["max_memory_percent"] = capped_memory_percent(settings.get("max_memory_percent"))
     return ContinuousBatchingConfig(**settings)
@@ -191,7 +200,7 @@ def memory_row(device) -> dict:
 
 def model_for(method: str, args, device, dtype):
     model = build_model(args.shape, device, dtype)
-    if method in ("nosa", "nosa-eager"):
+    if method.startswith("nosa"):
         import hf_nosa.serving
 
         model = to_nosa(model, nosa_config(args))
@@ -476,7 +485,8 @@ def methods_of(args) -> list[str]:
         if method not in ("stock", "nosa", "nosa-eager"):
             raise ValueError(f"--methods {args.methods!r}: {method!r} is not one of stock, nosa, nosa-eager "
                              "(stock at other settings: --stock-config K=V,...)")
-    return methods + [stock_method(spec) for spec in args.stock_config or []]
+    return (methods + [stock_method(spec) for spec in args.stock_config or []]
+            + [nosa_method(spec) for spec in getattr(args, "nosa_config", None) or []])
 
 
 def main(argv=None):
@@ -498,6 +508,9 @@ def main(argv=None):
     parser.add_argument("--stock-config", action="append", default=None, metavar="K=V,K=V",
                         help="stock continuous batching at these ContinuousBatchingConfig settings too, as its own "
                              f"method row (repeatable; keys: {', '.join(STOCK_KEYS)})")
+    parser.add_argument("--nosa-config", action="append", default=None, metavar="K=V,K=V",
+                        help="NOSA serving at these ContinuousBatchingConfig settings too (e.g. max_batch_tokens=65536:"
+                             " whole prompts in one step), as its own method row (repeatable; keys as --stock-config)")
     parser.add_argument("--smoke", action="store_true",
                         help="the CPU smoke run's defaults: shape smoke, 3 requests of 40-300 tokens, 8 new tokens, "
                              "loads 50 inf, nosa and stock[num_blocks=16,page_size=32] (what is given stays)")

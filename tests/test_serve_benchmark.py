@@ -14,7 +14,8 @@ from hf_nosa.serving import MIN_TRANSFORMERS
 if Version(Version(transformers.__version__).base_version) < MIN_TRANSFORMERS:
     pytest.skip(f"serving needs transformers >= {MIN_TRANSFORMERS}", allow_module_level=True)
 
-from benchmarks.serve import STOCK_KEYS, batching_for, main, parse_stock_config, plot_stream, stock_method  # noqa
+from benchmarks.serve import (  # noqa: E402
+    STOCK_KEYS, batching_for, main, methods_of, nosa_method, parse_stock_config, plot_stream, stock_method)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STREAM_KEYS = ("rate", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "max_decoding",
@@ -70,6 +71,12 @@ def test_stock_settings_parse_by_type_and_refuse_unknown_keys():
     config = batching_for("stock[page_size=64,max_batch_tokens=256]", args)
     assert (config.page_size, config.max_batch_tokens) == (64, 256)
     assert batching_for("nosa", args).max_batch_tokens == 512
+    assert nosa_method("max_batch_tokens=65536") == "nosa[max_batch_tokens=65536]"
+    assert batching_for("nosa[max_batch_tokens=65536]", args).max_batch_tokens == 65536
+    assert batching_for("nosa-eager", args).use_cuda_graph is False
+    both = type("Args", (), dict(methods="nosa,stock", stock_config=["page_size=64"],
+                                 nosa_config=["max_batch_tokens=4096"]))()
+    assert methods_of(both) == ["nosa", "stock", "stock[page_size=64]", "nosa[max_batch_tokens=4096]"]
     with pytest.raises(ValueError, match="K one of page_size"):
         parse_stock_config("paged_size=64")
     with pytest.raises(ValueError, match="page_size takes"):
