@@ -50,35 +50,15 @@ def test_on_the_gpu_replayed_decode_steps_equal_eager_steps_and_generate_alone(f
     """The manager's decode steps replayed as CUDA graphs (``serving.step_graph``, on by default on CUDA) give each
     request the tokens of the eager steps (``use_cuda_graph=False``) and of generate alone; a request that stops
     early changes the batch, which is captured anew."""
-    from transformers import ContinuousBatchingConfig
-
-    from hf_nosa.serving import init_continuous_batching
-
-    from .test_serving import _alone, _generation_config, _prompts, _sparse_model, _wait_for
+    from .test_serving import _alone, _prompts, _sparse_model
+    from .test_serving_graphs import _serve
 
     model = _sparse_model(family, seed=13).cuda()
     prompts = _prompts((60, 90, 200, 70), seed=13)
     new_tokens = (24, 40, 40, 12)
     expected = [_alone(model, p, n) for p, n in zip(prompts, new_tokens)]
-
-    def serve(use_cuda_graph):
-        manager = init_continuous_batching(model, _generation_config(max(new_tokens)), ContinuousBatchingConfig(
-            max_batch_tokens=256, use_cuda_graph=use_cuda_graph))
-        manager.start()
-        results = {}
-        try:
-            for i, (prompt, n) in enumerate(zip(prompts, new_tokens)):
-                manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
-            _wait_for(lambda: results.update({r.request_id: r for r in [manager.get_result(timeout=0.05)] if r
-                                              and r.is_finished()}) or len(results) == len(prompts), timeout=300)
-        finally:
-            manager.stop(block=True, timeout=10)
-        graphs = manager.nosa_step_graphs
-        return ([results[f"r{i}"].generated_tokens for i in range(len(prompts))],
-                graphs.stats() if graphs is not None else None, manager.nosa_requests.stats())
-
-    tokens, graphs, stats = serve(None)
-    eager_tokens, no_graphs, eager_stats = serve(False)
+    tokens, graphs, stats, _ = _serve(model, prompts, new_tokens)
+    eager_tokens, no_graphs, eager_stats, _ = _serve(model, prompts, new_tokens, use_cuda_graph=False)
     assert no_graphs is None
     assert tokens == expected == eager_tokens
     assert graphs["failed"] is None and graphs["captures"] >= 2 and graphs["replays"] >= 20, graphs

@@ -11,7 +11,6 @@ tests/test_serving_gpu.py."""
 from types import SimpleNamespace
 
 import pytest
-import torch
 import transformers
 from packaging.version import Version
 from transformers import ContinuousBatchingConfig
@@ -41,13 +40,16 @@ class RerunGraphs:
         return SimpleNamespace(replay=fn)
 
 
-def _serve(model, prompts, new_tokens, *, backend):
-    """Each prompt with its own ``max_new_tokens`` through one manager with ``StepGraphs(backend)``; the tokens,
-    the graphs' stats and the manager's counters."""
-    manager = init_continuous_batching(model, _generation_config(max(new_tokens)),
-                                       ContinuousBatchingConfig(max_batch_tokens=256))
+def _serve(model, prompts, new_tokens, *, backend=None, use_cuda_graph=None):
+    """Each prompt with its own ``max_new_tokens`` through one manager (with ``StepGraphs(backend)`` when a backend
+    is given, else the manager's own: CUDA graphs on CUDA unless ``use_cuda_graph`` is False, none on the CPU); the
+    tokens, the graphs' stats (None without graphs) and the manager's counters."""
+    manager = init_continuous_batching(model, _generation_config(max(new_tokens)), ContinuousBatchingConfig(
+        max_batch_tokens=256, use_cuda_graph=use_cuda_graph))
     requests = manager.nosa_requests
-    graphs = manager.nosa_step_graphs = StepGraphs(requests, backend=backend) if backend is not None else None
+    if backend is not None:
+        manager.nosa_step_graphs = StepGraphs(requests, backend=backend)
+    graphs = manager.nosa_step_graphs
     manager.start()
     results = {}
     try:
@@ -72,7 +74,7 @@ def test_replayed_decode_steps_equal_eager_and_generate_alone_interpreted(interp
     alone = [_alone(model, p, n)[0] for p, n in zip(prompts, new_tokens)]
     backend = RerunGraphs()
     tokens, graphs, stats, runs = _serve(model, prompts, new_tokens, backend=backend)
-    eager_tokens, none, eager_stats, eager_runs = _serve(model, prompts, new_tokens, backend=None)
+    eager_tokens, none, eager_stats, eager_runs = _serve(model, prompts, new_tokens)
     assert none is None
     assert tokens == alone == eager_tokens
     # steps: the prefill, the first decode step (warm False), the first warm one (eager, compiles), then captured and
