@@ -83,6 +83,7 @@ def test_replayed_decode_steps_equal_eager_and_generate_alone_interpreted(interp
     assert graphs["captures"] == backend.captured == 2, graphs
     assert graphs["replays"] >= 6, graphs
     assert graphs["eager_decode_steps"] >= 2, graphs
+    assert graphs["graphs"] == 1, graphs  # the three requests' graph went when r0 left
     assert runs == eager_runs  # the replayed updates counted as the eager ones
     assert stats == eager_stats and stats["blocks_loaded"] > 0
 

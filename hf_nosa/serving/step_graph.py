@@ -22,7 +22,8 @@ layer (``decode_batch.plan_whole_step`` / ``finish_whole_step``), as ``modeling.
 
 A key is captured the second time it is seen (its first step runs eagerly and compiles every kernel variant the
 capture launches); the graphs share one memory pool (they replay one at a time; what they leave for later is in
-transformers' output buffer) and the ``MAX_GRAPHS`` most recently replayed are kept. A request's first decode
+transformers' output buffer) and the ``MAX_GRAPHS`` most recently replayed are kept, less those of a batch with a
+request that has left. A request's first decode
 step (no locality counted) or a batch that changed since the last step runs eagerly. A failed capture is logged
 with its error, and the manager's later steps run eagerly (``stats()["failed"]``).
 
@@ -90,6 +91,7 @@ class StepGraphs:
         self.captures = self.replays = self.eager_steps = 0
         self.failed: str | None = None
         self.runner = None
+        self._requests_seen: set = set()  # the requests admitted when the graphs were last pruned
 
     def install(self, runner) -> None:
         """Put ``compute_batch`` on ``runner`` (transformers' ``ModelRunner``, this manager's own instance)."""
@@ -108,6 +110,8 @@ class StepGraphs:
         requests = self.requests
         if self.failed is not None or not batched_decode_runs(batch_data["input_ids"]):
             return self._stock(model, batch_data)  # the torch reference path decodes request by request
+        if self.graphs and requests.entries.keys() != self._requests_seen:
+            self._drop_released()
         step = plan_whole_step(requests)
         if step is None:
             return self._stock(model, batch_data)
@@ -133,6 +137,14 @@ class StepGraphs:
             entry.graph.replay()
         finish_whole_step(requests, step)
         self.replays += 1
+
+    def _drop_released(self) -> None:
+        """Drop the graphs of batches with a request that has left (finished, cancelled): they would never replay
+        again, and their plans hold the request's layers (and so its buffers) alive."""
+        live = self.requests.entries.keys()
+        for key in [key for key in self.graphs if any(rid not in live for run in key[1] for rid, _ in run[0])]:
+            del self.graphs[key]
+        self._requests_seen = set(live)
 
     def _eager(self, model, batch_data, step, device) -> None:
         """The step on transformers' path, its layers on ``step``'s plan (prepared already)."""
