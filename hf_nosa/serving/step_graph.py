@@ -87,7 +87,8 @@ class StepGraphs:
         self.requests = requests
         self.backend = backend if backend is not None else CudaGraphs()
         self.graphs: OrderedDict = OrderedDict()  # key -> SimpleNamespace(graph, ints, plan), last replayed last
-        self._seen: set = set()  # keys whose first step ran eagerly
+        # keys whose first step ran eagerly, with the views they name (held, so no id in a key is reused meanwhile)
+        self._seen: dict = {}
         self.captures = self.replays = self.eager_steps = 0
         self.failed: str | None = None
         self.runner = None
@@ -110,7 +111,7 @@ class StepGraphs:
         requests = self.requests
         if self.failed is not None or not batched_decode_runs(batch_data["input_ids"]):
             return self._stock(model, batch_data)  # the torch reference path decodes request by request
-        if self.graphs and requests.entries.keys() != self._requests_seen:
+        if (self.graphs or self._seen) and requests.entries.keys() != self._requests_seen:
             self._drop_released()
         step = plan_whole_step(requests)
         if step is None:
@@ -120,7 +121,7 @@ class StepGraphs:
             if step.key is not None:
                 if len(self._seen) >= 4 * MAX_GRAPHS:
                     self._seen.clear()
-                self._seen.add(step.key)
+                self._seen[step.key] = step.views
             return self._eager(model, batch_data, step, device)
         entry = self.graphs.get(step.key)
         if entry is None:
@@ -142,8 +143,9 @@ class StepGraphs:
         """Drop the graphs of batches with a request that has left (finished, cancelled): they would never replay
         again, and their plans hold the request's layers (and so its buffers) alive."""
         live = self.requests.entries.keys()
-        for key in [key for key in self.graphs if any(rid not in live for run in key[1] for rid, _ in run[0])]:
-            del self.graphs[key]
+        for keys in (self.graphs, self._seen):
+            for key in [key for key in keys if any(rid not in live for run in key[1] for rid, _ in run[0])]:
+                del keys[key]
         self._requests_seen = set(live)
 
     def _eager(self, model, batch_data, step, device) -> None:
