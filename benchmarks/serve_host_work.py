@@ -110,7 +110,6 @@ def main(argv=None):
         step_graph.CudaGraphs = NoReplay
         for name in ("plan_whole_step", "finish_whole_step"):
             graphs.append((name, timed(step_graph, name)))
-        graphs.append(("compute_batch", timed(step_graph.StepGraphs, "compute_batch")))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 97, (args.prompt,), generator=g).tolist() for _ in range(args.rows)]
     enable(model, budget=ServingBudget(decode_rows=args.rows))  # every request on a row: one run
@@ -135,9 +134,8 @@ def main(argv=None):
         decode_batch.DecodePaths.decode_rows, decode_batch.attend_cache_inputs = stubs
         if args.graphs:
             serving_manager.step_graphs_wanted, step_graph.CudaGraphs = saved_graphs
-            for name, original in graphs[:2]:
+            for name, original in graphs:
                 setattr(step_graph, name, original)
-            step_graph.StepGraphs.compute_batch = graphs[2][1]
     layer_runs = calls["_run"]
     per_layer_us = (seconds["_layer_rows"] + seconds["_run"]) / max(layer_runs, 1) * 1e6
     replayed_us = None

@@ -14,6 +14,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+# "0" replays no CUDA graph: generate's decode steps (modeling.chunked) and a serving manager's (serving.step_graph)
+# run eagerly, the reference the graphs are tested against
+GRAPH_ENV_VAR = "HF_NOSA_CUDA_GRAPH"
+
 
 def capture(fn, device: torch.device, *, pool=None, capture_error_mode: str = "global") -> torch.cuda.CUDAGraph:
     """``fn()`` captured into a new CUDA graph on its own stream, in memory ``pool`` (a new one by default); when

@@ -41,6 +41,7 @@ import os
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..cache.graph_capture import GRAPH_ENV_VAR
 from ..cache.nosa_cache import NosaCache
 from ..kernels.backend import kernel_path
 from ..rules.devices import available_device_memory
@@ -48,7 +49,6 @@ from ..rules.padding import leading_padding, roll_rows
 from .cuda_graph import DecodeGraph, cache_keyword, in_stock_forward
 
 logger = logging.getLogger(__name__)
-GRAPH_ENV_VAR = "HF_NOSA_CUDA_GRAPH"  # "0" decodes eagerly (the reference the graph is tested against)
 _OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 

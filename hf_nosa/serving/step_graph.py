@@ -41,13 +41,12 @@ from types import SimpleNamespace
 
 import torch
 
-from ..cache.graph_capture import capture
+from ..cache.graph_capture import GRAPH_ENV_VAR, capture
 from .decode_batch import _device_ints, batched_decode_runs, finish_whole_step, plan_whole_step
 
 logger = logging.getLogger(__name__)
 
 MAX_GRAPHS = 8
-GRAPH_ENV_VAR = "HF_NOSA_CUDA_GRAPH"  # as generate's decode graph (modeling.chunked): "0" runs every step eagerly
 
 
 class CudaGraphs:
@@ -116,7 +115,7 @@ class StepGraphs:
         step = plan_whole_step(requests)
         if step is None:
             return self._stock(model, batch_data)
-        device = requests.entries[requests.plan[0][0]].cache.layers[0].device
+        device = batch_data["input_ids"].device
         if step.key is None or step.key not in self.graphs and step.key not in self._seen:
             if step.key is not None:
                 if len(self._seen) >= 4 * MAX_GRAPHS:
