@@ -553,7 +553,7 @@ def main(argv=None):
             rows.append(run_rates(method, prompts, args, device, dtype))
             if args.out:  # after every method, so a run cut short keeps what it measured
                 write_json(args.out, result)
-        nosa = [r for row in rows if row["method"] == "nosa" for r in row["rates"]]
+        nosa = [r for row in rows if row["method"].startswith("nosa") for r in row["rates"]]
         locality = nosa[-1].get("locality") if nosa else None
         result["floor"] = floor_analysis(build_model(args.shape, "meta", dtype), [len(p) for p in prompts],
                                          args.new_tokens, cap if device.type == "cuda" else None,
