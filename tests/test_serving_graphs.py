@@ -8,6 +8,7 @@ integers written into the graph's static tensor, the keys (a changed batch is no
 that the tokens are those of the eager steps and of ``generate`` alone. The real graphs run in
 tests/test_serving_gpu.py."""
 
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +22,7 @@ if Version(Version(transformers.__version__).base_version) < MIN_TRANSFORMERS:
     pytest.skip(f"serving needs transformers >= {MIN_TRANSFORMERS}", allow_module_level=True)
 
 from hf_nosa.serving import init_continuous_batching  # noqa: E402
-from hf_nosa.serving.step_graph import StepGraphs, step_graphs_wanted  # noqa: E402
+from hf_nosa.serving.step_graph import CudaGraphs, StepGraphs, step_graphs_wanted  # noqa: E402
 
 from .test_serving import _generation_config, _prompts, _sparse_model, _wait_for  # noqa: E402
 from .test_serving_batched import _alone  # noqa: E402
@@ -38,6 +39,58 @@ class RerunGraphs:
     def capture(self, fn, device):
         self.captured += 1
         return SimpleNamespace(replay=fn)
+
+
+class _Graph:
+    def __init__(self, replay):
+        self.replay = replay
+
+
+class LatchedPools:
+    """torch's rule for CUDA graph memory pools, on the CPU: capturing into a pool id adds a use, freeing the graph
+    removes it, and capturing into an id whose uses went back to 0 fails as CUDACachingAllocator's
+    ``TORCH_INTERNAL_ASSERT(it->second->use_count > 0)`` does. The graphs replay as ``RerunGraphs``'."""
+
+    def __init__(self):
+        self.uses: dict = {}
+        self.made = 0
+
+    def new_pool(self):
+        self.made += 1
+        return (0, self.made)
+
+    def capture_into(self, fn, device, pool):
+        if self.uses.get(pool, 1) == 0:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED (a released pool id)")
+        self.uses[pool] = self.uses.get(pool, 0) + 1
+        graph = _Graph(fn)
+        weakref.finalize(graph, self._release, pool)
+        return graph
+
+    def _release(self, pool):
+        self.uses[pool] -= 1
+
+    def backend(self) -> CudaGraphs:
+        return CudaGraphs(new_pool=self.new_pool, capture_into=self.capture_into)
+
+
+def test_a_pool_is_made_anew_once_its_graphs_are_gone():
+    """The live graphs share one pool; when the last is freed the next capture gets a new pool, not the released
+    id (torch asserts on it)."""
+    pools = LatchedPools()
+    graphs = pools.backend()
+    first, second = graphs.capture(lambda: None, "cpu"), graphs.capture(lambda: None, "cpu")
+    assert pools.made == 1 and pools.uses[(0, 1)] == 2
+    del first
+    third = graphs.capture(lambda: None, "cpu")  # `second` still lives in the pool: shared
+    assert pools.made == 1 and pools.uses[(0, 1)] == 2
+    del second, third
+    assert pools.uses[(0, 1)] == 0
+    with pytest.raises(RuntimeError, match="use_count"):  # the rule the stand-in follows
+        pools.capture_into(lambda: None, "cpu", (0, 1))
+    fourth = graphs.capture(lambda: None, "cpu")
+    assert pools.made == 2 and graphs.pools == 2 and pools.uses[(0, 2)] == 1
+    fourth.replay()
 
 
 def _serve(model, prompts, new_tokens, *, backend=None, use_cuda_graph=None):
@@ -72,7 +125,8 @@ def test_replayed_decode_steps_equal_eager_and_generate_alone_interpreted(interp
     prompts = _prompts((60, 70, 66), seed=31)
     new_tokens = (7, 12, 12)
     alone = [_alone(model, p, n)[0] for p, n in zip(prompts, new_tokens)]
-    backend = RerunGraphs()
+    pools = LatchedPools()  # the second capture comes after the first graph is gone: it needs a new pool
+    backend = pools.backend()
     tokens, graphs, stats, runs = _serve(model, prompts, new_tokens, backend=backend)
     eager_tokens, none, eager_stats, eager_runs = _serve(model, prompts, new_tokens)
     assert none is None
@@ -80,7 +134,7 @@ def test_replayed_decode_steps_equal_eager_and_generate_alone_interpreted(interp
     # steps: the prefill, the first decode step (warm False), the first warm one (eager, compiles), then captured and
     # replayed; when r0 stops the batch of two runs once eagerly, then its own capture and replays
     assert graphs["failed"] is None
-    assert graphs["captures"] == backend.captured == 2, graphs
+    assert graphs["captures"] == 2 and backend.pools == pools.made == 2, graphs
     assert graphs["replays"] >= 6, graphs
     assert graphs["eager_decode_steps"] >= 2, graphs
     assert graphs["graphs"] == 1, graphs  # the three requests' graph went when r0 left

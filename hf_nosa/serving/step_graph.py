@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections import OrderedDict
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -50,20 +51,38 @@ MAX_GRAPHS = 8
 
 
 class CudaGraphs:
-    """Capture on CUDA: one memory pool for all the manager's graphs, thread-local capture mode (the caller's
-    thread may use CUDA while the manager's thread captures)."""
+    """Capture on CUDA: the manager's live graphs share one memory pool; thread-local capture mode (the caller's
+    thread may use CUDA while the manager's thread captures).
 
-    def __init__(self):
+    A pool is made anew once every graph captured into it is gone. torch's pool id is a one-way latch: when the
+    last graph captured into it is freed, its use count drops to 0 but the allocator keeps the id, and the next
+    capture into it fails ``TORCH_INTERNAL_ASSERT(it->second->use_count > 0)`` (CUDACachingAllocator). The graphs
+    of a batch go when one of its requests leaves (``StepGraphs._drop_released``), so this happens in every
+    stream where a request finishes while the others decode.
+
+    ``new_pool`` and ``capture_into(fn, device, pool)`` default to torch's (``graph_pool_handle`` and
+    ``cache.graph_capture.capture``); the tests pass ones that follow the same rule on the CPU.
+    """
+
+    def __init__(self, *, new_pool=None, capture_into=None):
         self.pool = None
+        self._live = weakref.WeakSet()  # the graphs captured into ``pool`` that still exist
+        self._new_pool = new_pool or torch.cuda.graph_pool_handle
+        self._capture_into = capture_into or (
+            lambda fn, device, pool: capture(fn, device, pool=pool, capture_error_mode="thread_local"))
+        self.pools = 0  # pools made so far
 
-    def capture(self, fn, device: torch.device):
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+    def capture(self, fn, device):
+        if self.pool is None or not self._live:
+            self.pool, self._live = self._new_pool(), weakref.WeakSet()
+            self.pools += 1
         try:
-            return capture(fn, device, pool=self.pool, capture_error_mode="thread_local")
+            graph = self._capture_into(fn, device, self.pool)
         except BaseException:
             self.pool = None  # a failed capture hands its pool back (abandon_capture)
             raise
+        self._live.add(graph)
+        return graph
 
 
 def step_graphs_wanted(device, use_cuda_graph) -> bool:
@@ -103,7 +122,7 @@ class StepGraphs:
 
     def stats(self) -> dict:
         return dict(captures=self.captures, replays=self.replays, eager_decode_steps=self.eager_steps,
-                    graphs=len(self.graphs), failed=self.failed)
+                    graphs=len(self.graphs), pools=getattr(self.backend, "pools", None), failed=self.failed)
 
     def compute_batch(self, model, batch_data: dict) -> None:
         """transformers' ``ModelRunner.compute_batch``: a decode step replays its graph where it can."""
