@@ -18,7 +18,7 @@ def command_line() -> str:
     """The command that ran (``python -m benchmarks <suite> ...``, or a script named from the repository root),
     with the output folder written as DIR (it is a path of the machine that ran it) and the ``HF_NOSA_*`` settings
     of the run in front (they change what runs, e.g. ``HF_NOSA_PREFILL_FETCH_PARTS``; ``HF_NOSA_COMMIT`` only names
-    the code and is left out)."""
+    the code and is left out), and ``PYTORCH_CUDA_ALLOC_CONF`` where set (it changes what fits)."""
     args = list(sys.argv)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if args and args[0].startswith("python -m "):
@@ -29,8 +29,12 @@ def command_line() -> str:
             args[0] = os.path.relpath(os.path.abspath(args[0]), root)  # the script, as the repository names it
     for i, arg in enumerate(args[:-1]):
         if arg == "--out":
-            args[i + 1] = "DIR"
-    settings = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("HF_NOSA_") and k != "HF_NOSA_COMMIT"]
+            out, args[i + 1] = args[i + 1], "DIR"
+            # other paths in that folder (a --profile beside the JSON) are the run machine's too
+            folder = os.path.dirname(os.path.abspath(out)) + os.sep
+            args = [("DIR" + os.sep + a[len(folder):]) if a.startswith(folder) else a for a in args]
+    settings = [f"{k}={v}" for k, v in sorted(os.environ.items())
+                if k.startswith("HF_NOSA_") and k != "HF_NOSA_COMMIT" or k == "PYTORCH_CUDA_ALLOC_CONF"]
     return " ".join(settings + launcher + args)
 
 

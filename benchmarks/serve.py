@@ -308,8 +308,10 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
                                 streaming=deadline is not None)
         results, finished = {}, set()
         window = ProfileWindow(args, method, rate, start)
+        admitted = 0  # the most requests transformers' scheduler held active at once (sampled as results come)
         while len(finished) < len(prompts):
             window.poll()
+            admitted = max(admitted, _active_requests(manager))
             if deadline is not None and time.perf_counter() - start >= deadline:
                 cut_short = True  # the unfinished requests count with the tokens they have
                 break
@@ -329,7 +331,7 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
         manager.stop(block=True, **({"hard_stop": True} if hard else {}))
     outputs = [results[f"r{i}"] for i in range(len(prompts)) if f"r{i}" in results]
     row = dict(rate=rate, errors=[o.error for o in outputs if o.error], **stream_metrics(outputs, start, end),
-               **memory_row(device))
+               max_admitted=admitted, **memory_row(device))
     if deadline is not None:  # output_tok_s is then the tokens delivered by the deadline over the time to it
         row.update(deadline_s=deadline, finished_requests=len(finished), cut_short=len(finished) < len(prompts))
     if device.type == "cuda":
@@ -349,6 +351,15 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
     row["batching"] = {k: getattr(batching, k, None) for k in ("max_memory_percent", "num_blocks", "max_batch_tokens",
                                                                  "page_size", "max_requests_per_batch")}
     return row
+
+
+def _active_requests(manager) -> int:
+    """Requests transformers' scheduler holds active (admitted: prefilling or decoding, their KV held) now; 0 before
+    the manager's batch processor exists. The same count for stock and NOSA: NOSA's admission (host memory and
+    the slot pools) decides which requests transformers' scheduler may activate."""
+    processor = getattr(manager, "batch_processor", None)
+    scheduler = getattr(processor, "scheduler", None)
+    return len(getattr(scheduler, "active_requests", ()) or ())
 
 
 class ProfileWindow:
@@ -442,6 +453,7 @@ def saturation(rows: list[dict]) -> dict:
     keys = ("output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "host_peak_rss_bytes",
             "pinned_peak_bytes", "device_peak_bytes", "locality")
     return dict(rate=best["rate"], max_decoding=max(r["max_decoding"] for r in rows),
+                max_admitted=max(r.get("max_admitted", 0) for r in rows),
                 **{k: best.get(k) for k in keys})
 
 

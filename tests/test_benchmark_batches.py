@@ -266,3 +266,14 @@ def test_recorded_command_names_the_script_from_the_repository_root(monkeypatch)
     command = environment.command_line()
     assert command.endswith("python benchmarks/decode.py --batch 4 --out DIR")
     assert str(script.parent) not in command
+
+
+def test_recorded_command_writes_the_output_folders_paths_as_dir(monkeypatch):
+    from benchmarks import environment
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setattr(sys, "argv", ["python -m benchmarks serve", "--profile", "/run/out/profile", "--out",
+                                      "/run/out/serve.json"])
+    command = environment.command_line()
+    assert command.startswith("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True ")
+    assert command.endswith("serve --profile DIR/profile --out DIR") and "/run/out" not in command

@@ -15,11 +15,11 @@ if Version(Version(transformers.__version__).base_version) < MIN_TRANSFORMERS:
     pytest.skip(f"serving needs transformers >= {MIN_TRANSFORMERS}", allow_module_level=True)
 
 from benchmarks.serve import (  # noqa: E402
-    STOCK_KEYS, batching_for, main, methods_of, nosa_method, parse_stock_config, plot_stream, stock_method)
+    STOCK_KEYS, _active_requests, batching_for, main, methods_of, nosa_method, parse_stock_config, plot_stream, stock_method)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STREAM_KEYS = ("rate", "output_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "max_decoding",
-               "host_rss_bytes", "host_peak_rss_bytes", "pinned_bytes", "pinned_peak_bytes", "device_peak_bytes",
+               "max_admitted", "host_rss_bytes", "host_peak_rss_bytes", "pinned_bytes", "pinned_peak_bytes", "device_peak_bytes",
                "device_reserved_peak_bytes")
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -39,6 +39,7 @@ def test_the_smoke_stream_writes_every_field_and_the_plot(tmp_path):
             assert set(STREAM_KEYS) <= set(rate), set(STREAM_KEYS) - set(rate)
             assert rate["errors"] == [] and rate["generated_tokens"] == 3 * 8 and rate["output_tok_s"] > 0
             assert 1 <= rate["max_decoding"] <= 3 and rate["ttft_p50_s"] <= rate["ttft_p99_s"]
+            assert 0 <= rate["max_admitted"] <= 3  # sampled while results come: a fast stream may show none
             assert rate["device_peak_bytes"] is None  # on the CPU: no device memory to report
             if rate["host_rss_bytes"] is not None:  # Linux
                 assert 0 < rate["host_rss_bytes"] <= rate["host_peak_rss_bytes"]
@@ -53,6 +54,14 @@ def test_the_smoke_stream_writes_every_field_and_the_plot(tmp_path):
         assert written["plot"] == "serve.png" and png.stat().st_size > 0
     else:
         assert written["plot"] is None and not png.exists()
+
+
+def test_admitted_requests_are_those_the_scheduler_holds_active():
+    from types import SimpleNamespace
+
+    scheduler = SimpleNamespace(active_requests={"a": 1, "b": 2}, waiting_requests={"c": 3})
+    assert _active_requests(SimpleNamespace(batch_processor=SimpleNamespace(scheduler=scheduler))) == 2
+    assert _active_requests(SimpleNamespace(batch_processor=None)) == 0  # before the manager's thread starts
 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="the plot needs matplotlib (the [bench] extra)")

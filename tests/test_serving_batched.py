@@ -228,6 +228,42 @@ def test_the_rows_fit_the_device_budget():
     assert RequestCaches(model.config, budget=ServingBudget(device_bytes=1)).rows.max_rows == 1
 
 
+def _build(caches, request_id: str, prompt: int, new_tokens: int):
+    """Admit a request and build its cache's layers as its first prompt piece would (the banks open)."""
+    assert caches.admit(request_id, prompt, new_tokens)
+    entry, cache = caches.cache_of(request_id)
+    keys = torch.randn(1, caches.kv_heads, prompt, caches.head_dim, generator=torch.Generator().manual_seed(prompt))
+    for layer in cache.layers:
+        layer.lazy_initialization(keys, keys)
+    return entry
+
+
+def test_the_banks_hold_what_row_bytes_counts_and_no_more_than_the_device_budget():
+    """A bank holds all its rows from the start, its compressed keys at a power-of-two capacity: ``row_bytes`` counts
+    exactly that. Under a device budget the first request sizes the rows to what the budget holds at its length,
+    and a longer request whose wider bank would not fit decodes alone on buffers of its own."""
+    from hf_nosa.serving import RequestCaches
+
+    model = _sparse_model("llama", seed=29)
+    unbounded = RequestCaches(model.config)
+    _build(unbounded, "a", 300, 20)
+    slot, grows = unbounded.row_bytes(320)
+    assert unbounded.rows.bank_bytes() == unbounded.rows.max_rows * (slot + grows) > 0
+    assert unbounded.row_bytes(2000)[1] > grows  # a longer request needs a wider bank
+
+    caches = RequestCaches(model.config, budget=ServingBudget(device_bytes=3 * (slot + grows) + 100))
+    assert caches.rows.max_rows > 3 and caches.rows.bank_bytes() == 0  # nothing opened before a request
+    assert _build(caches, "a", 300, 20).row == 0
+    assert caches.rows.max_rows == 3 and caches.rows.bank_bytes() == 3 * (slot + grows)
+    assert _build(caches, "b", 280, 30).row == 1  # the same banks
+    long = _build(caches, "long", 1900, 100)
+    assert long.row is None and caches.rows.bank_bytes() == 3 * (slot + grows)
+    assert long.cache.layers[0].compressed.keys.shape[0] == 1  # its own buffers, not a bank's row
+    assert caches.rows.bank_bytes() <= caches.budget.device_bytes
+    with pytest.raises(RuntimeError, match="banks are open"):
+        caches.rows.limit(2)
+
+
 @pytest.mark.slow
 def test_a_request_beyond_the_rows_decodes_alone_interpreted(interpret, prompt_rotary_on_torch, monkeypatch):
     """Three requests on two rows: the third draws buffers of its own and decodes as a run of one beside the

@@ -23,7 +23,9 @@ import torch
 from ..cache.host_store import HostStore, available_host_memory
 from ..cache.nosa_cache import NosaCache
 from ..config import NosaConfig
+from ..kernels.decode.block_scores import window_capacity_for
 from ..rules.devices import available_device_memory
+from ..rules.selection import num_windows
 from .host_pool import HostPool, RequestWorkspace
 from .row_pool import RowPool
 
@@ -151,6 +153,46 @@ class RequestCaches:
         compressed = Hk * (-(-tokens // cfg.compress_stride)) * (D * itemsize + 4)
         return self.n_layers * (pool + compressed)
 
+    def row_bytes(self, tokens: int) -> tuple[int, int]:
+        """Device bytes of one row of the banks (``row_pool.RowPool``) a request of ``tokens`` tokens draws on, every
+        layer, as ``(slot part, capacity part)``: its slot pool (K, V, scores, block ids, tail slot), and what
+        follows its length: the compressed keys and bias at the capacity the decode kernels keep (a power of two of
+        windows, ``window_capacity_for``: up to twice ``device_bytes``' count), their ring and the host block
+        table. A bank holds every row of its shape from the start, taken or not."""
+        cfg = self.nosa_config.sized_for(tokens)
+        P, D, Hk = cfg.block_size, self.head_dim, self.kv_heads
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        slots = max(cfg.budget_blocks, cfg.prefill_budget_blocks) + 1  # NosaLayer.n_slots
+        slot = Hk * ((slots + 1) * P * (2 * D * itemsize + 4) + slots * 8 + 8)
+        capacity = window_capacity_for(num_windows(tokens, cfg))
+        blocks = max(1, -(-tokens // P))
+        table = HostStore.table_rows(cfg.host_dtype) * (1 << max(6, (blocks - 1).bit_length())) * 8
+        grows = Hk * (capacity + cfg.compress_kernel) * (D * itemsize + 4) + table
+        return self.n_layers * slot, self.n_layers * grows
+
+    def _assign_row(self, tokens: int) -> int | None:
+        """A row for a request of ``tokens`` tokens, or None (it decodes alone, on buffers of its own) where the
+        banks it needs would not fit the device budget beside the banks open and the working sets of the requests
+        without a row. The first request sizes the banks: as many rows as the budget holds at its length (no more
+        than ``decode_rows``), since every bank holds all its rows from the start."""
+        budget = self.budget.device_bytes
+        if budget is None:
+            return self.rows.assign()
+        left = budget - sum(e.device_bytes for e in self.entries.values() if e.cache is not None and e.row is None)
+        slot, grows = self.row_bytes(tokens)
+        if not self.rows.banks:
+            self.rows.limit(min(self.rows.max_rows, left // (slot + grows)))
+        if not self.rows.free_rows:
+            return None
+        cfg = self.nosa_config.sized_for(tokens)
+        capacity = window_capacity_for(num_windows(tokens, cfg))
+        slots = max(cfg.budget_blocks, cfg.prefill_budget_blocks) + 2
+        need = (0 if self.rows.holds((0, "slot_k"), (self.kv_heads, slots, cfg.block_size, self.head_dim)) else slot)
+        need += 0 if self.rows.holds((0, "compressed_keys"), (self.kv_heads, capacity, self.head_dim), grow=1) else grows
+        if self.rows.bank_bytes() + self.rows.max_rows * need > left:
+            return None
+        return self.rows.assign()
+
     def decode_rows(self) -> int:
         """Rows of the shared slot pools (``row_pool.RowPool``): ``ServingBudget.decode_rows``, and with a device
         budget no more than it holds working sets of requests that use the whole slot budget (a bank holds all its
@@ -222,8 +264,8 @@ class RequestCaches:
                 "reserved for it). Its cache was freed while the step was planned; this is a bug."
             )
         if entry.cache is None:
+            entry.row = self._assign_row(entry.max_tokens)  # before its cache: it counts as no row-less request
             entry.cache = NosaCache(self.model_config, self.nosa_config, max_cache_len=entry.max_tokens)
-            entry.row = self.rows.assign()
             entry.cache.attach_workspace(RequestWorkspace(self.host_pool, request_id, self.rows, entry.row))
         return entry, entry.cache
 

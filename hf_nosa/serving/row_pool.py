@@ -45,6 +45,19 @@ class RowPool:
             return None
         return self.free_rows.pop(0)
 
+    def limit(self, max_rows: int) -> None:
+        """Hold no more than ``max_rows`` rows (0: none); only before any bank is open (banks are ``max_rows`` long)."""
+        if self.banks:
+            raise RuntimeError("RowPool.limit: the banks are open already; their rows cannot change")
+        self.max_rows = max(0, min(self.max_rows, int(max_rows)))
+        self.free_rows = [r for r in self.free_rows if r < self.max_rows]
+
+    def holds(self, key: tuple, row_shape: tuple, grow: int | None = None) -> bool:
+        """Whether a bank for ``key`` serves rows of ``row_shape`` (at least as large in dimension ``grow``)."""
+        return any(len(b.shape) == len(row_shape) + 1
+                   and all(h == w or (i == grow and h >= w) for i, (h, w) in enumerate(zip(b.shape[1:], row_shape)))
+                   for b in self.banks.get(key, []))
+
     def give_back(self, row: int | None) -> None:
         if row is not None and row not in self.free_rows:
             self.free_rows.append(row)
