@@ -144,13 +144,14 @@ class RequestCaches:
     def device_bytes(self, tokens: int) -> int:
         """Device bytes of one request's working set, every layer: the slot pool (selected blocks, the block being
         written and a scratch slot; K, V in the model's dtype, scores fp32) and the compressed keys of the whole
-        sequence (one key per ``compress_stride`` tokens). An estimate used for admission, not an allocation."""
+        sequence, at the capacity the decode kernels keep (a power of two of windows, as allocated). An estimate used
+        for admission, not an allocation (``row_bytes`` is the exact row of the shared banks)."""
         cfg = self.nosa_config.sized_for(tokens)
         P, D, Hk = cfg.block_size, self.head_dim, self.kv_heads
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
         slots = max(cfg.budget_blocks, cfg.prefill_budget_blocks) + 2
         pool = Hk * slots * P * (2 * D * itemsize + 4)
-        compressed = Hk * (-(-tokens // cfg.compress_stride)) * (D * itemsize + 4)
+        compressed = Hk * window_capacity_for(num_windows(tokens, cfg)) * (D * itemsize + 4)
         return self.n_layers * (pool + compressed)
 
     def row_bytes(self, tokens: int) -> tuple[int, int]:
