@@ -267,6 +267,38 @@ def test_the_banks_hold_what_row_bytes_counts_and_no_more_than_the_device_budget
         caches.rows.limit(2)
 
 
+def test_with_workload_hints_the_rows_are_sized_for_the_longest_request_expected():
+    """transformers' workload hints name the longest request: the first banks open at its capacity, sized to the
+    budget there, so a short first request and a long later one share them (no wider bank, no request alone)."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    from hf_nosa.kernels.decode.block_scores import window_capacity_for
+    from hf_nosa.rules.selection import num_windows
+    from hf_nosa.serving import RequestCaches
+
+    model = _sparse_model("llama", seed=29)
+    probe = RequestCaches(model.config)
+    slot, grows = probe.row_bytes(320)
+    wide = sum(probe.row_bytes(2000))
+    budget = 2 * probe.device_bytes(320) + probe.device_bytes(2000) + 100  # as in the test above
+    rows = budget // wide
+    assert rows >= 2 and rows < budget // (slot + grows)  # fewer rows than a short first request would give
+    hints = WorkloadHints(max_prompt_length=1900, max_generated_length=100, num_requests=3)
+    manager = init_continuous_batching(model, _generation_config(NEW), ContinuousBatchingConfig(max_batch_tokens=128),
+                                       hints, budget=ServingBudget(device_bytes=budget))
+    caches = manager.nosa_requests
+    assert caches.expected_tokens == 2000
+    assert _build(caches, "a", 300, 20).row == 0
+    assert caches.rows.max_rows == rows and caches.rows.bank_bytes() == rows * wide <= budget
+    wide_windows = window_capacity_for(num_windows(2000, caches.nosa_config))
+    assert wide_windows > window_capacity_for(num_windows(320, caches.nosa_config))
+    assert caches.entries["a"].cache.layers[0].compressed.keys.shape[2] == wide_windows  # its row of the wide bank
+    assert _build(caches, "long", 1900, 100).row == 1  # the same banks
+    assert caches.rows.bank_bytes() == rows * wide
+    unhinted = init_continuous_batching(model, _generation_config(NEW), ContinuousBatchingConfig(max_batch_tokens=128))
+    assert unhinted.nosa_requests.expected_tokens is None
+
+
 @pytest.mark.slow
 def test_a_request_beyond_the_rows_decodes_alone_interpreted(interpret, prompt_rotary_on_torch, monkeypatch):
     """Three requests on two rows: the third draws buffers of its own and decodes as a run of one beside the

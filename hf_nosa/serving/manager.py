@@ -128,8 +128,11 @@ class NosaBatchingManager(ContinuousBatchingManager):
                 "forked); send the prompt several times instead."
             )
         shard = getattr(model.model.layers[0].self_attn.eviction_head, "tensor_parallel", None)
+        longest = (getattr(workload_hints, "max_prompt_length", 0) or 0) + (
+            getattr(workload_hints, "max_generated_length", 0) or 0)
         self.nosa_requests = RequestCaches(model.config, nosa_config, budget or ServingBudget(), model.dtype,
-                                           model.device, rank_kv_heads=shard.hi - shard.lo if shard else None)
+                                           model.device, rank_kv_heads=shard.hi - shard.lo if shard else None,
+                                           expected_tokens=longest or None)
         # on CUDA a decode step replays NOSA's graph (serving.step_graph) unless the caller turns graphs off
         use_cuda_graph = getattr(continuous_batching_config, "use_cuda_graph", None)
         self.nosa_step_graphs = (StepGraphs(self.nosa_requests)

@@ -93,6 +93,9 @@ class RequestCaches:
         nosa_config: overrides the model's NosaConfig for every request.
         budget: host and device bytes the requests may hold at once.
         rank_kv_heads: under tensor parallelism, the KV heads this rank holds (None: the model's).
+        expected_tokens: the longest request (prompt + new tokens) the manager expects, from transformers' workload
+            hints (``generate_batch`` gives them; ``transformers serve`` the model's context); the shared rows are
+            sized for it (``_assign_row``). None: sized for the first request.
         dtype: the model's dtype (the host store keeps K/V in it unless ``host_dtype`` says otherwise).
         device: the model's device (where the working sets live).
     """
@@ -109,6 +112,7 @@ class RequestCaches:
     host_pool: HostPool = field(default_factory=HostPool)  # host stores pinned once, reused request after request
     finished: list = field(default_factory=list)  # [blocks, bytes] and [resident, selected] of released requests
     rank_kv_heads: int | None = None  # under tensor parallelism: the KV heads this rank holds (of every layer)
+    expected_tokens: int | None = None  # the longest request expected (workload hints): what the rows are sized for
     # what batched decode steps moved (serving.decode_batch), by layer: they count in the step's counters, not the
     # requests' own
     step_counters: dict = field(default_factory=dict)
@@ -175,8 +179,17 @@ class RequestCaches:
         """A row for a request of ``tokens`` tokens, or None (it decodes alone, on buffers of its own) where the
         banks it needs would not fit the device budget beside the banks open and the working sets of the requests
         without a row. The first request sizes the banks: as many rows as the budget holds at its length (no more
-        than ``decode_rows``), since every bank holds all its rows from the start."""
+        than ``decode_rows``), since every bank holds all its rows from the start; with ``expected_tokens``, the
+        first banks are opened at that length's capacity instead, so every request up to it shares them."""
         budget = self.budget.device_bytes
+        if not self.rows.banks and self.expected_tokens:  # banks open wide enough for the longest request expected
+            size = max(tokens, self.expected_tokens)
+            cfg = self.nosa_config.sized_for(size)
+            blocks = max(1, -(-size // cfg.block_size))
+            windows = window_capacity_for(num_windows(size, cfg))
+            self.rows.floor = {"compressed_keys": windows, "compressed_bias": windows,
+                               "host_table": 1 << max(6, (blocks - 1).bit_length())}
+            tokens = size
         if budget is None:
             return self.rows.assign()
         left = budget - sum(e.device_bytes for e in self.entries.values() if e.cache is not None and e.row is None)

@@ -38,6 +38,7 @@ class RowPool:
         self.free_rows = list(range(max_rows))
         self.banks: dict[tuple, list[torch.Tensor]] = {}
         self.version = 0  # counts the banks opened: what ``widest`` finds changes only with it
+        self.floor: dict[str, int] = {}  # name -> least capacity a new bank opens with (the longest request expected)
 
     def assign(self) -> int | None:
         """The lowest free row, now taken; None when every row is taken."""
@@ -91,6 +92,8 @@ class RowPool:
         if found:
             bank = min(found, key=lambda b: b.numel())
         else:
+            if grow is not None and self.floor.get(name, 0) > row_shape[grow]:  # wide enough for later requests
+                row_shape = row_shape[:grow] + (self.floor[name],) + row_shape[grow + 1:]
             bank = torch.empty((self.max_rows, *row_shape), dtype=dtype, device=device)
             banks.append(bank)
             self.version += 1
