@@ -315,7 +315,7 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
             if deadline is not None and time.perf_counter() - start >= deadline:
                 cut_short = True  # the unfinished requests count with the tokens they have
                 break
-            out = manager.get_result(timeout=0.2 if window.pending or deadline is not None else 1.0)
+            out = manager.get_result(timeout=0.05)  # short: the scheduler's active requests are sampled here
             if out is None:
                 if not manager.is_running():
                     raise RuntimeError(f"the manager stopped with {len(prompts) - len(finished)} requests unanswered")
@@ -339,7 +339,7 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
     requests = getattr(manager, "nosa_requests", None)
     if requests is not None:
         row.update(host_budget_bytes=requests.budget.host_bytes, host_pool_bytes=requests.host_pool.allocated_bytes,
-                   **requests.stats())
+                   admitted_peak=requests.admitted_peak, **requests.stats())
     graphs = getattr(manager, "nosa_step_graphs", None)
     if graphs is not None:  # decode steps replayed as CUDA graphs (serving.step_graph)
         row["step_graphs"] = graphs.stats()

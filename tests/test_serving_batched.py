@@ -263,6 +263,8 @@ def test_the_banks_hold_what_row_bytes_counts_and_no_more_than_the_device_budget
     long = _build(caches, "long", 1900, 100)
     assert long.row is None and caches.rows.bank_bytes() == rows * (slot + grows)
     assert long.cache.layers[0].compressed.keys.shape[0] == 1  # its own buffers, not a bank's row
+    caches.release("a")
+    assert caches.admitted_peak == 3 and len(caches.entries) == 2  # the most admitted at once
     with pytest.raises(RuntimeError, match="banks are open"):
         caches.rows.limit(2)
 

@@ -113,6 +113,7 @@ class RequestCaches:
     finished: list = field(default_factory=list)  # [blocks, bytes] and [resident, selected] of released requests
     rank_kv_heads: int | None = None  # under tensor parallelism: the KV heads this rank holds (of every layer)
     expected_tokens: int | None = None  # the longest request expected (workload hints): what the rows are sized for
+    admitted_peak: int = 0  # the most requests admitted at once so far
     # what batched decode steps moved (serving.decode_batch), by layer: they count in the step's counters, not the
     # requests' own
     step_counters: dict = field(default_factory=dict)
@@ -243,6 +244,7 @@ class RequestCaches:
             (device, self.device_reserved, self.budget.device_bytes)))
         if fits and not dry_run:
             self.entries[request_id] = RequestEntry(prompt_length, tokens, host, device)
+            self.admitted_peak = max(self.admitted_peak, len(self.entries))
             self.host_reserved += host
             self.device_reserved += device
         return fits
