@@ -46,7 +46,8 @@ Every result the docs cite, one file each: benchmark JSON (with its PNG and cons
 records the GPU, the versions of torch, transformers and triton, the command, the commit and the date
 (`benchmarks/harness.py`). Benchmark results are named `YYYY-MM-DD_<name>` by that date; they lived in
 `benchmarks/results/` until 2026-12-07, and commands recorded inside older files still name that folder or a
-`gpu_session.sh` phase of their commit. Quality files keep the names their experiments write. The dated record is
+`gpu_session.sh` phase of their commit; a path of the machine that ran one is written DIR (its output or working
+folder). Quality files keep the names their experiments write. The dated record is
 [../benchmarks.md](../benchmarks.md) (speed) and [../results.md](../results.md) (quality); the suites are
 `python -m benchmarks --help`. Written by `python benchmarks/results_index.py`: rerun it after adding a result.
 
