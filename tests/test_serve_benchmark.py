@@ -48,7 +48,7 @@ def test_the_smoke_stream_writes_every_field_and_the_plot(tmp_path):
         assert row["saturation"]["max_decoding"] == max(r["max_decoding"] for r in row["rates"])
     nosa = written["rows"][0]["rates"][-1]
     assert nosa["host_pool_bytes"] > 0 and 0.0 <= nosa["locality"] <= 1.0 and nosa["blocks_loaded"] > 0
-    assert 1 <= nosa["admitted_peak"] <= 3 and nosa["max_admitted"] <= nosa["admitted_peak"]
+    assert 1 <= nosa["admitted_peak"] <= 3
     assert written["floor"]["locality_used"] == nosa["locality"]
     png = tmp_path / "serve.png"
     if HAS_MATPLOTLIB:

@@ -146,34 +146,38 @@ class RequestCaches:
         return self.n_layers * HostStore.planned_bytes(1, self.kv_heads, self.head_dim, self.dtype, cfg.block_size,
                                                        cfg.host_dtype, tokens)
 
+    def _layout(self, tokens: int):
+        """The shapes a request of ``tokens`` tokens allocates, per layer: its NosaConfig (budgets cut to its length),
+        the slot pool's slots (``NosaLayer.n_slots`` and a scratch slot), the compressed keys' capacity (a power of
+        two of windows, ``window_capacity_for``: the decode kernels are specialised on it) and the host block
+        table's columns."""
+        cfg = self.nosa_config.sized_for(tokens)
+        slots = max(cfg.budget_blocks, cfg.prefill_budget_blocks) + 2
+        windows = window_capacity_for(num_windows(tokens, cfg))
+        blocks = max(1, -(-tokens // cfg.block_size))
+        return cfg, slots, windows, 1 << max(6, (blocks - 1).bit_length())
+
     def device_bytes(self, tokens: int) -> int:
         """Device bytes of one request's working set, every layer: the slot pool (selected blocks, the block being
         written and a scratch slot; K, V in the model's dtype, scores fp32) and the compressed keys of the whole
-        sequence, at the capacity the decode kernels keep (a power of two of windows, as allocated). An estimate used
-        for admission, not an allocation (``row_bytes`` is the exact row of the shared banks)."""
-        cfg = self.nosa_config.sized_for(tokens)
-        P, D, Hk = cfg.block_size, self.head_dim, self.kv_heads
+        sequence, at the capacity allocated. An estimate used for admission (``row_bytes`` is the exact row of the
+        shared banks)."""
+        cfg, slots, windows, _ = self._layout(tokens)
+        D, Hk = self.head_dim, self.kv_heads
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        slots = max(cfg.budget_blocks, cfg.prefill_budget_blocks) + 2
-        pool = Hk * slots * P * (2 * D * itemsize + 4)
-        compressed = Hk * window_capacity_for(num_windows(tokens, cfg)) * (D * itemsize + 4)
-        return self.n_layers * (pool + compressed)
+        return self.n_layers * Hk * (slots * cfg.block_size * (2 * D * itemsize + 4) + windows * (D * itemsize + 4))
 
     def row_bytes(self, tokens: int) -> tuple[int, int]:
         """Device bytes of one row of the banks (``row_pool.RowPool``) a request of ``tokens`` tokens draws on, every
         layer, as ``(slot part, capacity part)``: its slot pool (K, V, scores, block ids, tail slot), and what
-        follows its length: the compressed keys and bias at the capacity the decode kernels keep (a power of two of
-        windows, ``window_capacity_for``: up to twice ``device_bytes``' count), their ring and the host block
-        table. A bank holds every row of its shape from the start, taken or not."""
-        cfg = self.nosa_config.sized_for(tokens)
+        follows its length: the compressed keys and bias, their ring and the host block table. A bank holds every
+        row of its shape from the start, taken or not."""
+        cfg, slots, windows, columns = self._layout(tokens)
         P, D, Hk = cfg.block_size, self.head_dim, self.kv_heads
         itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        slots = max(cfg.budget_blocks, cfg.prefill_budget_blocks) + 1  # NosaLayer.n_slots
-        slot = Hk * ((slots + 1) * P * (2 * D * itemsize + 4) + slots * 8 + 8)
-        capacity = window_capacity_for(num_windows(tokens, cfg))
-        blocks = max(1, -(-tokens // P))
-        table = HostStore.table_rows(cfg.host_dtype) * (1 << max(6, (blocks - 1).bit_length())) * 8
-        grows = Hk * (capacity + cfg.compress_kernel) * (D * itemsize + 4) + table
+        slot = Hk * (slots * P * (2 * D * itemsize + 4) + (slots - 1) * 8 + 8)
+        table = HostStore.table_rows(cfg.host_dtype) * columns * 8
+        grows = Hk * (windows + cfg.compress_kernel) * (D * itemsize + 4) + table
         return self.n_layers * slot, self.n_layers * grows
 
     def _assign_row(self, tokens: int) -> int | None:
@@ -182,15 +186,11 @@ class RequestCaches:
         without a row. The first request sizes the banks: as many rows as the budget holds at its length (no more
         than ``decode_rows``), since every bank holds all its rows from the start; with ``expected_tokens``, the
         first banks are opened at that length's capacity instead, so every request up to it shares them."""
-        budget = self.budget.device_bytes
         if not self.rows.banks and self.expected_tokens:  # banks open wide enough for the longest request expected
-            size = max(tokens, self.expected_tokens)
-            cfg = self.nosa_config.sized_for(size)
-            blocks = max(1, -(-size // cfg.block_size))
-            windows = window_capacity_for(num_windows(size, cfg))
-            self.rows.floor = {"compressed_keys": windows, "compressed_bias": windows,
-                               "host_table": 1 << max(6, (blocks - 1).bit_length())}
-            tokens = size
+            tokens = max(tokens, self.expected_tokens)
+            _, _, windows, columns = self._layout(tokens)
+            self.rows.floor = {"compressed_keys": windows, "compressed_bias": windows, "host_table": columns}
+        budget = self.budget.device_bytes
         if budget is None:
             return self.rows.assign()
         left = budget - sum(e.device_bytes for e in self.entries.values() if e.cache is not None and e.row is None)
@@ -199,11 +199,9 @@ class RequestCaches:
             self.rows.limit(min(self.rows.max_rows, left // (slot + grows)))
         if not self.rows.free_rows:
             return None
-        cfg = self.nosa_config.sized_for(tokens)
-        capacity = window_capacity_for(num_windows(tokens, cfg))
-        slots = max(cfg.budget_blocks, cfg.prefill_budget_blocks) + 2
-        need = (0 if self.rows.holds((0, "slot_k"), (self.kv_heads, slots, cfg.block_size, self.head_dim)) else slot)
-        need += 0 if self.rows.holds((0, "compressed_keys"), (self.kv_heads, capacity, self.head_dim), grow=1) else grows
+        cfg, slots, windows, _ = self._layout(tokens)
+        need = 0 if self.rows.holds((0, "slot_k"), (self.kv_heads, slots, cfg.block_size, self.head_dim)) else slot
+        need += 0 if self.rows.holds((0, "compressed_keys"), (self.kv_heads, windows, self.head_dim), grow=1) else grows
         if self.rows.bank_bytes() + self.rows.max_rows * need > left:
             return None
         return self.rows.assign()
