@@ -48,7 +48,7 @@ case "${1:-}" in
       export PYTHONPATH="/tmp/serving_tf:$PYTHONPATH"
     fi
     python -c "import transformers; print('transformers', transformers.__version__)"
-    [ "${SERVE_TEST_TIMEOUT:-150}" = 0 ] || timeout "${SERVE_TEST_TIMEOUT:-150}" python -m pytest -q tests/test_serving_gpu.py -p no:cacheprovider --tb=short 2>&1 | tail -6
+    [ "${SERVE_TEST_TIMEOUT:-150}" = 0 ] || timeout "${SERVE_TEST_TIMEOUT:-150}" python -m pytest -q tests/test_serving_gpu.py -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/gpu_tests_serving.log" | tail -6
     timeout "${SERVE_TIMEOUT:-400}" python -m benchmarks serve --shape "${SERVE_SHAPE:-1b}" --requests "${SERVE_REQUESTS:-16}" --min "${SERVE_MIN:-16384}" --max "${SERVE_MAX:-65536}" --new-tokens "${SERVE_NEW_TOKENS:-1024}" --rates ${SERVE_RATES:-inf} --methods "${SERVE_METHODS:-nosa,stock}" ${SERVE_DEADLINE:+--deadline "$SERVE_DEADLINE"} ${SERVE_DECODE_ROWS:+--decode-rows "$SERVE_DECODE_ROWS"} ${SERVE_EXTRA:-} $([ "${SERVE_PROFILE:-1}" = 0 ] || echo --profile "$OUT/serve_profile" --profile-after "${SERVE_PROFILE_AFTER:-60}") --out "$OUT/serve_${SERVE_SHAPE:-1b}.json" 2>&1 | tee "$OUT/serve_${SERVE_SHAPE:-1b}.log" | grep -v Warning | tail -6 ;;
   turn-profile)   # docs/benchmarks.md "Conversations": where the batch-8 turn's time goes (torch.profiler tables under $OUT/turn-b8-*), one conversation (about 2 minutes)
     timeout 300 python -m benchmarks conversation --shape 1b --batches 8 --repeats 1 --profile "$OUT/turn" --out "$OUT/conversation_b8.json" 2>&1 | grep -v Warning | tail -3 ;;
