@@ -93,10 +93,11 @@ def test_a_pool_is_made_anew_once_its_graphs_are_gone():
     fourth.replay()
 
 
-def _serve(model, prompts, new_tokens, *, backend=None, use_cuda_graph=None):
+def _serve(model, prompts, new_tokens, *, backend=None, use_cuda_graph=None, after=None):
     """Each prompt with its own ``max_new_tokens`` through one manager (with ``StepGraphs(backend)`` when a backend
     is given, else the manager's own: CUDA graphs on CUDA unless ``use_cuda_graph`` is False, none on the CPU); the
-    tokens, the graphs' stats (None without graphs) and the manager's counters."""
+    tokens, the graphs' stats (None without graphs) and the manager's counters. ``after`` maps a request's index to
+    the one whose end it is added after (the others are added at once)."""
     manager = init_continuous_batching(model, _generation_config(max(new_tokens)), ContinuousBatchingConfig(
         max_batch_tokens=256, use_cuda_graph=use_cuda_graph))
     requests = manager.nosa_requests
@@ -104,12 +105,19 @@ def _serve(model, prompts, new_tokens, *, backend=None, use_cuda_graph=None):
         manager.nosa_step_graphs = StepGraphs(requests, backend=backend)
     graphs = manager.nosa_step_graphs
     manager.start()
-    results = {}
-    try:
+    results, after = {}, after or {}
+    added = set()
+
+    def step():
+        results.update({r.request_id: r for r in [manager.get_result(timeout=0.05)] if r and r.is_finished()})
         for i, (prompt, n) in enumerate(zip(prompts, new_tokens)):
-            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
-        _wait_for(lambda: results.update({r.request_id: r for r in [manager.get_result(timeout=0.05)] if r
-                                          and r.is_finished()}) or len(results) == len(prompts), timeout=600)
+            if i not in added and (i not in after or f"r{after[i]}" in results):
+                manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
+                added.add(i)
+        return len(results) == len(prompts)
+
+    try:
+        _wait_for(step, timeout=600)
     finally:
         manager.stop(block=True, timeout=10)
     tokens = [results[f"r{i}"].generated_tokens for i in range(len(prompts))]
@@ -134,12 +142,31 @@ def test_replayed_decode_steps_equal_eager_and_generate_alone_interpreted(interp
     # steps: the prefill, the first decode step (warm False), the first warm one (eager, compiles), then captured and
     # replayed; when r0 stops the batch of two runs once eagerly, then its own capture and replays
     assert graphs["failed"] is None
-    assert graphs["captures"] == 2 and backend.pools == pools.made == 2, graphs
-    assert graphs["replays"] >= 6, graphs
+    assert graphs["captures"] == 2 and graphs["replays"] >= 6, graphs
     assert graphs["eager_decode_steps"] >= 2, graphs
-    assert graphs["graphs"] == 1, graphs  # the three requests' graph went when r0 left
+    # the three requests' graph stays when r0 leaves (its rows are the banks'), so one pool holds both
+    assert graphs["graphs"] == 2 and backend.pools == pools.made == 1, graphs
+    assert graphs["reused"] == 0, graphs  # no request took r0's row
     assert runs == eager_runs  # the replayed updates counted as the eager ones
     assert stats == eager_stats and stats["blocks_loaded"] > 0
+
+
+@pytest.mark.slow
+def test_a_request_on_a_freed_row_replays_the_graph_of_the_batch_it_joins_interpreted(interpret,
+                                                                                       prompt_rotary_on_torch):
+    """r0 and r1 decode together, and their step is captured; r0 ends, and r2 (added then) takes its row. Once r2
+    decodes beside r1, their steps replay the graph captured for r0 and r1, on the same memory, which now holds
+    r2's slot pool, compressed keys and block table: each request's tokens are those of the eager steps and of
+    generate alone."""
+    model = _sparse_model("llama", seed=37)
+    prompts = _prompts((60, 66, 60), seed=37)
+    new_tokens, after = (6, 30, 8), {2: 0}
+    alone = [_alone(model, p, n)[0] for p, n in zip(prompts, new_tokens)]
+    tokens, graphs, stats, runs = _serve(model, prompts, new_tokens, backend=RerunGraphs(), after=after)
+    eager_tokens, _, eager_stats, eager_runs = _serve(model, prompts, new_tokens, after=after)
+    assert tokens == alone == eager_tokens
+    assert graphs["failed"] is None and graphs["reused"] >= 1, graphs
+    assert stats["blocks_loaded"] == eager_stats["blocks_loaded"] > 0
 
 
 def test_the_torch_reference_path_is_never_captured():

@@ -160,3 +160,45 @@ def test_a_runs_views_are_built_once_and_again_when_a_rows_buffer_changes(monkey
     run[0] = decode_batch._Row(request_id="new", row=0, layer=layer())  # a new request on a freed row
     decode_batch._cached_views(requests, 0, run)
     assert len(built) == 6
+
+
+def test_a_step_graph_key_names_the_memory_its_views_read_and_whether_the_banks_hold_it():
+    """``decode_batch._signature``: views of the same bank rows get one id whichever requests hold the rows (so a
+    step's graph serves the next requests on them); other rows, another shape or memory outside the banks do not,
+    and memory outside the banks is flagged (its graph stays the requests' own)."""
+    from types import SimpleNamespace
+
+    from hf_nosa.serving import decode_batch
+    from hf_nosa.serving.row_pool import RowPool
+
+    rows = RowPool(4)
+    names = decode_batch.POOL + decode_batch.COMPRESSED
+    bank_of = {"keys": "compressed_keys", "bias": "compressed_bias"}
+    for name in names:  # one bank per buffer, opened as a request's first row buffers open them
+        rows.take(0, (0, bank_of.get(name, name)), (1, 3, 5), torch.float32, "cpu")
+    rows.take(0, (0, "host_table"), (4, 8), torch.long, "cpu")
+    banks = {name: rows.banks[(0, bank_of.get(name, name))][0] for name in (*names, "host_table")}
+    host = SimpleNamespace(block_size=16, host_dtype="auto", format=None, kv_heads=3, head_dim=5, dtype=torch.float32,
+                           pin=False)
+
+    def views(lo, hi, **replace):
+        made = {name: banks[name][lo:hi] for name in names}
+        made["host"] = SimpleNamespace(table=banks["host_table"][lo:hi], **vars(host))
+        made.update(replace)
+        return made
+
+    requests = SimpleNamespace(rows=rows, view_ids={}, next_view_id=0)
+    first, again = decode_batch._signature(requests, views(0, 2)), decode_batch._signature(requests, views(0, 2))
+    assert first == again and first[1] is True  # new views of the same rows: the same id, all in the banks
+    assert decode_batch._signature(requests, views(1, 3))[0] != first[0]  # other rows
+    assert decode_batch._signature(requests, views(0, 1))[0] != first[0]  # fewer rows
+    own = torch.zeros(2, 3, 5)
+    private = decode_batch._signature(requests, views(0, 2, keys=own))
+    assert private[0] != first[0] and private[1] is False  # a buffer outside the banks
+    other_layout = views(0, 2)
+    other_layout["host"].block_size = 32
+    assert decode_batch._signature(requests, other_layout)[0] != first[0]
+    cached = views(0, 2)
+    decode_batch._signature(requests, cached)
+    cached["keys"] = own  # a views dict keeps its signature: views are rebuilt when a buffer changes
+    assert decode_batch._signature(requests, cached) == first

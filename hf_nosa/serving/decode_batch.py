@@ -159,8 +159,8 @@ class WholeStep(SimpleNamespace):
         """The step's ``StepPlan`` over ``ints`` (its device integers); ``captured``: the layers read the recorded
         views and run no host work (a graph's capture, and its replays); else each layer runs its prepared rows."""
         record = None
-        if captured:
-            record = [[(views, run[0].layer) for views, run in zip(layer_views, self.runs)]
+        if captured:  # what the captured launches read: the views, and the first row's settings (not its layer)
+            record = [[(views, _settings(run[0].layer)) for views, run in zip(layer_views, self.runs)]
                       for layer_views in self.views]
         return StepPlan(source=None, runs=_planned_runs(self.runs, ints, len(self.layer_rows)),
                         prepared=None if captured else dict(enumerate(self.layer_rows)), whole=True, captured=record)
@@ -194,8 +194,45 @@ def plan_whole_step(requests) -> WholeStep | None:
         views.append(layer_views)
     step.views = views
     configs = tuple(repr(run[0].layer.cfg) for run in runs)
-    step.key = (len(tokens), shape, configs, tuple(id(v) for layer_views in views for v in layer_views))
+    signatures = [_signature(requests, v) for layer_views in views for v in layer_views]
+    # in the banks only: any requests on these rows read the same memory, so the step's graph serves them; else the
+    # graph is these requests' own
+    owners = () if all(shared for _, shared in signatures) else tuple(r.request_id for r in first)
+    rows = tuple((tuple(r.row for r in run), run[0].layer.warm) for run in runs)
+    step.key = (len(tokens), rows, configs, owners, tuple(view_id for view_id, _ in signatures))
     return step
+
+
+def _settings(layer) -> SimpleNamespace:
+    """What ``_run_device`` reads of a run's first layer besides its views (a captured step's record keeps these, not
+    the layer of a request that may leave while the graph serves the next ones on its rows)."""
+    return SimpleNamespace(device=layer.device, warm=layer.warm, cfg=layer.cfg, n_slots=layer.n_slots)
+
+
+SIGNATURE = "signature"  # a views dict's key for its ``_signature``
+
+
+def _signature(requests, views: dict) -> tuple[int, bool]:
+    """What a captured update reads through a run's views: every tensor's memory (storage address and offset),
+    shape, strides and dtype, and the host rows' layout. Returns an id for it (equal ids: the same memory, read the
+    same way) and whether all of it lies in the manager's banks (``RowPool.in_banks``), which outlive any request.
+    Kept on the views dict, which is rebuilt when a row's buffers change."""
+    found = views.get(SIGNATURE)
+    if found is None:
+        host = views["host"]
+        tensors = [views[name] for name in POOL + COMPRESSED] + [host.table]
+        read = tuple((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+                     for t in tensors)
+        read += ((host.block_size, host.host_dtype, repr(host.format), host.kv_heads, host.head_dim, host.dtype,
+                  host.pin),)
+        view_id = requests.view_ids.get(read)
+        if view_id is None:
+            if len(requests.view_ids) >= 4096:  # a long stream's old signatures (ids are never reused)
+                requests.view_ids.clear()
+            view_id = requests.view_ids[read] = requests.next_view_id
+            requests.next_view_id += 1
+        found = views[SIGNATURE] = (view_id, all(requests.rows.in_banks(t) for t in tensors))
+    return found
 
 
 def _shape(runs: list[list[_Row]]) -> tuple:
@@ -267,7 +304,9 @@ def decode_batched(requests, module, query, key, value, bias, out) -> set:
         for run, (views, first) in zip(plan.runs, plan.captured[layer_idx]):
             _run_device(requests, module, views, first, run.positions, run.offset,
                         run.steps[layer_idx:layer_idx + 1], query, key, value, bias, out)
-        return {rid for run in plan.runs for rid in run.ids}
+        # a whole decode step: every request of this step's plan decoded, whichever requests the plan was recorded
+        # with (a graph of the banks' rows replays for the next requests on them)
+        return {rid for rid, _, length in requests.plan if length}
     rows = plan.prepared.pop(layer_idx, None) if plan.prepared else None  # already through prepare_fused_step
     if rows is None:
         rows = _layer_rows(requests, layer_idx, [(rid, at, t) for run in plan.runs

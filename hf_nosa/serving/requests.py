@@ -120,6 +120,9 @@ class RequestCaches:
     decode_runs: dict = field(default_factory=dict)  # rows of a batched decode update -> how many updates had them
     decode_step_plan: object = None  # the batched decode step's plan, built at a step's first layer (decode_batch)
     run_views: dict = field(default_factory=dict)  # a batched run's views of the shared buffers, by layer and rows
+    # what a run's views read (memory, shapes: decode_batch._signature) -> an id for step graph keys, never reused
+    view_ids: dict = field(default_factory=dict)
+    next_view_id: int = 0
 
     def __post_init__(self):
         self.nosa_config = NosaConfig.from_model_config(self.model_config, self.nosa_config)

@@ -39,6 +39,8 @@ class RowPool:
         self.banks: dict[tuple, list[torch.Tensor]] = {}
         self.version = 0  # counts the banks opened: what ``widest`` finds changes only with it
         self.floor: dict[str, int] = {}  # name -> least capacity a new bank opens with (the longest request expected)
+        self._storage_set: set = set()  # the banks' storage addresses, as of ``_storages_at`` (a version)
+        self._storages_at = -1
 
     def assign(self) -> int | None:
         """The lowest free row, now taken; None when every row is taken."""
@@ -117,6 +119,16 @@ class RowPool:
             return None
         bank = max(found, key=lambda b: b.shape[grow + 1])
         return bank[row : row + 1] if leading else bank[row]
+
+    def in_banks(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is memory of a bank (banks live as long as the pool, whichever request holds a row)."""
+        return tensor.untyped_storage().data_ptr() in self._storages()
+
+    def _storages(self) -> set:
+        if self._storages_at != self.version:  # a new bank is the only change
+            self._storage_set = {b.untyped_storage().data_ptr() for banks in self.banks.values() for b in banks}
+            self._storages_at = self.version
+        return self._storage_set
 
     def bank_bytes(self) -> int:
         """Bytes the banks hold (every row, taken or not)."""

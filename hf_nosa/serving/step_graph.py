@@ -11,8 +11,14 @@ its ``compute_batch`` on the manager's runner instance; a step it cannot replay 
 
 A step is replayed when every token of it is a batched decode token (no prompt piece, every request on a row)
 and every layer groups the rows alike, as runs of rows with views of shared banks. Its key: the number of
-tokens, the runs (requests, rows, ``warm``, config) and the identity of every run's views (``_cached_views``
-makes new views when a request's buffers change, e.g. its compressed keys grow). What changes from step to step
+tokens, the runs (rows, ``warm``, config) and what every run's views read (``decode_batch._signature``: each
+tensor's memory, shape and strides; new views are made when a request's buffers change, e.g. its compressed keys
+grow). The key names no request: when all of that memory is the banks' (``row_pool.RowPool``, which outlive any
+request), a graph serves whichever requests hold its rows, so a request that takes a freed row replays the graph
+of the batch it joins (``stats()["reused"]`` counts such replays). Rows are handed out lowest first, so a steady
+stream of n requests decodes on rows 0 .. n - 1, and its graphs are in effect one per batch size. A key whose
+memory is partly some request's own (a buffer outgrew its bank) names those requests, and its graph goes when one
+of them leaves. What changes from step to step
 lives in device memory the graph reads: transformers' inputs in its IO buffers, the runs' positions, offsets and
 steps in one static tensor per graph written before each replay (one host-to-device copy), the host stores'
 block tables refilled in place. The host work of each request (``prepare_fused_step`` before, room in its store
@@ -22,8 +28,8 @@ layer (``decode_batch.plan_whole_step`` / ``finish_whole_step``), as ``modeling.
 
 A key is captured the second time it is seen (its first step runs eagerly and compiles every kernel variant the
 capture launches); the graphs share one memory pool (they replay one at a time; what they leave for later is in
-transformers' output buffer) and the ``MAX_GRAPHS`` most recently replayed are kept, less those of a batch with a
-request that has left. A request's first decode
+transformers' output buffer) and the ``MAX_GRAPHS`` most recently replayed are kept, less those that are some
+requests' own once one of them has left. A request's first decode
 step (no locality counted) or a batch that changed since the last step runs eagerly. A failed capture is logged
 with its error, and the manager's later steps run eagerly (``stats()["failed"]``).
 
@@ -105,9 +111,9 @@ class StepGraphs:
         self.requests = requests
         self.backend = backend if backend is not None else CudaGraphs()
         self.graphs: OrderedDict = OrderedDict()  # key -> SimpleNamespace(graph, ints, plan), last replayed last
-        # keys whose first step ran eagerly, with the views they name (held, so no id in a key is reused meanwhile)
-        self._seen: dict = {}
+        self._seen: dict = {}  # the keys whose first step ran eagerly (ids in a key are never reused)
         self.captures = self.replays = self.eager_steps = 0
+        self.reused = 0  # replays for requests other than those a graph was captured with (on the same rows)
         self.failed: str | None = None
         self.runner = None
         self._requests_seen: set = set()  # the requests admitted when the graphs were last pruned
@@ -121,8 +127,9 @@ class StepGraphs:
         runner.nosa_step_graphs = self
 
     def stats(self) -> dict:
-        return dict(captures=self.captures, replays=self.replays, eager_decode_steps=self.eager_steps,
-                    graphs=len(self.graphs), pools=getattr(self.backend, "pools", None), failed=self.failed)
+        return dict(captures=self.captures, replays=self.replays, reused=self.reused,
+                    eager_decode_steps=self.eager_steps, graphs=len(self.graphs),
+                    pools=getattr(self.backend, "pools", None), failed=self.failed)
 
     def compute_batch(self, model, batch_data: dict) -> None:
         """transformers' ``ModelRunner.compute_batch``: a decode step replays its graph where it can."""
@@ -139,7 +146,7 @@ class StepGraphs:
             if step.key is not None:
                 if len(self._seen) >= 4 * MAX_GRAPHS:
                     self._seen.clear()
-                self._seen[step.key] = step.views
+                self._seen[step.key] = None
             return self._eager(model, batch_data, step, device)
         entry = self.graphs.get(step.key)
         if entry is None:
@@ -156,13 +163,15 @@ class StepGraphs:
             entry.graph.replay()
         finish_whole_step(requests, step)
         self.replays += 1
+        self.reused += _request_ids(step) != entry.requests
 
     def _drop_released(self) -> None:
-        """Drop the graphs of batches with a request that has left (finished, cancelled): they would never replay
-        again, and their plans hold the request's layers (and so its buffers) alive."""
+        """Drop the graphs that are some requests' own (they read memory outside the banks) once one of those has
+        left (finished, cancelled): they would never replay again, and their records hold its buffers alive. A
+        graph of the banks' rows stays for the next requests on those rows."""
         live = self.requests.entries.keys()
         for keys in (self.graphs, self._seen):
-            for key in [key for key in keys if any(rid not in live for run in key[1] for rid, _ in run[0])]:
+            for key in [key for key in keys if any(rid not in live for rid in key[3])]:
                 del keys[key]
         self._requests_seen = set(live)
 
@@ -196,10 +205,14 @@ class StepGraphs:
                            "run eagerly from now on.", self.failed)
             return None
         self.captures += 1
-        entry = self.graphs[step.key] = SimpleNamespace(graph=graph, ints=ints, plan=plan)
+        entry = self.graphs[step.key] = SimpleNamespace(graph=graph, ints=ints, plan=plan, requests=_request_ids(step))
         while len(self.graphs) > MAX_GRAPHS:
             self.graphs.popitem(last=False)
         return entry
+
+
+def _request_ids(step) -> tuple:
+    return tuple(r.request_id for run in step.runs for r in run)
 
 
 def _pinned(values: list[int], device: torch.device) -> torch.Tensor:
