@@ -293,7 +293,16 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
     rng = random.Random(args.seed + 1)
     gaps = [0.0] + [rng.expovariate(rate) if rate != float("inf") else 0.0 for _ in prompts[1:]]
     reset_memory_peaks(device)
-    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching)
+    # NOSA gets the workload hints transformers serve and generate_batch give (the longest request: its shared rows
+    # are sized for it); stock runs at its defaults (hints would turn on its decode fast path, which needs flash-attn)
+    hints = None
+    if method.startswith("nosa"):
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts), max_generated_length=args.new_tokens,
+                              num_requests=len(prompts))
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching,
+                                             **({"workload_hints": hints} if hints is not None else {}))
     if hasattr(manager, "warmup"):  # as transformers serve does: the cache and graphs are built before requests come
         manager.warmup()
     manager.start()
@@ -330,8 +339,10 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
         hard = cut_short and "hard_stop" in inspect.signature(manager.stop).parameters
         manager.stop(block=True, **({"hard_stop": True} if hard else {}))
     outputs = [results[f"r{i}"] for i in range(len(prompts)) if f"r{i}" in results]
-    row = dict(rate=rate, errors=[o.error for o in outputs if o.error], **stream_metrics(outputs, start, end),
-               max_admitted=admitted, **memory_row(device))
+    errors = [o.error for o in outputs if o.error]
+    row = dict(rate=rate, errors=errors, failed_requests=len(errors), **stream_metrics(outputs, start, end),
+               max_admitted=admitted, workload_hints=dataclasses.asdict(hints) if hints is not None else None,
+               **memory_row(device))
     if deadline is not None:  # output_tok_s is then the tokens delivered by the deadline over the time to it
         row.update(deadline_s=deadline, finished_requests=len(finished), cut_short=len(finished) < len(prompts))
     if device.type == "cuda":

@@ -49,6 +49,10 @@ def test_the_smoke_stream_writes_every_field_and_the_plot(tmp_path):
     nosa = written["rows"][0]["rates"][-1]
     assert nosa["host_pool_bytes"] > 0 and 0.0 <= nosa["locality"] <= 1.0 and nosa["blocks_loaded"] > 0
     assert 1 <= nosa["admitted_peak"] <= 3
+    # NOSA is told the longest request (as transformers serve and generate_batch tell it); stock runs at its defaults
+    assert nosa["workload_hints"] == dict(max_prompt_length=max(written["lengths"]), max_generated_length=8,
+                                          num_requests=3)
+    assert all(r["workload_hints"] is None and r["failed_requests"] == 0 for r in written["rows"][1]["rates"])
     assert written["floor"]["locality_used"] == nosa["locality"]
     png = tmp_path / "serve.png"
     if HAS_MATPLOTLIB:

@@ -251,20 +251,31 @@ def test_the_banks_hold_what_row_bytes_counts_and_no_more_than_the_device_budget
     assert unbounded.rows.bank_bytes() == unbounded.rows.max_rows * (slot + grows) > 0
     assert unbounded.row_bytes(2000)[1] > grows  # a longer request needs a wider bank
 
-    # room for the working sets of two short requests and a long one, not for the long one's wider bank
-    budget = 2 * unbounded.device_bytes(320) + unbounded.device_bytes(2000) + 100
-    rows = budget // (slot + grows)
-    assert 2 <= rows < 32 and rows * (slot + grows) + rows * unbounded.row_bytes(2000)[1] > budget
+    # the banks take at most half the budget: room there for the working sets of two short requests and a long
+    # one, not for the long one's wider bank
+    rows = 3
+    budget = 2 * rows * (slot + grows) + 100
+    assert rows * (slot + grows) + rows * unbounded.row_bytes(2000)[1] > budget
+    assert rows * (slot + grows) + unbounded.device_bytes(2000) <= budget
     caches = RequestCaches(model.config, budget=ServingBudget(device_bytes=budget))
     assert caches.rows.bank_bytes() == 0  # nothing opened before a request
     assert _build(caches, "a", 300, 20).row == 0
-    assert caches.rows.max_rows == rows and caches.rows.bank_bytes() == rows * (slot + grows) <= budget
-    assert _build(caches, "b", 280, 40).row == 1  # the same banks
+    assert caches.rows.max_rows == rows and caches.rows.bank_bytes() == rows * (slot + grows) <= budget // 2
+    in_use = caches.device_in_use()
+    assert _build(caches, "b", 280, 40).row == 1  # the same banks, nothing more on the device
+    assert caches.device_in_use() == in_use == caches.rows.bank_bytes()
     long = _build(caches, "long", 1900, 100)
     assert long.row is None and caches.rows.bank_bytes() == rows * (slot + grows)
     assert long.cache.layers[0].compressed.keys.shape[0] == 1  # its own buffers, not a bank's row
+    # admission counts the banks (allocated whole) and the requests on buffers of their own: never over the budget
+    assert caches.device_in_use() == caches.rows.bank_bytes() + long.device_bytes <= budget
+    others = 0
+    while caches.admit(f"long{others}", 1900, 100):
+        others += 1
+        assert caches.device_in_use() <= budget
+    assert caches.device_in_use() + caches.device_bytes(2000) > budget  # the next one waits
     caches.release("a")
-    assert caches.admitted_peak == 3 and len(caches.entries) == 2  # the most admitted at once
+    assert caches.admitted_peak == 3 + others and len(caches.entries) == 2 + others  # the most admitted at once
     with pytest.raises(RuntimeError, match="banks are open"):
         caches.rows.limit(2)
 
@@ -282,8 +293,8 @@ def test_with_workload_hints_the_rows_are_sized_for_the_longest_request_expected
     probe = RequestCaches(model.config)
     slot, grows = probe.row_bytes(320)
     wide = sum(probe.row_bytes(2000))
-    budget = 2 * probe.device_bytes(320) + probe.device_bytes(2000) + 100  # as in the test above
-    rows = budget // wide
+    budget = 2 * (2 * probe.device_bytes(320) + probe.device_bytes(2000) + 100)  # as in the test above
+    rows = budget // wide  # sized for the longest request expected, the banks may take the whole budget
     assert rows >= 2 and rows < budget // (slot + grows)  # fewer rows than a short first request would give
     hints = WorkloadHints(max_prompt_length=1900, max_generated_length=100, num_requests=3)
     manager = init_continuous_batching(model, _generation_config(NEW), ContinuousBatchingConfig(max_batch_tokens=128),

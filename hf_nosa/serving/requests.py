@@ -186,9 +186,14 @@ class RequestCaches:
     def _assign_row(self, tokens: int) -> int | None:
         """A row for a request of ``tokens`` tokens, or None (it decodes alone, on buffers of its own) where the
         banks it needs would not fit the device budget beside the banks open and the working sets of the requests
-        without a row. The first request sizes the banks: as many rows as the budget holds at its length (no more
-        than ``decode_rows``), since every bank holds all its rows from the start; with ``expected_tokens``, the
-        first banks are opened at that length's capacity instead, so every request up to it shares them."""
+        without a row. The first request sizes the banks: as many rows as half the budget holds at its length (no
+        more than ``decode_rows``), since every bank holds all its rows from the start, and a longer request later
+        needs room for buffers of its own; with ``expected_tokens``, the first banks are opened at that length's
+        capacity instead, so every request up to it shares them, and they may take the whole budget.
+
+        Admission (``admit``) counts the banks whole and the working sets of the requests without a row
+        (``device_in_use``), so the two never exceed the budget together: a request that takes a free row adds
+        nothing, one that would need its own buffers waits for room (alone, it always runs)."""
         if not self.rows.banks and self.expected_tokens:  # banks open wide enough for the longest request expected
             tokens = max(tokens, self.expected_tokens)
             _, _, windows, columns = self._layout(tokens)
@@ -199,7 +204,10 @@ class RequestCaches:
         left = budget - sum(e.device_bytes for e in self.entries.values() if e.cache is not None and e.row is None)
         slot, grows = self.row_bytes(tokens)
         if not self.rows.banks:
-            self.rows.limit(min(self.rows.max_rows, left // (slot + grows)))
+            # sized for the longest request expected, the banks serve every request and may take the whole budget;
+            # sized for the first request, half: the rest for longer ones, on buffers of their own
+            share = budget if self.expected_tokens else budget // 2
+            self.rows.limit(min(self.rows.max_rows, min(left, share) // (slot + grows)))
         if not self.rows.free_rows:
             return None
         cfg, slots, windows, _ = self._layout(tokens)
@@ -240,15 +248,35 @@ class RequestCaches:
             return True
         tokens = self.request_tokens(prompt_length, max_new_tokens)
         host, device = self.host_bytes(tokens), self.device_bytes(tokens)
+        # device: the banks are allocated whole, so a request that will take a free row of banks holding its shape
+        # adds nothing; one without a row brings its own working set (an admitted request counts as one until its
+        # row is given, at its first update). Alone, a request is always admitted (check_fits bounds it).
+        on_row = self._row_waiting(tokens)
         fits = all(limit is None or reserved + need <= limit for need, reserved, limit in (
             (host, self.host_reserved, self.budget.host_bytes),
-            (device, self.device_reserved, self.budget.device_bytes)))
+            (0 if on_row else device, self.device_in_use(), self.budget.device_bytes))) or not self.entries
         if fits and not dry_run:
             self.entries[request_id] = RequestEntry(prompt_length, tokens, host, device)
             self.admitted_peak = max(self.admitted_peak, len(self.entries))
             self.host_reserved += host
             self.device_reserved += device
         return fits
+
+    def device_in_use(self) -> int:
+        """Device bytes the requests hold or may still take: the banks (every row, taken or not) and the working
+        sets of the requests without a row, or not given one yet (their buffers are their own)."""
+        return self.rows.bank_bytes() + sum(e.device_bytes for e in self.entries.values() if e.row is None)
+
+    def _row_waiting(self, tokens: int) -> bool:
+        """Whether a request of ``tokens`` tokens will take a row of the open banks: one is free beyond those the
+        admitted requests without a cache yet will take, and the banks hold its slot pool and compressed keys."""
+        if not self.rows.banks:
+            return False
+        waiting = sum(1 for e in self.entries.values() if e.cache is None)
+        cfg, slots, windows, _ = self._layout(tokens)
+        return (len(self.rows.free_rows) > waiting
+                and self.rows.holds((0, "slot_k"), (self.kv_heads, slots, cfg.block_size, self.head_dim))
+                and self.rows.holds((0, "compressed_keys"), (self.kv_heads, windows, self.head_dim), grow=1))
 
     def release(self, request_id: str) -> None:
         """Drop a request's NosaCache (its host store and slot pool) and give back what it reserved."""
