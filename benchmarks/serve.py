@@ -26,9 +26,9 @@ Stock runs at transformers' defaults (``--max-batch-tokens`` aside) and, per ``-
 settings of its ``ContinuousBatchingConfig`` (``max_memory_percent``, ``page_size``, ``num_blocks``,
 ``max_requests_per_batch``, ...), each its own method row (``stock[K=V,...]``); ``--nosa-config K=V,...`` does the
 same for NOSA (``nosa[K=V,...]``, e.g. ``max_batch_tokens=65536``), and ``--methods nosa-eager`` runs NOSA without its
-decode-step CUDA graphs. Every row also records host memory
-(resident set now and its peak over the row, pinned host bytes on CUDA) and device memory (peak allocated and
-reserved). A stream run writes its JSON and, beside it, a PNG (``--out``'s name, ``.png``): output tok/s, p50 time
+decode-step CUDA graphs; NOSA streams get transformers' workload hints (the longest request). Every row also records
+host memory (resident set now and peak, pinned bytes on CUDA) and device memory (peak allocated and reserved). A
+stream run writes its JSON and, beside it, a PNG (``--out``'s name, ``.png``): output tok/s, p50 time
 to first token and p50 time per output token against the offered load, per method (the ``inf`` load drawn past the
 largest finite one); without matplotlib it says so and draws nothing. ``--smoke``: a seconds-long CPU stream run of
 the smoke shape (3 requests, 8 new tokens, loads 50 and inf per second; NOSA, and stock at a 16-block paged cache,
@@ -285,6 +285,13 @@ def stream_metrics(outputs: list, start: float, end: float) -> dict:
                 tpot_p99_s=_quantile(tpot, 0.99), max_decoding=most)
 
 
+def workload_hints(prompts, new_tokens: int):
+    """What transformers serve and generate_batch tell a manager: NOSA's shared rows are sized for the longest."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints  # transformers >= 5.18
+
+    return WorkloadHints(max(len(p) for p in prompts), new_tokens, len(prompts))
+
+
 def run_stream(model, prompts, rate: float, args, device, method: str = "stock") -> dict:
     """The prompts sent to one manager at Poisson arrival times of ``rate`` requests per second (inf: at once)."""
     config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
@@ -293,14 +300,8 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
     rng = random.Random(args.seed + 1)
     gaps = [0.0] + [rng.expovariate(rate) if rate != float("inf") else 0.0 for _ in prompts[1:]]
     reset_memory_peaks(device)
-    # NOSA gets the workload hints transformers serve and generate_batch give (the longest request: its shared rows
-    # are sized for it); stock runs at its defaults (hints would turn on its decode fast path, which needs flash-attn)
-    hints = None
-    if method.startswith("nosa"):
-        from transformers.generation.continuous_batching.utils import WorkloadHints
-
-        hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts), max_generated_length=args.new_tokens,
-                              num_requests=len(prompts))
+    # stock at its defaults: hints would turn on its decode fast path, which needs flash-attn
+    hints = workload_hints(prompts, args.new_tokens) if method.startswith("nosa") else None
     manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=batching,
                                              **({"workload_hints": hints} if hints is not None else {}))
     if hasattr(manager, "warmup"):  # as transformers serve does: the cache and graphs are built before requests come
