@@ -333,3 +333,52 @@ def test_a_request_beyond_the_rows_decodes_alone_interpreted(interpret, prompt_r
     assert [out[f"req_{i}"].generated_tokens for i in range(len(prompts))] == alone
     assert assigned == [0, 1, None]
     assert runs.get(2, 0) > 0 and runs.get(1, 0) > 0 and 3 not in runs, runs
+
+
+def test_banks_and_requests_on_their_own_buffers_stay_within_the_device_budget():
+    """A stream whose first request is short (it sizes the banks) and whose later ones are longer (their wider bank
+    does not fit, so they decode on buffers of their own): admission counts the banks whole and those buffers, so
+    together they never exceed the device budget; the long requests wait for room, and every request finishes with
+    the tokens of generate alone. (On an H100, counting each request's working set instead of the banks let the two
+    reach twice the budget, and requests failed out of memory: docs/serving.md, 2026-12-08.)"""
+    from hf_nosa.serving import RequestCaches
+
+    model = _sparse_model("llama", seed=41)
+    short, long = 60, 1900
+    probe = RequestCaches(model.config)
+    slot, grows = probe.row_bytes(short + NEW)
+    rows = 2
+    budget = 2 * rows * (slot + grows) + 100  # banks sized by the short request take half of it
+    banks = rows * (slot + grows)
+    assert banks + rows * probe.row_bytes(long + NEW)[1] > budget  # no room for a wider bank: the long ones go alone
+    assert banks + probe.device_bytes(long + NEW) <= budget < banks + 3 * probe.device_bytes(long + NEW)
+    prompts = _prompts((short, long, long + 10, long + 20), seed=41)
+    alone = [_alone(model, p)[0] for p in prompts]
+    manager = init_continuous_batching(model, _generation_config(NEW), ContinuousBatchingConfig(max_batch_tokens=128),
+                                       budget=ServingBudget(device_bytes=budget))
+    requests = manager.nosa_requests
+    seen = []  # per step: device bytes in use, requests admitted, requests on buffers of their own
+
+    def record(module, args, kwargs):
+        entries = requests.entries.values()
+        seen.append((requests.device_in_use(), len(entries), sum(e.cache is not None and e.row is None
+                                                                   for e in entries)))
+
+    hook = model.model.layers[0].self_attn.register_forward_pre_hook(record, with_kwargs=True)
+    manager.start()
+    results = {}
+    try:
+        for i, prompt in enumerate(prompts):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=NEW)
+            if i == 0:  # the short one opens the banks first
+                _wait_for(lambda: requests.rows.banks, timeout=120)
+        _wait_for(lambda: results.update({r.request_id: r for r in [manager.get_result(timeout=0.05)] if r
+                                          and r.is_finished()}) or len(results) == len(prompts), timeout=600)
+    finally:
+        manager.stop(block=True, timeout=10)
+        hook.remove()
+    assert all(results[f"r{i}"].error is None for i in range(len(prompts)))
+    assert [results[f"r{i}"].generated_tokens for i in range(len(prompts))] == alone
+    assert all(in_use <= budget for in_use, admitted, _ in seen if admitted > 1), seen
+    assert max(own for _, _, own in seen) >= 1  # some long request decoded on buffers of its own
+    assert requests.rows.max_rows == rows and requests.rows.bank_bytes() == banks
