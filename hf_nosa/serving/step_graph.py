@@ -16,7 +16,7 @@ tensor's memory, shape and strides; new views are made when a request's buffers 
 grow). The key names no request: when all of that memory is the banks' (``row_pool.RowPool``, which outlive any
 request), a graph serves whichever requests hold its rows, so a request that takes a freed row replays the graph
 of the batch it joins (``stats()["reused"]`` counts such replays). Rows are handed out lowest first, so a steady
-stream of n requests decodes on rows 0 .. n - 1, and its graphs are in effect one per batch size. A key whose
+stream of n requests mostly decodes on rows 0 .. n - 1, and its graphs are in effect one per batch size. A key whose
 memory is partly some request's own (a buffer outgrew its bank) names those requests, and its graph goes when one
 of them leaves. What changes from step to step
 lives in device memory the graph reads: transformers' inputs in its IO buffers, the runs' positions, offsets and
