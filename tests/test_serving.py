@@ -194,7 +194,8 @@ def test_requests_join_while_others_decode_and_a_cancelled_one_frees_its_caches(
     assert streamed[0] and all(a == b[:len(a)] for a, b in zip(streamed, streamed[1:]))
     assert results["first"].generated_tokens == expected_first
     assert results["second"].generated_tokens == expected_second
-    assert requests.entries == {} and requests.host_reserved == 0 and requests.device_reserved == 0
+    assert requests.entries == {} and requests.host_reserved == 0
+    assert requests.device_in_use() == requests.rows.bank_bytes()  # no request holds buffers of its own
 
 
 def test_a_request_too_big_for_the_host_budget_is_refused_and_the_others_finish():

@@ -108,7 +108,6 @@ class RequestCaches:
     entries: dict[str, RequestEntry] = field(default_factory=dict)
     plan: list[tuple[str, int, int]] = field(default_factory=list)
     host_reserved: int = 0
-    device_reserved: int = 0
     host_pool: HostPool = field(default_factory=HostPool)  # host stores pinned once, reused request after request
     finished: list = field(default_factory=list)  # [blocks, bytes] and [resident, selected] of released requests
     rank_kv_heads: int | None = None  # under tensor parallelism: the KV heads this rank holds (of every layer)
@@ -210,9 +209,8 @@ class RequestCaches:
             self.rows.limit(min(self.rows.max_rows, min(left, share) // (slot + grows)))
         if not self.rows.free_rows:
             return None
-        cfg, slots, windows, _ = self._layout(tokens)
-        need = 0 if self.rows.holds((0, "slot_k"), (self.kv_heads, slots, cfg.block_size, self.head_dim)) else slot
-        need += 0 if self.rows.holds((0, "compressed_keys"), (self.kv_heads, windows, self.head_dim), grow=1) else grows
+        slot_held, keys_held = self._banks_hold(tokens)
+        need = (0 if slot_held else slot) + (0 if keys_held else grows)
         if self.rows.bank_bytes() + self.rows.max_rows * need > left:
             return None
         return self.rows.assign()
@@ -259,7 +257,6 @@ class RequestCaches:
             self.entries[request_id] = RequestEntry(prompt_length, tokens, host, device)
             self.admitted_peak = max(self.admitted_peak, len(self.entries))
             self.host_reserved += host
-            self.device_reserved += device
         return fits
 
     def device_in_use(self) -> int:
@@ -273,10 +270,14 @@ class RequestCaches:
         if not self.rows.banks:
             return False
         waiting = sum(1 for e in self.entries.values() if e.cache is None)
+        return len(self.rows.free_rows) > waiting and all(self._banks_hold(tokens))
+
+    def _banks_hold(self, tokens: int) -> tuple[bool, bool]:
+        """Whether the open banks hold a request of ``tokens`` tokens: its slot pool, and its compressed keys (a
+        bank at least as wide)."""
         cfg, slots, windows, _ = self._layout(tokens)
-        return (len(self.rows.free_rows) > waiting
-                and self.rows.holds((0, "slot_k"), (self.kv_heads, slots, cfg.block_size, self.head_dim))
-                and self.rows.holds((0, "compressed_keys"), (self.kv_heads, windows, self.head_dim), grow=1))
+        return (self.rows.holds((0, "slot_k"), (self.kv_heads, slots, cfg.block_size, self.head_dim)),
+                self.rows.holds((0, "compressed_keys"), (self.kv_heads, windows, self.head_dim), grow=1))
 
     def release(self, request_id: str) -> None:
         """Drop a request's NosaCache (its host store and slot pool) and give back what it reserved."""
@@ -284,7 +285,6 @@ class RequestCaches:
         if entry is None:
             return
         self.host_reserved -= entry.host_bytes
-        self.device_reserved -= entry.device_bytes
         if entry.cache is not None:
             self.finished = self._counters([entry.cache], self.finished)
         entry.cache = None

@@ -39,8 +39,8 @@ class RowPool:
         self.banks: dict[tuple, list[torch.Tensor]] = {}
         self.version = 0  # counts the banks opened: what ``widest`` finds changes only with it
         self.floor: dict[str, int] = {}  # name -> least capacity a new bank opens with (the longest request expected)
-        self._storage_set: set = set()  # the banks' storage addresses, as of ``_storages_at`` (a version)
-        self._storages_at = -1
+        self._summary_of: tuple = (set(), 0)  # the banks' storage addresses and bytes, as of ``_summary_at``
+        self._summary_at = 0
 
     def assign(self) -> int | None:
         """The lowest free row, now taken; None when every row is taken."""
@@ -122,14 +122,17 @@ class RowPool:
 
     def in_banks(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is memory of a bank (banks live as long as the pool, whichever request holds a row)."""
-        return tensor.untyped_storage().data_ptr() in self._storages()
-
-    def _storages(self) -> set:
-        if self._storages_at != self.version:  # a new bank is the only change
-            self._storage_set = {b.untyped_storage().data_ptr() for banks in self.banks.values() for b in banks}
-            self._storages_at = self.version
-        return self._storage_set
+        return tensor.untyped_storage().data_ptr() in self._summary()[0]
 
     def bank_bytes(self) -> int:
-        """Bytes the banks hold (every row, taken or not)."""
-        return sum(b.numel() * b.element_size() for banks in self.banks.values() for b in banks)
+        """Bytes the banks hold (every row, taken or not); admission asks on every scheduling step."""
+        return self._summary()[1]
+
+    def _summary(self) -> tuple[set, int]:
+        """The banks' storage addresses and bytes, recounted only when a bank opens (the one change)."""
+        if self._summary_at != self.version:
+            banks = [b for held in self.banks.values() for b in held]
+            self._summary_of = ({b.untyped_storage().data_ptr() for b in banks},
+                                sum(b.numel() * b.element_size() for b in banks))
+            self._summary_at = self.version
+        return self._summary_of

@@ -62,9 +62,10 @@ class CudaGraphs:
 
     A pool is made anew once every graph captured into it is gone. torch's pool id is a one-way latch: when the
     last graph captured into it is freed, its use count drops to 0 but the allocator keeps the id, and the next
-    capture into it fails ``TORCH_INTERNAL_ASSERT(it->second->use_count > 0)`` (CUDACachingAllocator). The graphs
-    of a batch go when one of its requests leaves (``StepGraphs._drop_released``), so this happens in every
-    stream where a request finishes while the others decode.
+    capture into it fails ``TORCH_INTERNAL_ASSERT(it->second->use_count > 0)`` (CUDACachingAllocator). Graphs go
+    when they are evicted (``MAX_GRAPHS``) or were some requests' own and one of those left
+    (``StepGraphs._drop_released``); before graphs served the next requests on their rows, every stream where a
+    request finished while others decoded hit this.
 
     ``new_pool`` and ``capture_into(fn, device, pool)`` default to torch's (``graph_pool_handle`` and
     ``cache.graph_capture.capture``); the tests pass ones that follow the same rule on the CPU.
