@@ -16,6 +16,7 @@ from torch import nn
 
 from ..kernels.layers.rms_norm import rms_norm
 from ..kernels.layers.silu_mul import silu_mul
+from ..rules.devices import MLP_SLICE_TOKENS  # noqa: F401 (read below as this module's name; tests patch it here)
 
 SILU_NAMES = ("silu", "swish")
 
@@ -27,9 +28,6 @@ class FusedRMSNormMixin:
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-# Tokens the MLP takes at a time where no gradient is wanted: a prompt that goes through each layer whole
-# (``whole_prompt``) would otherwise hold three [tokens, intermediate] activations, 12 GB at 4 x 64K in the 1b shape.
-MLP_SLICE_TOKENS = 16384
 
 
 class FusedMLPMixin:

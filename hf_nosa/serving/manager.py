@@ -88,9 +88,10 @@ def ledger_tokens(requests: RequestCaches) -> int:
     return max(P, min(requests.budget.host_bytes // per_token, MAX_LEDGER_TOKENS))
 
 
-def nosa_batching_config(config: ContinuousBatchingConfig | None, requests: RequestCaches) -> ContinuousBatchingConfig:
-    """A copy of ``config`` set for NOSA serving (see the module docstring); the caller's is left as it was. Without
-    ``num_blocks``, transformers sizes a one-block ledger and ``NosaPagedCache`` re-sizes it (``ledger_tokens``)."""
+def nosa_batching_config(config: ContinuousBatchingConfig | None, chunk: int) -> ContinuousBatchingConfig:
+    """A copy of ``config`` set for NOSA serving (see the module docstring), for QUOKA chunks of ``chunk`` tokens;
+    the caller's is left as it was. Without ``num_blocks``, transformers sizes a one-block ledger and
+    ``NosaPagedCache`` re-sizes it (``ledger_tokens``)."""
     config = copy.deepcopy(config) if config is not None else ContinuousBatchingConfig()
     for name, value in _FORCED.items():
         given = getattr(config, name)
@@ -98,7 +99,6 @@ def nosa_batching_config(config: ContinuousBatchingConfig | None, requests: Requ
             logger.warning("NOSA serving: ContinuousBatchingConfig.%s=%r is not supported yet; using %r "
                            "(docs/serving.md).", name, given, value)
         setattr(config, name, value)
-    chunk = requests.nosa_config.prefill_chunk()
     if config.max_batch_tokens is None:  # transformers' default, or one chunk when chunks are longer
         config.max_batch_tokens = max(chunk, DEFAULT_MAX_BATCH_TOKENS)
     if config.max_batch_tokens < chunk:
@@ -130,14 +130,18 @@ class NosaBatchingManager(ContinuousBatchingManager):
         shard = getattr(model.model.layers[0].self_attn.eviction_head, "tensor_parallel", None)
         longest = (getattr(workload_hints, "max_prompt_length", 0) or 0) + (
             getattr(workload_hints, "max_generated_length", 0) or 0)
+        chunk = NosaConfig.from_model_config(model.config, nosa_config).prefill_chunk()
+        config = nosa_batching_config(continuous_batching_config, chunk)
+        # the step's activations are kept free beside the requests' working sets (ServingBudget.resolved)
+        step_requests = config.max_requests_per_batch or getattr(workload_hints, "num_requests", None)
         self.nosa_requests = RequestCaches(model.config, nosa_config, budget or ServingBudget(), model.dtype,
                                            model.device, rank_kv_heads=shard.hi - shard.lo if shard else None,
-                                           expected_tokens=longest or None)
+                                           expected_tokens=longest or None, step_tokens=config.max_batch_tokens,
+                                           step_requests=step_requests)
         # on CUDA a decode step replays NOSA's graph (serving.step_graph) unless the caller turns graphs off
         use_cuda_graph = getattr(continuous_batching_config, "use_cuda_graph", None)
         self.nosa_step_graphs = (StepGraphs(self.nosa_requests)
                                  if step_graphs_wanted(model.device, use_cuda_graph) else None)
-        config = nosa_batching_config(continuous_batching_config, self.nosa_requests)
         self.nosa_ledger_tokens = None
         if config.num_blocks is None:
             self.nosa_ledger_tokens = ledger_tokens(self.nosa_requests)

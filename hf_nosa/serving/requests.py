@@ -24,13 +24,18 @@ from ..cache.host_store import HostStore, available_host_memory
 from ..cache.nosa_cache import NosaCache
 from ..config import NosaConfig
 from ..kernels.decode.block_scores import window_capacity_for
-from ..rules.devices import available_device_memory
+from ..rules.devices import available_device_memory, step_activation_bytes
 from ..rules.selection import num_windows
 from .host_pool import HostPool, RequestWorkspace
 from .row_pool import RowPool
 
 
 DEVICE_SHARE = 0.5  # of the free device memory, for the requests' working sets when ServingBudget sets none
+# A step's activations, estimated (``rules.devices.step_activation_bytes``), are kept free twice over: the caching
+# allocator keeps blocks cut for earlier steps' shapes (an H100 run whose steps carried whole prompts of up to 64K
+# tokens held 3.45 GB reserved and unallocated beside 18.7 GB allocated, docs/serving.md).
+ACTIVATION_HEADROOM = 2
+MAX_LOGIT_ROWS = 1024  # transformers' requests per step when max_requests_per_batch is unset (its fallback)
 
 
 @dataclass
@@ -42,7 +47,9 @@ class ServingBudget:
     cannot be read. ``device_bytes``: device memory for their working sets (slot pools and compressed keys); None: on
     CUDA, ``DEVICE_SHARE`` of the device memory the process may still take when the manager starts (its memory
     fraction counted: ``rules.devices.available_device_memory``; the rest is left to the step's
-    activations and the kernels' workspaces), elsewhere no limit (the CPU's working sets are host memory too).
+    activations and the kernels' workspaces), and no more than what is left beside ACTIVATION_HEADROOM x the
+    activations of a step of ``max_batch_tokens`` tokens; elsewhere no limit (the CPU's working sets are host
+    memory too).
     ``decode_rows``: requests whose decode tokens run as one batched step (rows of the shared slot pools,
     ``row_pool.RowPool``); a request admitted beyond them decodes alone.
     """
@@ -60,14 +67,30 @@ class ServingBudget:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0:
             raise ValueError(f"ServingBudget.decode_rows={rows!r} is invalid: it must be a positive int.")
 
-    def resolved(self, device: torch.device | str = "cpu") -> "ServingBudget":
-        """This budget with what was left None read from the OS and the device (see the class docstring)."""
+    def resolved(self, device: torch.device | str = "cpu", step_bytes: int = 0,
+                 step_tokens: int | None = None) -> "ServingBudget":
+        """This budget with what was left None read from the OS and the device (see the class docstring).
+
+        ``step_bytes``: device bytes kept free for a step's activations (of ``step_tokens`` tokens, named in the
+        error). On CUDA, a ``device_bytes`` left None is at most what the device has beside them, and one set is
+        refused where it and they do not fit what the device has (a ValueError naming both, before any request)."""
         host, device_bytes = self.host_bytes, self.device_bytes
         if host is None:
             host = available_host_memory()
         device = torch.device(device)
-        if device_bytes is None and device.type == "cuda":
-            device_bytes = int(available_device_memory(device) * DEVICE_SHARE)  # within a memory fraction too
+        if device.type == "cuda":
+            available = available_device_memory(device)  # within a memory fraction too
+            beside = available - step_bytes
+            if beside <= 0 or (device_bytes is not None and device_bytes > beside):
+                asked = "" if device_bytes is None else f"ServingBudget.device_bytes={device_bytes:,} plus "
+                raise ValueError(
+                    f"NOSA serving: {asked}the activations of a step of ContinuousBatchingConfig.max_batch_tokens="
+                    f"{step_tokens} tokens ({step_bytes:,} bytes kept free, ACTIVATION_HEADROOM x the estimate) do "
+                    f"not fit the {available:,} bytes this process may still take on {device}. Lower max_batch_tokens"
+                    f"{'' if device_bytes is None else ' or device_bytes'}, or free device memory."
+                )
+            if device_bytes is None:
+                device_bytes = min(int(available * DEVICE_SHARE), beside)
         return ServingBudget(host_bytes=host, device_bytes=device_bytes, decode_rows=self.decode_rows)
 
 
@@ -96,6 +119,9 @@ class RequestCaches:
         expected_tokens: the longest request (prompt + new tokens) the manager expects, from transformers' workload
             hints (``generate_batch`` gives them; ``transformers serve`` the model's context); the shared rows are
             sized for it (``_assign_row``). None: sized for the first request.
+        step_tokens, step_requests: the tokens and requests a step carries at most (``max_batch_tokens``,
+            ``max_requests_per_batch``): on CUDA, ACTIVATION_HEADROOM x their activations' estimate
+            (``rules.devices.step_activation_bytes``) is left out of the device budget (``ServingBudget.resolved``).
         dtype: the model's dtype (the host store keeps K/V in it unless ``host_dtype`` says otherwise).
         device: the model's device (where the working sets live).
     """
@@ -112,6 +138,8 @@ class RequestCaches:
     finished: list = field(default_factory=list)  # [blocks, bytes] and [resident, selected] of released requests
     rank_kv_heads: int | None = None  # under tensor parallelism: the KV heads this rank holds (of every layer)
     expected_tokens: int | None = None  # the longest request expected (workload hints): what the rows are sized for
+    step_tokens: int | None = None  # tokens a step carries at most (max_batch_tokens): their activations stay free
+    step_requests: int | None = None  # requests a step carries at most (max_requests_per_batch): their logits' rows
     admitted_peak: int = 0  # the most requests admitted at once so far
     # what batched decode steps moved (serving.decode_batch), by layer: they count in the step's counters, not the
     # requests' own
@@ -131,7 +159,13 @@ class RequestCaches:
         self.kv_heads = self.rank_kv_heads or text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.max_positions = getattr(text, "max_position_embeddings", None)
-        self.budget = self.budget.resolved(self.device)
+        self.step_bytes = 0
+        if self.step_tokens:  # the logits: one row per request of the step
+            itemsize = torch.empty(0, dtype=self.dtype).element_size()
+            rows = min(self.step_tokens, self.step_requests or MAX_LOGIT_ROWS)
+            self.step_bytes = ACTIVATION_HEADROOM * step_activation_bytes(self.model_config, self.step_tokens,
+                                                                          itemsize, rows)
+        self.budget = self.budget.resolved(self.device, self.step_bytes, self.step_tokens)
         self.rows = RowPool(self.decode_rows())
 
     # ----- sizes -----
