@@ -351,7 +351,8 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
     requests = getattr(manager, "nosa_requests", None)
     if requests is not None:
         row.update(host_budget_bytes=requests.budget.host_bytes, host_pool_bytes=requests.host_pool.allocated_bytes,
-                   admitted_peak=requests.admitted_peak, **requests.stats())
+                   device_budget_bytes=requests.budget.device_bytes, activation_reserve_bytes=requests.step_bytes,
+                   bank_bytes=requests.rows.bank_bytes(), admitted_peak=requests.admitted_peak, **requests.stats())
     graphs = getattr(manager, "nosa_step_graphs", None)
     if graphs is not None:  # decode steps replayed as CUDA graphs (serving.step_graph)
         row["step_graphs"] = graphs.stats()

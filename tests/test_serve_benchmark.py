@@ -49,6 +49,8 @@ def test_the_smoke_stream_writes_every_field_and_the_plot(tmp_path):
     nosa = written["rows"][0]["rates"][-1]
     assert nosa["host_pool_bytes"] > 0 and 0.0 <= nosa["locality"] <= 1.0 and nosa["blocks_loaded"] > 0
     assert 1 <= nosa["admitted_peak"] <= 3
+    # what NOSA's device side was sized to: on the CPU no device budget, the step's activations still estimated
+    assert nosa["device_budget_bytes"] is None and nosa["activation_reserve_bytes"] > 0 and nosa["bank_bytes"] > 0
     # NOSA is told the longest request (as transformers serve and generate_batch tell it); stock runs at its defaults
     assert nosa["workload_hints"] == dict(max_prompt_length=max(written["lengths"]), max_generated_length=8,
                                           num_requests=3)
