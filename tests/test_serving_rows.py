@@ -202,3 +202,29 @@ def test_a_step_graph_key_names_the_memory_its_views_read_and_whether_the_banks_
     decode_batch._signature(requests, cached)
     cached["keys"] = own  # a views dict keeps its signature: views are rebuilt when a buffer changes
     assert decode_batch._signature(requests, cached) == first
+
+
+def test_a_whole_step_takes_layer_zeros_runs_only_where_every_layer_would_group_alike():
+    """``plan_whole_step`` gives every layer layer 0's runs without grouping it again (``_grouped_alike``): only
+    where each row there has layer 0's request, row, warm state and config, so ``_group`` would cut the same runs;
+    anything else sends the step down the eager path."""
+    from types import SimpleNamespace
+
+    from hf_nosa import NosaConfig
+    from hf_nosa.serving.decode_batch import _group, _grouped_alike, _Row
+
+    cfg, short = NosaConfig(), NosaConfig(budget_tokens=8192)
+
+    def rows(warm=(True, True, False), cfgs=(cfg, cfg, cfg), ids=("a", "b", "c"), at=(0, 1, 2)):
+        return [_Row(request_id=i, row=r, position=r, t=9, layer=SimpleNamespace(warm=w, cfg=c))
+                for i, r, w, c in zip(ids, at, warm, cfgs)]
+
+    first = rows()
+    assert [[r.request_id for r in run] for run in _group(first)] == [["a", "b"], ["c"]]
+    assert _grouped_alike(rows(cfgs=(cfg, NosaConfig(), cfg)), first)  # an equal config, not the same object
+    for other in (rows(warm=(True, False, False)), rows(cfgs=(cfg, short, cfg)), rows(ids=("a", "c", "b")),
+                  rows(at=(0, 1, 3)), rows()[:2]):
+        assert not _grouped_alike(other, first)
+        # where it says no, grouping that layer again would indeed cut other runs (or other requests)
+        regrouped = [[(r.request_id, r.row) for r in run] for run in _group(other)]
+        assert regrouped != [[(r.request_id, r.row) for r in run] for run in _group(first)]

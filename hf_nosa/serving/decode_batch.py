@@ -182,12 +182,15 @@ def plan_whole_step(requests) -> WholeStep | None:
     runs = _group(first)
     step = WholeStep(layer_rows=layer_rows, runs=runs, host=plan_ints(runs, requests.n_layers), views=None,
                      key=None)
-    shape = _shape(runs)
+    # every layer groups its rows as layer 0 when each row has layer 0's request, row, warm state and config (a
+    # request's layers decode in step): checked row by row, the runs taken by layer 0's positions, not regrouped
+    where = {id(r): j for j, r in enumerate(first)}
+    order = [[where[id(r)] for r in run] for run in runs]
     views = []
     for i, rows in enumerate(layer_rows):
-        layer_runs = _group(rows)
-        if _shape(layer_runs) != shape or any(a[0].layer.cfg != b[0].layer.cfg for a, b in zip(layer_runs, runs)):
+        if i and not _grouped_alike(rows, first):
             return step
+        layer_runs = [[rows[j] for j in run] for run in order]
         layer_views = [_cached_views(requests, i, run) for run in layer_runs]
         if any(v is None for v in layer_views):
             return step
@@ -235,9 +238,17 @@ def _signature(requests, views: dict) -> tuple[int, bool]:
     return found
 
 
-def _shape(runs: list[list[_Row]]) -> tuple:
-    """A grouping's runs: each run's requests and rows, and ``warm`` (the config is compared apart)."""
-    return tuple((tuple((r.request_id, r.row) for r in run), run[0].layer.warm) for run in runs)
+def _grouped_alike(rows: list[_Row], first: list[_Row]) -> bool:
+    """Whether ``rows`` (one layer's) are ``first``'s requests on the same rows, in the same order, each with the
+    same ``warm`` state and config as there: then ``_group`` would make the same runs of them."""
+    if len(rows) != len(first):
+        return False
+    for a, b in zip(rows, first):
+        la, lb = a.layer, b.layer
+        if (a.request_id != b.request_id or a.row != b.row or la.warm != lb.warm
+                or (la.cfg is not lb.cfg and la.cfg != lb.cfg)):
+            return False
+    return True
 
 
 def finish_whole_step(requests, step: WholeStep) -> None:
@@ -287,7 +298,8 @@ def _group(rows: list[_Row]) -> list[list[_Row]]:
     for row in rows:
         last = runs[-1][-1] if runs else None
         if (last is not None and row.row is not None and last.row is not None and row.row == last.row + 1
-                and row.layer.warm == last.layer.warm and row.layer.cfg == last.layer.cfg):
+                and row.layer.warm == last.layer.warm
+                and (row.layer.cfg is last.layer.cfg or row.layer.cfg == last.layer.cfg)):
             runs[-1].append(row)
         else:
             runs.append([row])
