@@ -141,3 +141,30 @@ def test_a_slot_pool_widened_mid_block_keeps_the_block_being_written(sparse_mode
         rule = sparse_model(ids[:, :129], past_key_values=NosaCache(sparse_model.config, cfg.replace(prefill="nosa")))
     assert cache.layers[0].n_slots > 1 + cfg.sized_for(39).budget_blocks  # it did widen
     torch.testing.assert_close(torch.cat(steps, 1), rule.logits[:, 38:], atol=1e-4, rtol=1e-4)
+
+
+def test_compressed_keys_are_sized_for_a_known_length_and_double_for_an_unknown_one(sparse_model):
+    """A cache that knows its length (``max_cache_len``) keeps compressed keys for it rounded up to 256 windows, not
+    to a power of two (which could hold twice the windows); one that does not know it grows by powers of two."""
+    from hf_nosa.kernels.decode.block_scores import window_capacity_for, window_capacity_grown
+    from hf_nosa.rules.selection import num_windows
+
+    assert [window_capacity_for(n) for n in (1, 256, 257, 749, 4160)] == [256, 256, 512, 768, 4352]
+    assert [window_capacity_grown(n) for n in (1, 257, 749, 4160)] == [256, 512, 1024, 8192]
+    cfg = small_nosa_config(budget_tokens=128, query_tokens=32)
+    prompt = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(3))
+    known = NosaCache(sparse_model.config, cfg, max_cache_len=3000)
+    with torch.no_grad():
+        sparse_model(prompt, past_key_values=known)
+    windows = num_windows(3000, known.layers[0].cfg)
+    assert windows == 749
+    assert known.layers[0].compressed.keys.shape[2] == known.layers[0].compressed.bias.shape[2] == 768
+    unknown = NosaCache(sparse_model.config, cfg)
+    with torch.no_grad():
+        sparse_model(prompt, past_key_values=unknown)
+    compressed = unknown.layers[0].compressed
+    assert compressed.keys.shape[2] == 256
+    held = compressed.keys[:, :, :compressed.n].clone()
+    assert compressed.n > 0 and held.abs().sum() > 0
+    compressed.reserve(windows)  # outgrown: the next power of two, what was held kept
+    assert compressed.keys.shape[2] == 1024 and torch.equal(compressed.keys[:, :, :compressed.n], held)

@@ -13,7 +13,7 @@ import torch
 
 from ..config import NosaConfig
 from ..kernels.backend import kernel_path
-from ..kernels.decode.block_scores import window_capacity_for
+from ..kernels.decode.block_scores import window_capacity_for, window_capacity_grown
 from ..kernels.prefill.compress_extend import extend_windows
 from ..rules.selection import compress_keys, num_windows
 
@@ -41,8 +41,9 @@ class CompressedKeys:
     """``keys [B, Hk, W_cap, D]``, ``bias [B, Hk, W_cap]`` fp32 (the first ``n`` windows are filled), and the ring
     ``ring_k [B, Hk, compress_kernel, D]``, ``ring_b [B, Hk, compress_kernel]``.
 
-    The capacity ``W_cap`` is a power of two (``window_capacity_for``): the decode kernels are specialised on it, so
-    sizing it for the whole generation up front (``tokens``) means they never recompile while decoding.
+    The capacity ``W_cap`` is sized for the whole generation up front (``tokens``; a multiple of 256 windows,
+    ``window_capacity_for``), so decoding never reallocates it; a cache that outgrows it (its length unknown) grows
+    to a power of two (``window_capacity_grown``).
     """
 
     def __init__(self, cfg: NosaConfig, like_k: torch.Tensor, *, tokens: int = 0, allocate: Allocator | None = None):
@@ -63,7 +64,7 @@ class CompressedKeys:
         """Room for ``n_windows`` windows; grows to the next power of two (a new buffer, so graphs recapture)."""
         if n_windows <= self.keys.shape[2]:
             return
-        capacity = window_capacity_for(n_windows)
+        capacity = window_capacity_grown(n_windows)
         keys = self._allocate("compressed_keys", (*self.keys.shape[:2], capacity, self.keys.shape[3]), self.dtype, self.device)
         bias = self._allocate("compressed_bias", (*self.bias.shape[:2], capacity), torch.float32, self.device)
         keys.zero_()[:, :, : self.n] = self.keys[:, :, : self.n]

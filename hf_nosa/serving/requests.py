@@ -184,9 +184,8 @@ class RequestCaches:
 
     def _layout(self, tokens: int):
         """The shapes a request of ``tokens`` tokens allocates, per layer: its NosaConfig (budgets cut to its length),
-        the slot pool's slots (``NosaLayer.n_slots`` and a scratch slot), the compressed keys' capacity (a power of
-        two of windows, ``window_capacity_for``: the decode kernels are specialised on it) and the host block
-        table's columns."""
+        the slot pool's slots (``NosaLayer.n_slots`` and a scratch slot), the compressed keys' capacity (a multiple
+        of 256 windows, ``window_capacity_for``) and the host block table's columns."""
         cfg = self.nosa_config.sized_for(tokens)
         slots = max(cfg.budget_blocks, cfg.prefill_budget_blocks) + 2
         windows = window_capacity_for(num_windows(tokens, cfg))

@@ -104,6 +104,10 @@ CPU_CASES = [  # B, H, Hk, D, t, dtype, W, cfg, append
     (1, 2, 2, 64, 967, torch.float32, 512, SMALL, True),  # more blocks than the budget, capacity 512
     (1, 4, 1, 128, 1311, torch.float32, 256, PAPER, True),  # the paper's geometry
     (2, 4, 2, 64, 301, torch.float32, 512, NARROW, True),  # windows of 2 tokens, stride 1
+    # capacities that are multiples of 256 windows but no power of two (a cache sized for its known length), the
+    # windows near the capacity
+    (2, 4, 2, 64, 2990, torch.float32, 768, SMALL, True),
+    (1, 4, 1, 64, 1270, torch.bfloat16, 1280, NARROW, False),
 ]
 
 

@@ -248,7 +248,18 @@ def blocks_capacity(window_capacity: int, cfg: NosaConfig) -> int:
 
 
 def window_capacity_for(n_windows: int) -> int:
-    """The compressed-key capacity the decode path keeps: a power of two, so kernels recompile rarely."""
+    """The compressed-key capacity of a cache sized for ``n_windows`` windows: the next multiple of
+    ``MIN_WINDOW_CAPACITY``. The kernels take the capacity at run time (their loads are masked at it), and Triton
+    specialises an integer argument only on its divisibility by 16, so every such capacity shares the compiled
+    kernels; the one compile-time size it moves is the selection's sort width (``N_SORT``, a power of two of the
+    blocks the capacity covers). A power of two instead would hold up to twice the windows: at 64K tokens, half of a
+    serving row's 280 MB in the 1b shape. A cache that outgrows its capacity takes ``window_capacity_grown``."""
+    return max(MIN_WINDOW_CAPACITY, -(-n_windows // MIN_WINDOW_CAPACITY) * MIN_WINDOW_CAPACITY)
+
+
+def window_capacity_grown(n_windows: int) -> int:
+    """The capacity a cache of unknown length grows to when it needs ``n_windows`` windows: a power of two, so it
+    doubles (each growth is a new buffer, and a captured decode step is captured again)."""
     return max(MIN_WINDOW_CAPACITY, next_power_of_2(n_windows))
 
 
