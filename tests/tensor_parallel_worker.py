@@ -78,13 +78,16 @@ def serve(model, prompts: list, new: int, max_batch_tokens: int) -> list:
     generated tokens, or its error."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    from hf_nosa.serving import enable
+    from hf_nosa.serving import ServingBudget, enable
 
-    enable(model)
+    enable(model, budget=ServingBudget(decode_rows=3))
     config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    out = model.generate_batch(prompts, generation_config=config,
+    out = model.generate_batch(prompts, generation_config=config, persistent_manager=True,
                                continuous_batching_config=ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens))
-    return [out[f"req_{i}"].error or out[f"req_{i}"].generated_tokens for i in range(len(prompts))]
+    budget = model._cached_continuous_batching_manager.nosa_requests.budget  # as the ranks agreed on it
+    model.destroy_cached_continuous_batching_manager()
+    return dict(tokens=[out[f"req_{i}"].error or out[f"req_{i}"].generated_tokens for i in range(len(prompts))],
+                decode_rows=budget.decode_rows)
 
 
 if __name__ == "__main__":

@@ -141,7 +141,8 @@ def test_continuous_batching_sharded_equals_generate_alone(tmp_path):
                 prompt=prompts[0], new=NEW, cache="explicit", out=str(tmp_path / "ranks.pt"),
                 serving=dict(prompts=prompts, new=8, max_batch_tokens=128))
     ranks = run_ranks(spec, tmp_path)
-    assert [r["serving"] for r in ranks] == [expected, expected]
+    assert [r["serving"]["tokens"] for r in ranks] == [expected, expected]
+    assert [r["serving"]["decode_rows"] for r in ranks] == [3, 3]  # the caller's rows survive the ranks' agreement
 
 
 @pytest.mark.slow

@@ -28,8 +28,6 @@ class FusedRMSNormMixin:
         return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-
-
 class FusedMLPMixin:
     """Mixed into a family's gated MLP with SiLU: ``down_proj(silu(gate_proj(x)) * up_proj(x))``, the product as
     one kernel, ``MLP_SLICE_TOKENS`` tokens at a time where no gradient is wanted."""

@@ -104,7 +104,8 @@ class NosaPagedCache(PagedAttentionCache):
                               device=self.device)
         host, device_bytes, tokens = (int(x) for x in helper.tp_all_reduce_min(agreed).tolist())
         self.nosa_requests.budget = type(budget)(host_bytes=host if host < unset else None,
-                                                 device_bytes=device_bytes if device_bytes < unset else None)
+                                                 device_bytes=device_bytes if device_bytes < unset else None,
+                                                 decode_rows=budget.decode_rows)
         return tokens
 
     def _nosa_ledger(self, tokens: int) -> None:

@@ -81,7 +81,7 @@ class ServingBudget:
         if device.type == "cuda":
             available = available_device_memory(device)  # within a memory fraction too
             beside = available - step_bytes
-            if beside <= 0 or (device_bytes is not None and device_bytes > beside):
+            if step_bytes and (beside <= 0 or (device_bytes is not None and device_bytes > beside)):
                 asked = "" if device_bytes is None else f"ServingBudget.device_bytes={device_bytes:,} plus "
                 raise ValueError(
                     f"NOSA serving: {asked}the activations of a step of ContinuousBatchingConfig.max_batch_tokens="
