@@ -361,7 +361,8 @@ def run_stream(model, prompts, rate: float, args, device, method: str = "stock")
         row["decode_runs"] = {str(rows): n for rows, n in sorted(requests.decode_runs.items())}  # rows -> updates
     if window.table is not None:
         row["profile"] = window.table
-    # what the manager was sized to (transformers memoizes the cache's blocks and batch tokens into its config)
+    # what the manager was sized to (the config it runs: transformers memoizes the cache's blocks and batch tokens)
+    batching = getattr(manager, "continuous_batching_config", None) or batching
     row["batching"] = {k: getattr(batching, k, None) for k in ("max_memory_percent", "num_blocks", "max_batch_tokens",
                                                                  "page_size", "max_requests_per_batch")}
     return row
@@ -459,7 +460,9 @@ def main(argv=None):
     parser.add_argument("--min", type=int, default=4096)
     parser.add_argument("--max", type=int, default=16384)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument("--max-batch-tokens", type=int, default=None,
+                        help="tokens a step carries (default: each method's own: stock transformers' 8,192, NOSA "
+                             "8,192 in whole prefill chunks and a token per decode row)")
     parser.add_argument("--budget-tokens", type=int, default=4096)
     parser.add_argument("--methods", default="stock,nosa",
                         help="comma-separated: stock, nosa, nosa-eager (NOSA without its decode-step CUDA graphs)")

@@ -51,6 +51,9 @@ def test_the_smoke_stream_writes_every_field_and_the_plot(tmp_path):
     assert 1 <= nosa["admitted_peak"] <= 3
     # what NOSA's device side was sized to: on the CPU no device budget, the step's activations still estimated
     assert nosa["device_budget_bytes"] is None and nosa["activation_reserve_bytes"] > 0 and nosa["bank_bytes"] > 0
+    # each method at its own step size: stock transformers' 8,192, NOSA that in whole chunks and a token per row
+    assert written["args"]["max_batch_tokens"] is None
+    assert [row["rates"][0]["batching"]["max_batch_tokens"] for row in written["rows"]] == [8192 + 32, 8192]
     # NOSA is told the longest request (as transformers serve and generate_batch tell it); stock runs at its defaults
     assert nosa["workload_hints"] == dict(max_prompt_length=max(written["lengths"]), max_generated_length=8,
                                           num_requests=3)

@@ -102,6 +102,31 @@ def test_the_prefill_first_scheduler_keeps_the_grid_and_the_answers():
     assert all(past % CHUNK == 0 for plan in plans for _, past, n in plan if n > 1)
 
 
+def test_the_default_step_carries_whole_chunks_beside_its_decode_tokens(monkeypatch):
+    """With ``max_batch_tokens`` left unset a step holds transformers' default in whole chunks plus a token per
+    decode row, so a prompt arriving while others decode still takes whole chunks of that default each step (cut at
+    the default alone, the grid would leave a chunk's worth of every such step unused); the answers stay those of
+    generate alone."""
+    from hf_nosa.serving import manager as serving_manager
+
+    monkeypatch.setattr(serving_manager, "DEFAULT_MAX_BATCH_TOKENS", 4 * CHUNK)  # small enough to fill here
+    model = _sparse_model("llama", seed=17)
+    prompts = _prompts((40, 60, 700), seed=17)
+    expected = [_alone(model, p) for p in prompts]
+    enable(model, budget=ServingBudget(decode_rows=3))
+    plans = _record_plans(model)
+    out = model.generate_batch(prompts, generation_config=_generation_config(), persistent_manager=True)
+    try:
+        assert model._cached_continuous_batching_manager.continuous_batching_config.max_batch_tokens == 4 * CHUNK + 3
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    assert [out[f"req_{i}"].generated_tokens for i in range(len(prompts))] == expected
+    # steps where the long prompt went on beside decode tokens: four whole chunks of it in each, but its last piece
+    mixed = [plan for plan in plans if any(n == 1 for _, _, n in plan) and any(n > 1 for _, _, n in plan)]
+    pieces = [n for plan in mixed for rid, past, n in plan if n > 1 and past + n < 700]
+    assert pieces and all(n == 4 * CHUNK for n in pieces), pieces
+
+
 def test_a_persistent_manager_serves_a_second_batch_from_empty_caches():
     model = enable(_sparse_model("llama", seed=15))
     prompts = _prompts((45, 160), seed=15)

@@ -88,10 +88,14 @@ def ledger_tokens(requests: RequestCaches) -> int:
     return max(P, min(requests.budget.host_bytes // per_token, MAX_LEDGER_TOKENS))
 
 
-def nosa_batching_config(config: ContinuousBatchingConfig | None, chunk: int) -> ContinuousBatchingConfig:
+def nosa_batching_config(config: ContinuousBatchingConfig | None, chunk: int,
+                         decode_rows: int = 0) -> ContinuousBatchingConfig:
     """A copy of ``config`` set for NOSA serving (see the module docstring), for QUOKA chunks of ``chunk`` tokens;
     the caller's is left as it was. Without ``num_blocks``, transformers sizes a one-block ledger and
-    ``NosaPagedCache`` re-sizes it (``ledger_tokens``)."""
+    ``NosaPagedCache`` re-sizes it (``ledger_tokens``). Without ``max_batch_tokens``: transformers' default in whole
+    chunks, plus a token for each of ``decode_rows`` requests decoding beside them. The scheduler cuts a prompt piece
+    down to a chunk edge (``serving.scheduler``), so 8,192 tokens a step beside 21 decode tokens carried 6,144 prompt
+    tokens: a quarter of the step's budget went unused in every step that had a prompt piece."""
     config = copy.deepcopy(config) if config is not None else ContinuousBatchingConfig()
     for name, value in _FORCED.items():
         given = getattr(config, name)
@@ -99,8 +103,8 @@ def nosa_batching_config(config: ContinuousBatchingConfig | None, chunk: int) ->
             logger.warning("NOSA serving: ContinuousBatchingConfig.%s=%r is not supported yet; using %r "
                            "(docs/serving.md).", name, given, value)
         setattr(config, name, value)
-    if config.max_batch_tokens is None:  # transformers' default, or one chunk when chunks are longer
-        config.max_batch_tokens = max(chunk, DEFAULT_MAX_BATCH_TOKENS)
+    if config.max_batch_tokens is None:  # transformers' default in whole chunks, and the decode tokens beside them
+        config.max_batch_tokens = -(-DEFAULT_MAX_BATCH_TOKENS // chunk) * chunk + decode_rows
     if config.max_batch_tokens < chunk:
         raise ValueError(
             f"ContinuousBatchingConfig.max_batch_tokens={config.max_batch_tokens} is smaller than NosaConfig."
@@ -131,7 +135,7 @@ class NosaBatchingManager(ContinuousBatchingManager):
         longest = (getattr(workload_hints, "max_prompt_length", 0) or 0) + (
             getattr(workload_hints, "max_generated_length", 0) or 0)
         chunk = NosaConfig.from_model_config(model.config, nosa_config).prefill_chunk()
-        config = nosa_batching_config(continuous_batching_config, chunk)
+        config = nosa_batching_config(continuous_batching_config, chunk, (budget or ServingBudget()).decode_rows)
         # the step's activations are kept free beside the requests' working sets (ServingBudget.resolved)
         step_requests = config.max_requests_per_batch or getattr(workload_hints, "num_requests", None)
         self.nosa_requests = RequestCaches(model.config, nosa_config, budget or ServingBudget(), model.dtype,
