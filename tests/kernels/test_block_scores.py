@@ -260,6 +260,7 @@ def test_bad_input():
 GPU_CASES = [  # B, H, Hk, D, t, dtype, W, cfg, append
     (4, 32, 8, 128, 20_031, torch.bfloat16, 2048, PAPER, True),
     (3, 32, 8, 64, 70_000, torch.bfloat16, 8192, PAPER, True),  # 1093 blocks: N = 2048
+    (3, 32, 8, 64, 70_000, torch.bfloat16, 4608, PAPER, True),  # the capacity a cache sized for 70K keeps (4,374)
     (5, 28, 4, 128, 9_000, torch.float32, 1024, PAPER, True),
     (2, 16, 16, 64, 3_000, torch.bfloat16, 256, PAPER, False),
     (3, 4, 2, 64, 9_001, torch.float32, 16384, NosaConfig(block_size=64, budget_tokens=1024, query_tokens=512,
