@@ -206,7 +206,9 @@ def model_for(method: str, args, device, dtype):
 
         model = to_nosa(model, nosa_config(args))
         randomize_eviction_heads(model, scale=0.1, generator=torch.Generator().manual_seed(1))
-        budget = None if args.decode_rows is None else hf_nosa.serving.ServingBudget(decode_rows=args.decode_rows)
+        given = dict(decode_rows=args.decode_rows, device_bytes=int(args.device_budget_gb * 1e9)
+                     if getattr(args, "device_budget_gb", None) else None)
+        budget = hf_nosa.serving.ServingBudget(**{k: v for k, v in given.items() if v is not None})
         hf_nosa.serving.enable(model, budget=budget)
     return model
 
@@ -484,6 +486,9 @@ def main(argv=None):
     parser.add_argument("--decode-rows", type=int, default=None,
                         help="NOSA: ServingBudget.decode_rows, the requests decoded as one batched update (default: "
                              "the library's 32); a stream of more requests decoding at once wants as many")
+    parser.add_argument("--device-budget-gb", type=float, default=None, metavar="GB",
+                        help="NOSA: ServingBudget.device_bytes, in GB (default: the library's, half the free device "
+                             "memory at most, the step's activations kept free)")
     parser.add_argument("--deadline", type=float, default=None, metavar="S",
                         help="a stream run: stop each stream S seconds after it starts (requests stream their tokens; "
                              "the unfinished count with what they have, the row says cut_short)")

@@ -192,3 +192,24 @@ def test_stock_is_sized_to_the_cap_not_to_the_cards_free_memory(monkeypatch):
     assert batching_for("nosa", args).max_memory_percent is None  # NOSA's manager sizes its own ledger
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)  # no cap
     assert batching_for("stock", args).max_memory_percent is None  # transformers' own default
+
+
+def test_nosa_takes_the_serving_budget_given_on_the_command_line():
+    """``--decode-rows`` and ``--device-budget-gb`` reach NOSA's ``ServingBudget`` (left out, the library's)."""
+    import types
+
+    import torch
+
+    from benchmarks.serve import model_for
+
+    def budget_of(**given):
+        args = types.SimpleNamespace(**{**dict(shape="smoke", budget_tokens=64, decode_rows=None,
+                                               device_budget_gb=None), **given})
+        model = model_for("nosa", args, torch.device("cpu"), torch.float32)
+        manager = model.init_continuous_batching()
+        return manager.nosa_requests.budget
+
+    default = budget_of()
+    assert (default.decode_rows, default.device_bytes) == (32, None)  # no device budget on the CPU
+    given = budget_of(decode_rows=5, device_budget_gb=0.25)
+    assert (given.decode_rows, given.device_bytes) == (5, 250_000_000)
