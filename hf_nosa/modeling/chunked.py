@@ -44,7 +44,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ..cache.graph_capture import GRAPH_ENV_VAR
 from ..cache.nosa_cache import NosaCache
 from ..kernels.backend import kernel_path
-from ..rules.devices import available_device_memory
+from ..rules.devices import available_device_memory, whole_prompt_bytes
 from ..rules.padding import leading_padding, roll_rows
 from .cuda_graph import DecodeGraph, cache_keyword, in_stock_forward
 
@@ -278,16 +278,6 @@ def chunk_edges(past: int, T: int, C: int, P: int, tail: int) -> list[int]:
     if len(edges) > 2 and T - edges[-2] < min(tail, P):
         del edges[-2]
     return edges
-
-
-def whole_prompt_bytes(config, batch: int, length: int, element_size: int) -> int:
-    """Device bytes a prompt that goes through each layer whole holds at once besides the weights and the cache: about
-    six hidden-size tensors and the layer's queries, keys and values per token (the MLP runs in slices of
-    ``fused.MLP_SLICE_TOKENS`` tokens; about 26 KB a token in the 1b shape was measured, this gives 30)."""
-    text = config.get_text_config(decoder=True)
-    h, H, Hk = text.hidden_size, text.num_attention_heads, text.num_key_value_heads
-    D = getattr(text, "head_dim", None) or h // H
-    return batch * length * (6 * h + (H + 2 * Hk) * D) * element_size
 
 
 def _whole_prompt_fits(model, inputs: torch.Tensor, batch: int, length: int) -> bool:

@@ -1,5 +1,5 @@
-"""Small host tensors (lengths, row masks, block lists) moved to the device without a host sync, and the device memory
-a process may still take.
+"""Small host tensors (lengths, row masks, block lists) moved to the device without a host sync, the device memory
+a process may still take, and what a forward's activations take of it (a whole prompt's, a serving step's).
 
 Below the kernels and the attention paths, which all need them: a copy from pageable memory waits for the stream,
 and in the middle of a layer that drains the queue of launches.
@@ -40,6 +40,26 @@ def available_device_memory(device) -> int:
 MLP_SLICE_TOKENS = 16384
 
 
+def _text(config):
+    """A model config's decoder text config (itself for a text model)."""
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _dims(config) -> tuple[int, int, int, int]:
+    """A model config's hidden size, query heads, KV heads and head dim."""
+    text = _text(config)
+    h, H, Hk = text.hidden_size, text.num_attention_heads, text.num_key_value_heads
+    return h, H, Hk, getattr(text, "head_dim", None) or h // H
+
+
+def whole_prompt_bytes(config, batch: int, length: int, element_size: int) -> int:
+    """Device bytes a prompt that goes through each layer whole holds at once besides the weights and the cache: about
+    six hidden-size tensors and the layer's queries, keys and values per token (the MLP runs in slices of
+    ``MLP_SLICE_TOKENS`` tokens; about 26 KB a token in the 1b shape was measured, this gives 30)."""
+    h, H, Hk, D = _dims(config)
+    return batch * length * (6 * h + (H + 2 * Hk) * D) * element_size
+
+
 def step_activation_bytes(config, tokens: int, element_size: int, logit_rows: int) -> int:
     """Device bytes the activations of one forward over ``tokens`` packed tokens take at their peak, besides the
     weights and the caches: per token about six hidden-size tensors (residual, normed input, attention output and
@@ -47,11 +67,11 @@ def step_activation_bytes(config, tokens: int, element_size: int, logit_rows: in
     size tensors over at most ``MLP_SLICE_TOKENS`` tokens (it runs in slices beyond); and ``logit_rows`` rows of fp32
     logits (one per request of the step where the model keeps only the last token's). In the 1b shape at 8,192
     tokens: 1.23 GB (0.30 of them hidden-size and attention tensors, 0.40 the MLP, 0.53 the logits of 1,024 rows).
-    A whole prompt's measured 26 KB a token in that shape (docs/results.md) is within the first term's 37 KB."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    h, H, Hk = text.hidden_size, text.num_attention_heads, text.num_key_value_heads
-    D = getattr(text, "head_dim", None) or h // H
-    per_token = 6 * h + 2 * (H + 2 * Hk) * D
+    A whole prompt's measured 26 KB a token in that shape (docs/results.md, ``whole_prompt_bytes``) is within the
+    first term's 37 KB."""
+    text = _text(config)
+    h, H, Hk, D = _dims(text)
+    per_token = 6 * h + 2 * (H + 2 * Hk) * D  # whole_prompt_bytes' tensors, and the rotated queries and keys
     mlp = 3 * text.intermediate_size * min(tokens, MLP_SLICE_TOKENS)
     logits = logit_rows * (h * element_size + text.vocab_size * 4)
     return (tokens * per_token + mlp) * element_size + logits
